@@ -1,0 +1,59 @@
+"""torchplug: one PyTorch training loop, any distributed backend, chosen by name.
+
+``import torchplug`` is cheap: names are imported on first use, and no backend package is imported
+until a strategy that needs it is selected.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Engine": "torchplug.core.engine",
+    "Runtime": "torchplug.core.engine",
+    "hookimpl": "torchplug.core.spec",
+    "StrategyInfo": "torchplug.core.registry",
+    "PrecisionInfo": "torchplug.core.registry",
+    "Option": "torchplug.core.registry",
+    "Strategy": "torchplug.core.strategy",
+    "ClusterInfo": "torchplug.core.cluster",
+    "register": "torchplug.core.manager",
+    "unregister": "torchplug.core.manager",
+    "block": "torchplug.core.manager",
+    "TorchplugError": "torchplug.core.errors",
+    "ConfigurationError": "torchplug.core.errors",
+    "PluginError": "torchplug.core.errors",
+    "CheckpointError": "torchplug.core.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from torchplug.core.cluster import ClusterInfo
+    from torchplug.core.engine import Engine, Runtime
+    from torchplug.core.errors import (
+        CheckpointError,
+        ConfigurationError,
+        PluginError,
+        TorchplugError,
+    )
+    from torchplug.core.manager import block, register, unregister
+    from torchplug.core.registry import Option, PrecisionInfo, StrategyInfo
+    from torchplug.core.spec import hookimpl
+    from torchplug.core.strategy import Strategy
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchplug' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

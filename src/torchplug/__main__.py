@@ -1,0 +1,5 @@
+import sys
+
+from torchplug.core.cli import main
+
+sys.exit(main())

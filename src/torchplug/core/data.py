@@ -1,0 +1,126 @@
+"""Data loaders for many processes: each rank sees its own share, on its own device.
+
+Map-style datasets with the default samplers get a :class:`DistributedSampler` (shuffling is kept,
+with one seed on every rank, and the epoch advances by itself on each pass). Anything else (custom
+samplers, batch samplers, iterable datasets) is sharded by batch: rank ``r`` of ``N`` takes batches
+``r, r+N, ...`` and the last incomplete round is dropped, so every rank runs the same number of
+steps and no collective waits forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch
+
+
+def _with_distributed_sampler(
+    loader: DataLoader, num_replicas: int, rank: int, seed: int
+) -> DataLoader:
+    sampler = DistributedSampler(
+        loader.dataset,
+        num_replicas=num_replicas,
+        rank=rank,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
+    kwargs: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "sampler": sampler,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, **kwargs)
+
+
+def _default_sampler(loader: DataLoader) -> bool:
+    sampler = loader.sampler
+    if isinstance(sampler, SequentialSampler):
+        return True
+    return (
+        isinstance(sampler, RandomSampler)
+        and not sampler.replacement
+        and sampler._num_samples is None  # noqa: SLF001 - only way to see num_samples was not set
+    )
+
+
+class EngineDataLoader:
+    """What :meth:`Engine.setup_dataloader` returns: iterate it like the loader it wraps."""
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        device: torch.device,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        use_distributed_sampler: bool = True,
+        move_to_device: bool = True,
+    ) -> None:
+        self._shard_batches = 1
+        self._rank = rank
+        if num_replicas > 1 and use_distributed_sampler:
+            if (
+                isinstance(loader, DataLoader)
+                and loader.batch_size is not None
+                and not isinstance(loader.dataset, torch.utils.data.IterableDataset)
+                and _default_sampler(loader)
+            ):
+                loader = _with_distributed_sampler(loader, num_replicas, rank, seed)
+            elif not isinstance(getattr(loader, "sampler", None), DistributedSampler):
+                self._shard_batches = num_replicas
+        self.loader = loader
+        self.device = device
+        self.move = move_to_device and device.type != "cpu"
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch the next pass shuffles for (it otherwise advances by one per pass)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = getattr(self.loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        n, rank = self._shard_batches, self._rank
+        round_: list[Any] = []
+        for batch in self.loader:
+            if n > 1:
+                round_.append(batch)
+                if len(round_) < n:
+                    continue
+                batch, round_ = round_[rank], []
+            yield move_to_device(batch, self.device) if self.move else batch
+
+    def __len__(self) -> int:
+        return len(self.loader) // self._shard_batches
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)

@@ -1,0 +1,373 @@
+"""The Engine: the one object a training script talks to, whatever the backend."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import types
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchplug.core import cluster as cluster_mod
+from torchplug.core import config, manager
+from torchplug.core.errors import ConfigurationError, PluginError
+from torchplug.core.registry import StrategyInfo, normalize_precision
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs, as the backend's ``torchplug_setup`` decided."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    node_rank: int = 0
+
+
+class Engine:
+    """Runs a plain PyTorch training loop on the backend chosen by name.
+
+    ``strategy`` is a registered name or alias, or ``"auto"`` (the launcher's, environment's or
+    config file's choice, else ``ddp`` under a multi-process launcher, else ``single``).
+    ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``plugins`` adds extension
+    plugins to this Engine only; other keyword arguments are the strategy's options
+    (``torchplug plugins --verbose`` lists them).
+    """
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        precision: str | int | None = None,
+        *,
+        plugins: Iterable[object] = (),
+        seed: int = 0,
+        **strategy_options: Any,
+    ) -> None:
+        registry = manager.get_registry()
+        self.settings = config.resolve(
+            strategy,
+            None if precision is None else str(precision),
+            strategy_options,
+            canonical=lambda name: registry.canonical(name) or name.strip().lower(),
+        )
+        self.cluster = cluster_mod.detect()
+        self.info: StrategyInfo = self._select_strategy(registry)
+        self.precision = normalize_precision(self.settings.precision.value)
+        self._check_precision()
+        self.options = self.info.resolve_options(
+            {name: s.value for name, s in self.settings.options.items()}
+        )
+        self.seed = seed
+        self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._closed = False
+
+        self.backend = self.info.factory(**self.options)
+        active: list[object] = [self.backend]
+        if self.precision != "32" and not self.info.owns_precision:
+            precision_info = registry.precisions.get(self.precision)
+            if precision_info is None:
+                raise ConfigurationError(
+                    f"No installed plugin provides precision '{self.precision}' for strategy "
+                    f"'{self.info.name}' (the 'amp' plugin normally does; is it blocked?). "
+                    f"Unblock it or use precision=None."
+                )
+            active.append(precision_info.factory(self.precision))
+        active += [p for p in registry.extensions() if p not in active]
+        active += list(plugins)
+        self._pm = manager.new_plugin_manager()
+        for plugin in active:
+            manager.register_checked(self._pm, plugin)
+        self.plugins = tuple(active)
+        self.hook = self._pm.hook
+
+        runtime = self.hook.torchplug_setup(engine=self, cluster=self.cluster)
+        if not isinstance(runtime, Runtime):
+            raise PluginError(
+                f"Strategy '{self.info.name}' (plugin '{self.info.provider}') returned "
+                f"{runtime!r} from torchplug_setup; it must return a torchplug Runtime."
+            )
+        self.runtime = runtime
+
+    # -- selection --------------------------------------------------------------------------------
+
+    def _select_strategy(self, registry: manager.Registry) -> StrategyInfo:
+        setting = self.settings.strategy
+        name = str(setting.value)
+        if name.strip().lower() == "auto":
+            name = "ddp" if self.cluster.world_size > 1 else "single"
+            self.settings.strategy = config.Setting(
+                name, f"auto ({'world size ' + str(self.cluster.world_size)})"
+            )
+        info = registry.strategy(name)
+        if self.cluster.world_size > 1 and not info.distributed:
+            raise ConfigurationError(
+                f"Strategy '{info.name}' runs in one process, but this process is rank "
+                f"{self.cluster.rank} of {self.cluster.world_size} ({self.cluster.source}). "
+                f"Use a multi-process strategy such as 'ddp', or launch a single process."
+            )
+        return info
+
+    def _check_precision(self) -> None:
+        if self.precision not in self.info.precisions:
+            able = ", ".join(self.info.precisions)
+            raise ConfigurationError(
+                f"Strategy '{self.info.name}' cannot run precision '{self.precision}' "
+                f"(set by {self.settings.precision.source}); it supports {able}. Choose one of "
+                f"those, or a strategy that supports '{self.precision}'."
+            )
+
+    # -- identity ---------------------------------------------------------------------------------
+
+    @property
+    def strategy(self) -> str:
+        return self.info.name
+
+    @property
+    def rank(self) -> int:
+        return self.runtime.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.runtime.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self.runtime.node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.runtime.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.runtime.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.runtime.local_rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine(strategy={self.strategy!r}, precision={self.precision!r}, "
+            f"rank={self.rank}, world_size={self.world_size}, device={str(self.device)!r})"
+        )
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def setup(
+        self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer
+    ) -> Any:
+        """Wrap ``model`` (and its optimizers) for the backend and precision.
+
+        Returns the model if no optimizer is given, else ``(model, *optimizers)``. Create the
+        optimizers on the plain model's parameters before calling this, as with plain PyTorch.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"Engine.setup expects an nn.Module first, got {type(model).__name__}. "
+                f"Call engine.setup(model, optimizer)."
+            )
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(
+                    f"Engine.setup expects optimizers after the model, got {type(opt).__name__}."
+                )
+        result = self.hook.torchplug_wrap(engine=self, model=model, optimizers=list(optimizers))
+        if result is None:
+            raise PluginError(f"Strategy '{self.strategy}' did not answer torchplug_wrap.")
+        wrapped, wrapped_optimizers = result
+        self._originals[wrapped] = self.unwrap(model)
+        for opt in wrapped_optimizers:
+            self._attach(opt)
+        return (wrapped, *wrapped_optimizers) if optimizers else wrapped
+
+    def _attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Route ``optimizer.step()`` through the ``torchplug_optimizer_step`` hook."""
+        if getattr(optimizer, "_torchplug_engine", None) is self:
+            return
+        real_step = optimizer.step
+        inside = False
+        engine_ref = weakref.ref(self)
+
+        def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+            # Re-entered from inside the hook (a backend or GradScaler calling optimizer.step()):
+            # that call is the real step.
+            nonlocal inside
+            engine = engine_ref()
+            if inside or engine is None:
+                return real_step(closure) if closure is not None else real_step()
+            inside = True
+            try:
+                stepped = engine.hook.torchplug_optimizer_step(
+                    engine=engine, optimizer=opt, closure=closure
+                )
+            finally:
+                inside = False
+            opt.step_was_skipped = stepped is False
+            return None
+
+        # A bound method, as torch's LR schedulers expect to find on an optimizer.
+        optimizer.step = types.MethodType(step, optimizer)
+        optimizer.step_was_skipped = False
+        optimizer._torchplug_engine = self
+        self._optimizers.append(optimizer)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self._optimizers)
+
+    def unwrap(self, obj: Any) -> Any:
+        """The user's original module behind a module this Engine returned (else ``obj``)."""
+        if isinstance(obj, torch.nn.Module):
+            try:
+                return self._originals.get(obj, obj)
+            except TypeError:
+                return obj
+        return obj
+
+    def setup_dataloader(
+        self,
+        loader: Iterable[Any],
+        *,
+        use_distributed_sampler: bool = True,
+        move_to_device: bool = True,
+    ) -> Any:
+        """Give each rank its own share of ``loader``'s batches, moved to :attr:`device`."""
+        from torchplug.core.data import EngineDataLoader
+
+        return EngineDataLoader(
+            loader,  # type: ignore[arg-type]
+            self.device,
+            num_replicas=self.world_size,
+            rank=self.rank,
+            seed=self.seed,
+            use_distributed_sampler=use_distributed_sampler,
+            move_to_device=move_to_device,
+        )
+
+    # -- training step ----------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
+        """``loss.backward()`` as the backend and precision need it (scaling, sharding)."""
+        if self.hook.torchplug_backward(engine=self, loss=loss, model=model) is None:
+            raise PluginError(f"No plugin of strategy '{self.strategy}' answered backward.")
+
+    def clip_grad_norm_(
+        self,
+        model: torch.nn.Module,
+        max_norm: float,
+        norm_type: float = 2.0,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> torch.Tensor:
+        """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm."""
+        return self.hook.torchplug_clip_grad_norm(
+            engine=self, model=model, optimizer=optimizer, max_norm=max_norm, norm_type=norm_type
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+        """Skip gradient synchronization in backward (gradient accumulation steps)."""
+        if not enabled:
+            yield
+            return
+        with self.hook.torchplug_no_sync(engine=self, model=model):
+            yield
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Apply the active precision to code outside the model's forward (e.g. the loss)."""
+        return self.hook.torchplug_autocast(engine=self)
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    def _as_tensor(self, value: Any) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device)
+        return torch.tensor(value, device=self.device)
+
+    def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
+        """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result."""
+        if op not in REDUCE_OPS:
+            raise ConfigurationError(
+                f"Unknown reduce op {op!r}. Expected one of {', '.join(REDUCE_OPS)}."
+            )
+        return self.hook.torchplug_reduce(engine=self, tensor=self._as_tensor(tensor), op=op)
+
+    def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
+        """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``."""
+        return self.hook.torchplug_gather(engine=self, tensor=self._as_tensor(tensor))
+
+    def barrier(self) -> None:
+        self.hook.torchplug_barrier(engine=self)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        if self.is_main:
+            builtins.print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the block on rank 0 first, then on the others (downloads, cache building)."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def checkpoint_header(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What the manifest records about this run, besides the entries themselves."""
+        from torchplug import __version__
+
+        step = state.get("step")
+        return {
+            "strategy": {"name": self.strategy, "options": self.options},
+            "precision": self.precision,
+            "world_size": self.world_size,
+            "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+            "torchplug_version": __version__,
+        }
+
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        """Write ``state`` (modules, optimizers, tensors, JSON values) as a checkpoint at ``path``.
+
+        Call it on every rank. The previous checkpoint at ``path`` stays intact until the new one
+        is complete.
+        """
+        self.hook.torchplug_save(engine=self, path=str(Path(path)), state=state)
+
+    def load(
+        self, path: str | os.PathLike[str], state: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Load a checkpoint into ``state``'s objects in place; return the entries not restored."""
+        return self.hook.torchplug_load(engine=self, path=str(Path(path)), state=state)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the backend (process group and the like). Called by ``with Engine(...)``."""
+        if not self._closed:
+            self._closed = True
+            self.hook.torchplug_teardown(engine=self)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

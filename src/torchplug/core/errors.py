@@ -1,0 +1,28 @@
+"""Exceptions raised to users. Each message says what was wrong, what was expected, and the fix."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class TorchplugError(Exception):
+    """Base class of every error torchplug raises on purpose."""
+
+
+class ConfigurationError(TorchplugError, ValueError):
+    """A setting (strategy, precision, option) is unknown, mistyped, or contradicts another."""
+
+
+class PluginError(TorchplugError):
+    """A plugin failed to load or does not follow the hook specification."""
+
+
+class CheckpointError(TorchplugError):
+    """A checkpoint is missing, incomplete, altered, or does not match the state to load into."""
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest candidate, or an empty string."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""

@@ -1,0 +1,356 @@
+"""The one plugin manager: discovery, registration, and the registry of strategy names.
+
+Built-in plugins and third-party plugins are found the same way, through the ``torchplug``
+entry-point group; a built-in is simply an entry point whose distribution is torchplug itself.
+In-house plugins join with one call to :func:`register`.
+
+Environment controls, read when the registry is first built:
+
+``TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1``
+    load torchplug's own plugins only.
+``TORCHPLUG_PLUGINS=a,b``
+    allow-list of third-party entry-point plugins to load (built-ins always load).
+``TORCHPLUG_BLOCK_PLUGINS=a,b``
+    never import these plugins (built-ins included), like pytest's ``-p no:name``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from torchplug.core import spec
+from torchplug.core.errors import ConfigurationError, PluginError, did_you_mean
+from torchplug.core.registry import PrecisionInfo, StrategyInfo
+
+ENTRY_POINT_GROUP = "torchplug"
+OWN_DISTRIBUTION = "torchplug"
+
+#: Hooks that make a plugin part of an Engine's active set when it is registered globally.
+STRATEGY_HOOKS = frozenset(
+    name
+    for name in dir(spec)
+    if name.startswith("torchplug_")
+    and name
+    not in {
+        "torchplug_register_strategies",
+        "torchplug_register_precisions",
+        "torchplug_cluster_environment",
+    }
+)
+
+
+def _env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager, also accepting unmarked ``torchplug_*`` functions (as pytest does)."""
+
+    def __init__(self) -> None:
+        super().__init__(spec.PROJECT)
+        self.add_hookspecs(spec)
+        if _truthy("TORCHPLUG_TRACE"):
+            self.trace.root.setwriter(lambda text: sys.stderr.write(f"[torchplug] {text}"))
+            self.enable_tracing()
+
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None and name.startswith("torchplug_") and hasattr(spec, name):
+            if callable(getattr(plugin, name, None)):
+                return {}
+        return opts
+
+
+def new_plugin_manager() -> PluginManager:
+    """A manager that knows torchplug's hook specification and nothing else."""
+    return PluginManager()
+
+
+def register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None = None) -> None:
+    """Register ``plugin``; turn pluggy's validation errors into one naming plugin and hook."""
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        label = name or getattr(plugin, "__name__", type(plugin).__name__)
+        raise PluginError(
+            f"Plugin '{label}' does not follow the torchplug hook specification: {exc}. "
+            f"Fix the hook's name or arguments to match torchplug.core.spec."
+        ) from None
+    if pm.get_name(plugin) is None:  # pm.register returns None for blocked names
+        return
+    unknown = [
+        attr
+        for attr in dir(plugin)
+        if attr.startswith("torchplug_") and not hasattr(spec, attr)
+    ]
+    if unknown:
+        pm.unregister(plugin)
+        known = [n for n in dir(spec) if n.startswith("torchplug_")]
+        hints = "".join(did_you_mean(u, known) for u in unknown)
+        raise PluginError(
+            f"Plugin '{name or plugin}' implements unknown hook(s) {', '.join(unknown)}.{hints} "
+            f"Hooks are listed in torchplug.core.spec."
+        )
+
+
+@dataclass
+class Registry:
+    """Everything installed: plugins, the strategies and precisions they announce, and failures."""
+
+    pm: pluggy.PluginManager
+    strategies: dict[str, StrategyInfo] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    precisions: dict[str, PrecisionInfo] = field(default_factory=dict)
+    #: plugin name -> why it could not be loaded or registered
+    errors: dict[str, str] = field(default_factory=dict)
+    #: plugin name -> (distribution, version) for entry-point plugins
+    origins: dict[str, tuple[str, str]] = field(default_factory=dict)
+    blocked: set[str] = field(default_factory=set)
+
+    # -- registration -------------------------------------------------------------------------
+
+    def add(self, plugin: object, name: str | None = None, origin: tuple[str, str] = ("", "")) -> str:
+        """Register ``plugin`` (a module, a class, or an object with hookimpls); return its name."""
+        if inspect.isclass(plugin):
+            plugin = plugin()
+        register_checked(self.pm, plugin, name)
+        plugin_name = self.pm.get_name(plugin)
+        if plugin_name is None:
+            raise PluginError(
+                f"Plugin '{name}' is blocked (TORCHPLUG_BLOCK_PLUGINS or torchplug.block); "
+                f"unblock it to register it."
+            )
+        self.origins[plugin_name] = origin
+        self._announce(plugin_name, plugin)
+        return plugin_name
+
+    def remove(self, name: str) -> None:
+        plugin = self.pm.get_plugin(name)
+        if plugin is not None:
+            self.pm.unregister(plugin)
+        for table in (self.strategies, self.precisions):
+            for key in [k for k, v in table.items() if v.provider == name]:
+                del table[key]
+        self.aliases = {a: n for a, n in self.aliases.items() if n in self.strategies}
+
+    def _announce(self, plugin_name: str, plugin: object) -> None:
+        distribution, version = self.origins.get(plugin_name, ("", ""))
+
+        def add_strategy(info: StrategyInfo) -> None:
+            if not isinstance(info, StrategyInfo):
+                raise PluginError(
+                    f"Plugin '{plugin_name}' registered {info!r}; expected a "
+                    f"torchplug.StrategyInfo."
+                )
+            taken = {info.name, *info.aliases} & (set(self.strategies) | set(self.aliases))
+            if taken:
+                owner = self.strategies.get(self.aliases.get(min(taken), min(taken)))
+                raise PluginError(
+                    f"Plugin '{plugin_name}' registers strategy name(s) {sorted(taken)} already "
+                    f"provided by plugin '{owner.provider if owner else '?'}'. Rename the "
+                    f"strategy, or block the other plugin with TORCHPLUG_BLOCK_PLUGINS."
+                )
+            self.strategies[info.name] = info.with_provider(plugin_name, distribution, version)
+            for alias in info.aliases:
+                self.aliases[alias] = info.name
+
+        def add_precision(info: PrecisionInfo) -> None:
+            for precision in info.precisions:
+                self.precisions.setdefault(
+                    precision, info.with_provider(plugin_name, distribution, version)
+                )
+
+        for hook_name, callback in (
+            ("torchplug_register_strategies", add_strategy),
+            ("torchplug_register_precisions", add_precision),
+        ):
+            function = getattr(plugin, hook_name, None)
+            if function is None:
+                continue
+            try:
+                function(register=callback)
+            except Exception as exc:  # one broken plugin must not break the others
+                self.errors[plugin_name] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(
+                    f"torchplug plugin '{plugin_name}' failed in {hook_name}: {exc}",
+                    stacklevel=2,
+                )
+
+    # -- discovery ------------------------------------------------------------------------------
+
+    def load_entry_points(self) -> None:
+        builtins_only = _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD")
+        allow = set(_env_list("TORCHPLUG_PLUGINS"))
+        points = sorted(
+            metadata.entry_points(group=ENTRY_POINT_GROUP),
+            key=lambda ep: (not _is_own(ep), ep.name),  # built-ins first: they own their names
+        )
+        for ep in points:
+            own = _is_own(ep)
+            if ep.name in self.blocked or self.pm.is_blocked(ep.name):
+                continue
+            if not own and (builtins_only or (allow and ep.name not in allow)):
+                continue
+            if self.pm.has_plugin(ep.name):
+                continue
+            dist = getattr(ep, "dist", None)
+            origin = (dist.metadata["Name"], dist.version) if dist is not None else ("", "")
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                self.errors[ep.name] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(
+                    f"torchplug plugin '{ep.name}' ({ep.value}) failed to import and is "
+                    f"skipped: {type(exc).__name__}: {exc}",
+                    stacklevel=2,
+                )
+                continue
+            try:
+                self.add(plugin, name=ep.name, origin=origin)
+            except PluginError as exc:
+                self.errors[ep.name] = str(exc)
+                warnings.warn(str(exc), stacklevel=2)
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    def canonical(self, name: str) -> str | None:
+        key = name.strip().lower()
+        if key in self.strategies:
+            return key
+        return self.aliases.get(key)
+
+    def strategy(self, name: str) -> StrategyInfo:
+        """The strategy called ``name`` (or an alias), usable here; else an error naming the fix."""
+        canonical = self.canonical(name)
+        if canonical is None:
+            raise ConfigurationError(self.unknown_strategy_message(name))
+        info = self.strategies[canonical]
+        reason = info.unusable_reason()
+        if reason is not None:
+            raise ConfigurationError(
+                f"Strategy '{info.name}' is installed but cannot run here: {reason}. "
+                f"Choose a usable strategy ({', '.join(self.usable_names()) or 'none'})."
+            )
+        return info
+
+    def usable_names(self) -> list[str]:
+        return sorted(n for n, i in self.strategies.items() if i.unusable_reason() is None)
+
+    def unknown_strategy_message(self, name: str) -> str:
+        names = sorted({*self.strategies, *self.aliases})
+        lines = [f"Unknown strategy '{name}'.{did_you_mean(name.lower(), names)}"]
+        lines.append(f"Installed: {', '.join(self.usable_names()) or 'none'}.")
+        unusable = {
+            n: r for n, i in sorted(self.strategies.items()) if (r := i.unusable_reason())
+        }
+        if unusable:
+            lines.append(
+                "Installed but unusable here: "
+                + "; ".join(f"{n}: {r}" for n, r in unusable.items())
+                + "."
+            )
+        if self.errors:
+            lines.append(
+                "Plugins that failed to load: "
+                + "; ".join(f"{n} ({e})" for n, e in sorted(self.errors.items()))
+                + "."
+            )
+        if not self.strategies:
+            lines.append(
+                "No strategies are registered at all: torchplug's entry points are missing. "
+                "Install the package (pip install -e .) rather than running it from a source tree."
+            )
+        lines.append("Run `torchplug plugins` for details, or pip install the plugin that provides it.")
+        return " ".join(lines)
+
+    def extensions(self) -> list[object]:
+        """Registered plugins that implement strategy hooks themselves: they join every Engine."""
+        return [
+            plugin
+            for _, plugin in self.pm.list_name_plugin()
+            if any(callable(getattr(plugin, h, None)) for h in STRATEGY_HOOKS)
+        ]
+
+
+def _is_own(ep: metadata.EntryPoint) -> bool:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return ep.value.startswith("torchplug.")
+    return dist.metadata["Name"].replace("_", "-").lower() == OWN_DISTRIBUTION
+
+
+_lock = threading.Lock()
+_registry: Registry | None = None
+_pending_blocks: set[str] = set()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, built on first use (so ``import torchplug`` loads no plugin)."""
+    global _registry
+    if _registry is None:
+        with _lock:
+            if _registry is None:
+                pm = new_plugin_manager()
+                registry = Registry(pm)
+                for name in {*_env_list("TORCHPLUG_BLOCK_PLUGINS"), *_pending_blocks}:
+                    pm.set_blocked(name)
+                    registry.blocked.add(name)
+                from torchplug.core import cluster
+
+                registry.add(cluster, name="torchplug.cluster", origin=(OWN_DISTRIBUTION, ""))
+                registry.load_entry_points()
+                _registry = registry
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget the registry so the next use rediscovers plugins (for tests and notebooks)."""
+    global _registry
+    with _lock:
+        _registry = None
+        _pending_blocks.clear()
+
+
+def register(plugin: Any, name: str | None = None) -> str:
+    """Register an in-house plugin in one line; its strategies become selectable by name.
+
+    ``plugin`` is a module, a class (instantiated with no arguments) or an object whose functions
+    are marked with :data:`torchplug.hookimpl`. A plugin that implements strategy hooks itself
+    (not only registration hooks) joins the active set of every Engine created afterwards.
+    """
+    return get_registry().add(plugin, name=name)
+
+
+def unregister(name: str) -> None:
+    """Remove a plugin registered earlier, and the strategies it announced."""
+    get_registry().remove(name)
+
+
+def block(names: Iterable[str] | str) -> None:
+    """Block plugins by name: never imported if not yet loaded, removed if they were."""
+    for name in [names] if isinstance(names, str) else names:
+        _pending_blocks.add(name)
+        if _registry is not None:
+            _registry.remove(name)
+            _registry.pm.set_blocked(name)
+            _registry.blocked.add(name)
+
+
+def plugin_modules_loaded() -> list[str]:
+    """Names of imported modules that belong to known heavy backends (for diagnostics)."""
+    heavy = ("deepspeed", "fairscale", "torch_xla")
+    return sorted(m for m in sys.modules if m.split(".")[0] in heavy)

@@ -1,0 +1,161 @@
+"""What plugins announce: strategies and precision plugins, their options and capabilities.
+
+These records are plain data so that announcing a strategy imports nothing heavy; the ``factory``
+that builds the backend is called only once a user selects it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torchplug.core.errors import ConfigurationError, did_you_mean
+
+#: Canonical precision names and the spellings accepted for each.
+PRECISIONS: dict[str, tuple[str, ...]] = {
+    "32": ("32", "fp32", "32-true", "float32"),
+    "bf16": ("bf16", "bf16-mixed", "bfloat16"),
+    "fp16": ("fp16", "16", "16-mixed", "float16"),
+}
+
+
+def normalize_precision(value: str | int | None) -> str:
+    """Map a user's precision spelling to ``"32"``, ``"bf16"`` or ``"fp16"``."""
+    if value is None:
+        return "32"
+    text = str(value).strip().lower()
+    for canonical, spellings in PRECISIONS.items():
+        if text in spellings:
+            return canonical
+    accepted = ", ".join(repr(s) for spellings in PRECISIONS.values() for s in spellings[:2])
+    raise ConfigurationError(
+        f"Unknown precision {value!r}.{did_you_mean(text, [s for v in PRECISIONS.values() for s in v])}"
+        f" Expected one of {accepted} (or None for full precision)."
+    )
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a strategy, set as a keyword argument of ``Engine(strategy=..., **options)``."""
+
+    name: str
+    type: type | tuple[type, ...]
+    default: Any
+    help: str = ""
+    choices: tuple[Any, ...] | None = None
+
+    def type_name(self) -> str:
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        return " | ".join("None" if t is type(None) else t.__name__ for t in types)
+
+    def check(self, strategy: str, value: Any) -> Any:
+        """Return ``value`` if it fits this option, else raise an error naming the fix."""
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ConfigurationError(
+                f"Option '{self.name}' of strategy '{strategy}' expects {self.type_name()}, "
+                f"got {type(value).__name__} {value!r}. Pass e.g. {self.name}={self.default!r}"
+                f" ({self.help or 'see torchplug plugins --verbose'})."
+            )
+        if self.choices is not None and value not in self.choices:
+            raise ConfigurationError(
+                f"Option '{self.name}' of strategy '{strategy}' must be one of "
+                f"{', '.join(repr(c) for c in self.choices)}, got {value!r}."
+                f"{did_you_mean(str(value), [str(c) for c in self.choices])}"
+            )
+        return value
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    """A backend as announced by its plugin through ``torchplug_register_strategies``."""
+
+    name: str
+    #: Called as ``factory(**options)`` when the strategy is selected; returns the plugin object
+    #: holding the strategy hooks. Import the backend's heavy package inside it, not before.
+    factory: Callable[..., object]
+    description: str
+    aliases: tuple[str, ...] = ()
+    #: Importable module names the strategy needs; checked without importing them.
+    requires: tuple[str, ...] = ()
+    #: What to run when a required module is missing, e.g. ``pip install torchplug[deepspeed]``.
+    install_hint: str = ""
+    options: tuple[Option, ...] = ()
+    #: Precisions the strategy can run. ``owns_precision`` strategies implement them themselves;
+    #: the others get them from a precision plugin (AMP).
+    precisions: tuple[str, ...] = ("32", "bf16", "fp16")
+    owns_precision: bool = False
+    shards_parameters: bool = False
+    shards_optimizer: bool = False
+    supports_cpu: bool = True
+    supports_cuda: bool = True
+    #: Runs several processes (needs a launcher such as torchrun when world size > 1).
+    distributed: bool = True
+    #: ``"torchrun"`` or the name of a launcher the strategy brings (e.g. ``"xla"``).
+    launcher: str = "torchrun"
+    #: Extra usability test; returns why the strategy cannot run here, or ``None``.
+    check: Callable[[], str | None] | None = None
+    #: Filled in by the plugin manager: which plugin and distribution announced it.
+    provider: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def option(self, name: str) -> Option | None:
+        return next((o for o in self.options if o.name == name), None)
+
+    def unusable_reason(self) -> str | None:
+        """Why this strategy cannot run on this machine, or ``None`` if it can."""
+        for module in self.requires:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                hint = self.install_hint or f"pip install {module}"
+                return f"package '{module}' not installed — {hint}"
+        return self.check() if self.check is not None else None
+
+    def resolve_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Defaults overlaid with ``given``, each checked against its declared type."""
+        known = {o.name: o for o in self.options}
+        resolved = {name: opt.default for name, opt in known.items()}
+        for name, value in given.items():
+            if name not in known:
+                listing = ", ".join(f"{o.name}: {o.type_name()}" for o in self.options) or "none"
+                raise ConfigurationError(
+                    f"Unknown option '{name}' for strategy '{self.name}'."
+                    f"{did_you_mean(name, known)} Options of '{self.name}': {listing}. "
+                    f"Remove it or use an option of this strategy."
+                )
+            resolved[name] = known[name].check(self.name, value)
+        return resolved
+
+    def with_provider(self, provider: str, distribution: str, version: str) -> StrategyInfo:
+        return dataclasses.replace(
+            self, provider=provider, distribution=distribution, version=version
+        )
+
+
+@dataclass(frozen=True)
+class PrecisionInfo:
+    """A precision plugin (e.g. AMP), composed with backends that do not own precision."""
+
+    name: str
+    #: Called as ``factory(precision)`` with ``"bf16"`` or ``"fp16"``; returns the plugin object.
+    factory: Callable[[str], object]
+    precisions: tuple[str, ...]
+    description: str = ""
+    provider: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def with_provider(self, provider: str, distribution: str, version: str) -> PrecisionInfo:
+        return dataclasses.replace(
+            self, provider=provider, distribution=distribution, version=version
+        )

@@ -1,0 +1,199 @@
+"""The torchplug hook specification.
+
+Every extension point of torchplug is a pluggy hook defined in this module; a plugin is any module,
+class or object with functions named like these hooks and marked with :data:`hookimpl`.
+
+There are two kinds of hooks.
+
+**Registration hooks** are called once on every installed plugin when the registry is built. A plugin
+announces what it offers by calling the ``register`` callback it is handed. Announcing must stay
+cheap: import nothing heavy here, since ``torchplug plugins`` announces every installed plugin.
+
+**Strategy hooks** are called on the *active set* of one :class:`~torchplug.Engine`: the chosen
+backend (an object made by the strategy's factory), the precision plugin if the backend does not own
+precision, and extension plugins. Hooks that perform an action are ``firstresult``: the backend
+answers, and composable plugins wrap it with ``@hookimpl(wrapper=True)``: code before the ``yield``
+runs before the backend, the ``yield`` returns the backend's answer, and the wrapper returns the
+(possibly changed) answer. That is how AMP works with any backend without a branch in the core.
+
+Action hooks that have nothing to return (backward, barrier, save) return ``True`` to say "done";
+the Engine raises a clear error when no plugin in the active set answers a hook.
+
+Hook names carry the ``torchplug_`` prefix so that a plugin can also hold other code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchplug.core.cluster import ClusterInfo
+    from torchplug.core.engine import Engine, Runtime
+    from torchplug.core.registry import PrecisionInfo, StrategyInfo
+
+PROJECT = "torchplug"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+#: Marks a plugin function as a torchplug hook implementation.
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --------------------------------------------------------------------------------------------------
+# Registration hooks: called once per installed plugin, on the global plugin manager.
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
+    """Announce the strategies (backends) this plugin provides.
+
+    Call ``register(StrategyInfo(...))`` once per strategy. The :class:`StrategyInfo` names the
+    strategy and its aliases, describes it in one line, lists the packages it needs, its options
+    with types and defaults, and its capabilities (shards parameters? owns precision? supports
+    CPU? needs its own launcher?). Its ``factory`` is called only when a user selects the strategy,
+    so the backend's heavy package is imported there, never here.
+    """
+
+
+@hookspec
+def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> None:
+    """Announce precision plugins (e.g. AMP) that compose with any backend not owning precision.
+
+    Call ``register(PrecisionInfo(...))`` with the precisions it implements (``"bf16"``, ``"fp16"``).
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
+    """Say who this process is (rank, world size, master address, node rank) from ``env``.
+
+    Return ``None`` when ``env`` does not look like your cluster; the first answer wins, so a plugin
+    for a scheduler (SLURM, SageMaker, ...) answers only when its variables are present. The
+    built-in implementation reads torchrun's variables and answers last.
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# Strategy hooks: called on the active set of one Engine.
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
+    """Start the backend: create the process group if needed and choose this process's device.
+
+    The backend returns a :class:`~torchplug.core.engine.Runtime` (rank, local rank, world size,
+    device). A precision plugin wraps this hook to learn the device it will run on.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_wrap(
+    engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]] | None:
+    """Move ``model`` to the device and wrap it (and its optimizers) for the backend.
+
+    Returns ``(model, optimizers)``. Wrappers post-process the backend's answer, e.g. AMP runs the
+    wrapped model's forward under autocast.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None) -> bool:
+    """Run the backward pass of ``loss``; return ``True``.
+
+    A wrapper that must change the gradients (loss scaling) registers an autograd hook on ``loss``
+    before yielding: the backend's backward then carries the change, whatever the backend does.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_optimizer_step(
+    engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
+) -> bool | None:
+    """Perform one optimizer step; return ``True`` if parameters were updated, ``False`` if skipped.
+
+    Called whenever the user calls ``optimizer.step()`` on an optimizer returned by
+    :meth:`Engine.setup`. It exists because a step is not always ``optimizer.step()``: a gradient
+    scaler must skip steps with inf/NaN gradients, and some backends own the step. Inside this hook
+    ``optimizer.step()`` is the optimizer's real step, so an implementation can call it directly.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_clip_grad_norm(
+    engine: Engine,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    max_norm: float,
+    norm_type: float,
+) -> torch.Tensor | None:
+    """Clip gradients of ``model`` to ``max_norm``; return the total norm before clipping.
+
+    A precision plugin wraps it to unscale gradients first; a sharded backend computes the norm
+    across shards.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_no_sync(
+    engine: Engine, model: torch.nn.Module
+) -> AbstractContextManager[None] | None:
+    """Return a context manager in which backward does not synchronize gradients across ranks."""
+
+
+@hookspec(firstresult=True)
+def torchplug_autocast(engine: Engine) -> AbstractContextManager[None] | None:
+    """Return the context manager that applies the active precision to code the user runs in it."""
+
+
+@hookspec(firstresult=True)
+def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Tensor | None:
+    """Reduce ``tensor`` over all ranks with ``op`` (``sum``, ``mean``, ``max``, ``min``).
+
+    Returns a new tensor holding the result on every rank; the input is not modified.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor | None:
+    """Gather ``tensor`` from all ranks; return a tensor of shape ``(world_size, *tensor.shape)``."""
+
+
+@hookspec(firstresult=True)
+def torchplug_barrier(engine: Engine) -> bool | None:
+    """Block until every rank reaches this point; return ``True``."""
+
+
+@hookspec(firstresult=True)
+def torchplug_save(engine: Engine, path: str, state: dict[str, Any]) -> bool | None:
+    """Write ``state`` as a torchplug checkpoint directory at ``path``; return ``True``.
+
+    Every rank calls it. The backend decides who writes what (rank 0 writes a full state dict;
+    sharded backends write shards) through :mod:`torchplug.core.checkpoint`, which writes
+    atomically and records sizes and hashes in ``manifest.json``.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_load(engine: Engine, path: str, state: dict[str, Any]) -> dict[str, Any] | None:
+    """Load the checkpoint at ``path`` into the objects of ``state``, in place.
+
+    Returns the loaded plain values (step counters, user dicts). Implementations verify the
+    manifest and never unpickle arbitrary objects.
+    """
+
+
+@hookspec
+def torchplug_teardown(engine: Engine) -> None:
+    """Release what setup acquired (e.g. destroy the process group the backend created).
+
+    Needed because one process may create several Engines one after another (tests, notebooks,
+    sweeps); every plugin in the active set is called.
+    """

@@ -1,0 +1,152 @@
+"""``amp``: bf16/fp16 autocast, and fp16 gradient scaling, for any backend that does not own precision.
+
+It composes through hook wrappers only: after the backend wraps the model, its forward runs under
+``torch.autocast`` (outputs back in fp32); for fp16, an autograd hook on the loss scales the
+gradients whatever the backend's backward does, and the optimizer step goes through
+``torch.amp.GradScaler``, which skips a step whose gradients hold inf/NaN and lowers the scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from torchplug.core.cluster import ClusterInfo
+from torchplug.core.engine import Engine, Runtime
+from torchplug.core.errors import ConfigurationError
+from torchplug.core.registry import PrecisionInfo
+from torchplug.core.spec import hookimpl
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+    if isinstance(value, dict):
+        return type(value)({k: _to_fp32(v) for k, v in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_to_fp32(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_fp32(v) for v in value)
+    return value
+
+
+class MixedPrecision:
+    """The precision plugin object placed in an Engine's active set."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+        self.dtype = DTYPES[precision]
+        self.device_type = "cpu"
+        self.scaler: torch.amp.GradScaler | None = None
+        self._stepped: set[int] = set()
+
+    def context(self) -> contextlib.AbstractContextManager[None]:
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    @hookimpl(wrapper=True)
+    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Generator[None, Any, Any]:
+        runtime: Runtime = yield
+        self.device_type = runtime.device.type
+        if (
+            self.precision == "bf16"
+            and self.device_type == "cuda"
+            and not torch.cuda.is_bf16_supported()
+        ):
+            raise ConfigurationError(
+                f"precision='bf16' needs a GPU with bfloat16 support; {runtime.device} has none. "
+                f"Use precision='fp16', or run on a newer GPU."
+            )
+        if self.precision == "fp16":
+            self.scaler = torch.amp.GradScaler(self.device_type)
+        return runtime
+
+    @hookimpl(wrapper=True)
+    def torchplug_wrap(
+        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> Generator[None, Any, Any]:
+        wrapped, optimizers = yield
+        forward = wrapped.forward
+
+        @functools.wraps(forward)
+        def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+            with self.context():
+                return _to_fp32(forward(*args, **kwargs))
+
+        wrapped.forward = autocast_forward
+        return wrapped, optimizers
+
+    @hookimpl(tryfirst=True)
+    def torchplug_autocast(self, engine: Engine) -> contextlib.AbstractContextManager[None]:
+        return self.context()
+
+    @hookimpl(wrapper=True)
+    def torchplug_backward(
+        self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
+    ) -> Generator[None, Any, Any]:
+        if self.scaler is not None:
+            self._update_scale()  # a step of some optimizers is still pending its update
+            loss.register_hook(self.scaler.scale)
+        return (yield)
+
+    def _update_scale(self) -> None:
+        if self._stepped and self.scaler is not None:
+            self.scaler.update()
+            self._stepped.clear()
+
+    @hookimpl(tryfirst=True)
+    def torchplug_optimizer_step(
+        self,
+        engine: Engine,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any] | None,
+    ) -> bool | None:
+        if self.scaler is None:
+            return None
+        if closure is not None:
+            raise ConfigurationError(
+                "optimizer.step(closure) is not supported with precision='fp16': gradient "
+                "scaling needs the backward outside the step. Compute the loss and call "
+                "engine.backward(loss) before optimizer.step(), or use precision='bf16'."
+            )
+        self.scaler.step(optimizer)
+        state = self.scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
+        skipped = any(v.item() for v in state["found_inf_per_device"].values())
+        self._stepped.add(id(optimizer))
+        # Update the scale once every optimizer of this engine has stepped; a partial set is
+        # updated at the next backward, so all optimizers unscale with the same scale.
+        if self._stepped >= {id(o) for o in engine.optimizers}:
+            self._update_scale()
+        return not skipped
+
+    @hookimpl(wrapper=True)
+    def torchplug_clip_grad_norm(
+        self,
+        engine: Engine,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> Generator[None, Any, Any]:
+        if self.scaler is not None:
+            for opt in [optimizer] if optimizer is not None else engine.optimizers:
+                with contextlib.suppress(RuntimeError):  # already unscaled this step
+                    self.scaler.unscale_(opt)
+        return (yield)
+
+
+@hookimpl
+def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> None:
+    register(
+        PrecisionInfo(
+            name="amp",
+            factory=MixedPrecision,
+            precisions=("bf16", "fp16"),
+            description="torch.autocast; fp16 adds GradScaler loss scaling with skipped inf steps.",
+        )
+    )
