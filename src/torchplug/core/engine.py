@@ -7,7 +7,7 @@ import contextlib
 import os
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ import torch
 from torchplug.core import cluster as cluster_mod
 from torchplug.core import config, manager
 from torchplug.core.errors import ConfigurationError, PluginError
-from torchplug.core.registry import StrategyInfo, normalize_precision
+from torchplug.core.registry import StrategyInfo, normalize_precision, resolve_options
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -49,6 +49,7 @@ class Engine:
         precision: str | int | None = None,
         *,
         plugins: Iterable[object] = (),
+        precision_options: Mapping[str, Any] | None = None,
         seed: int = 0,
         **strategy_options: Any,
     ) -> None:
@@ -67,6 +68,7 @@ class Engine:
             {name: s.value for name, s in self.settings.options.items()}
         )
         self.seed = seed
+        self.precision_options: dict[str, Any] = {}
         self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
             weakref.WeakKeyDictionary()
         )
@@ -83,7 +85,20 @@ class Engine:
                     f"'{self.info.name}' (the 'amp' plugin normally does; is it blocked?). "
                     f"Unblock it or use precision=None."
                 )
-            active.append(precision_info.factory(self.precision))
+            self.precision_options = resolve_options(
+                f"precision plugin '{precision_info.name}'",
+                precision_info.options,
+                precision_options or {},
+            )
+            active.append(precision_info.factory(self.precision, **self.precision_options))
+        elif precision_options:
+            raise ConfigurationError(
+                f"precision_options were given, but strategy '{self.info.name}' "
+                + ("owns precision: pass them as strategy options instead."
+                   if self.info.owns_precision else
+                   "runs in full precision, where no precision plugin is active: drop them or "
+                   "set precision='bf16'/'fp16'.")
+            )
         active += [p for p in registry.extensions() if p not in active]
         active += list(plugins)
         self._pm = manager.new_plugin_manager()

@@ -51,7 +51,7 @@ class Option:
         types = self.type if isinstance(self.type, tuple) else (self.type,)
         return " | ".join("None" if t is type(None) else t.__name__ for t in types)
 
-    def check(self, strategy: str, value: Any) -> Any:
+    def check(self, owner: str, value: Any) -> Any:
         """Return ``value`` if it fits this option, else raise an error naming the fix."""
         types = self.type if isinstance(self.type, tuple) else (self.type,)
         ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
@@ -59,17 +59,34 @@ class Option:
             value, ok = float(value), True
         if not ok:
             raise ConfigurationError(
-                f"Option '{self.name}' of strategy '{strategy}' expects {self.type_name()}, "
+                f"Option '{self.name}' of {owner} expects {self.type_name()}, "
                 f"got {type(value).__name__} {value!r}. Pass e.g. {self.name}={self.default!r}"
                 f" ({self.help or 'see torchplug plugins --verbose'})."
             )
         if self.choices is not None and value not in self.choices:
             raise ConfigurationError(
-                f"Option '{self.name}' of strategy '{strategy}' must be one of "
+                f"Option '{self.name}' of {owner} must be one of "
                 f"{', '.join(repr(c) for c in self.choices)}, got {value!r}."
                 f"{did_you_mean(str(value), [str(c) for c in self.choices])}"
             )
         return value
+
+
+def resolve_options(
+    owner: str, options: tuple[Option, ...], given: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Defaults overlaid with ``given``, each checked against its declared type."""
+    known = {o.name: o for o in options}
+    resolved = {name: opt.default for name, opt in known.items()}
+    for name, value in given.items():
+        if name not in known:
+            listing = ", ".join(f"{o.name}: {o.type_name()}" for o in options) or "none"
+            raise ConfigurationError(
+                f"Unknown option '{name}' for {owner}.{did_you_mean(name, known)} "
+                f"Options of {owner}: {listing}. Remove it or use one of those."
+            )
+        resolved[name] = known[name].check(owner, value)
+    return resolved
 
 
 @dataclass(frozen=True)
@@ -122,19 +139,7 @@ class StrategyInfo:
         return self.check() if self.check is not None else None
 
     def resolve_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
-        """Defaults overlaid with ``given``, each checked against its declared type."""
-        known = {o.name: o for o in self.options}
-        resolved = {name: opt.default for name, opt in known.items()}
-        for name, value in given.items():
-            if name not in known:
-                listing = ", ".join(f"{o.name}: {o.type_name()}" for o in self.options) or "none"
-                raise ConfigurationError(
-                    f"Unknown option '{name}' for strategy '{self.name}'."
-                    f"{did_you_mean(name, known)} Options of '{self.name}': {listing}. "
-                    f"Remove it or use an option of this strategy."
-                )
-            resolved[name] = known[name].check(self.name, value)
-        return resolved
+        return resolve_options(f"strategy '{self.name}'", self.options, given)
 
     def with_provider(self, provider: str, distribution: str, version: str) -> StrategyInfo:
         return dataclasses.replace(
@@ -147,10 +152,13 @@ class PrecisionInfo:
     """A precision plugin (e.g. AMP), composed with backends that do not own precision."""
 
     name: str
-    #: Called as ``factory(precision)`` with ``"bf16"`` or ``"fp16"``; returns the plugin object.
-    factory: Callable[[str], object]
+    #: Called as ``factory(precision, **options)`` with ``"bf16"`` or ``"fp16"``; returns the
+    #: plugin object.
+    factory: Callable[..., object]
     precisions: tuple[str, ...]
     description: str = ""
+    #: Set with ``Engine(precision=..., precision_options={...})``.
+    options: tuple[Option, ...] = ()
     provider: str = ""
     distribution: str = ""
     version: str = ""

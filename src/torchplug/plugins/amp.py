@@ -18,7 +18,7 @@ import torch
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
-from torchplug.core.registry import PrecisionInfo
+from torchplug.core.registry import Option, PrecisionInfo
 from torchplug.core.spec import hookimpl
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,8 +39,11 @@ def _to_fp32(value: Any) -> Any:
 class MixedPrecision:
     """The precision plugin object placed in an Engine's active set."""
 
-    def __init__(self, precision: str) -> None:
+    def __init__(
+        self, precision: str, init_scale: float = 2.0**16, growth_interval: int = 2000
+    ) -> None:
         self.precision = precision
+        self.scaler_kwargs = {"init_scale": init_scale, "growth_interval": growth_interval}
         self.dtype = DTYPES[precision]
         self.device_type = "cpu"
         self.scaler: torch.amp.GradScaler | None = None
@@ -63,7 +66,7 @@ class MixedPrecision:
                 f"Use precision='fp16', or run on a newer GPU."
             )
         if self.precision == "fp16":
-            self.scaler = torch.amp.GradScaler(self.device_type)
+            self.scaler = torch.amp.GradScaler(self.device_type, **self.scaler_kwargs)
         return runtime
 
     @hookimpl(wrapper=True)
@@ -148,5 +151,9 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
             factory=MixedPrecision,
             precisions=("bf16", "fp16"),
             description="torch.autocast; fp16 adds GradScaler loss scaling with skipped inf steps.",
+            options=(
+                Option("init_scale", float, 2.0**16, "fp16: the GradScaler's first loss scale"),
+                Option("growth_interval", int, 2000, "fp16: clean steps before the scale doubles"),
+            ),
         )
     )

@@ -1,0 +1,268 @@
+"""Run a function in N real processes, started once by torchrun and reused.
+
+Starting torchrun costs two torch imports (seconds); a test suite that started it per test would
+spend its time there. :class:`RankPool` starts ``N`` workers through ``torch.distributed.run`` once,
+then runs one function per call on every rank. Each call gets a fresh rendezvous port (rank 0
+hosts the store), so a call's process group never meets the previous one's. A call that takes
+longer than its timeout, or a rank that dies, fails the call with every rank's error and stops the
+pool; the next call starts a new one. Nothing hangs forever.
+
+The function must be importable by name (a module-level function) and its arguments and result
+picklable. Inside it, ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are set, as
+torchrun sets them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    # Plain pickle: Connection.send uses ForkingPickler, with which torch shares tensors through
+    # file descriptors that the other process is not allowed to open.
+    conn.send_bytes(pickle.dumps(obj))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+class RankError(AssertionError):
+    """One or more ranks failed, or the call timed out; the message holds every rank's story."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RankPool:
+    """``nprocs`` worker processes started by torchrun, each running calls sent to it."""
+
+    def __init__(
+        self,
+        nprocs: int = 2,
+        *,
+        start_timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        sys_path: Sequence[str] = (),
+    ) -> None:
+        self.nprocs = nprocs
+        self.start_timeout = start_timeout
+        self.env = dict(env or {})
+        self.sys_path = list(sys_path)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._conns: dict[int, Connection] = {}
+        self._log: Any = None
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._process is not None:
+            return
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        host, port = listener.address
+        self._log = tempfile.TemporaryFile()
+        env = {
+            **os.environ,
+            **self.env,
+            "TORCHPLUG_POOL_ADDRESS": f"{host}:{port}",
+            "TORCHPLUG_POOL_AUTHKEY": authkey.hex(),
+            "TORCHPLUG_POOL_PATH": os.pathsep.join(self.sys_path),
+            "OMP_NUM_THREADS": self.env.get("OMP_NUM_THREADS", "1"),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={self.nprocs}",
+            "--max-restarts=0",
+            "--monitor-interval=0.5",
+            "-m",
+            "torchplug.testing.processes",
+        ]
+        self._process = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        conns: dict[int, Connection] = {}
+
+        def accept() -> None:
+            while len(conns) < self.nprocs:
+                conn = listener.accept()
+                conns[_recv(conn)] = conn
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        thread.join(self.start_timeout)
+        listener.close()
+        if len(conns) < self.nprocs:
+            output = self._output()
+            self.stop()
+            raise RankError(
+                f"Only {len(conns)} of {self.nprocs} ranks started within "
+                f"{self.start_timeout:.0f} s. torchrun said:\n{output}"
+            )
+        self._conns = conns
+
+    def stop(self) -> None:
+        for conn in self._conns.values():
+            try:
+                _send(conn, None)
+                conn.close()
+            except OSError:
+                pass
+        self._conns = {}
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._process.pid, 9)
+                self._process.wait()
+            self._process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _kill(self) -> None:
+        if self._process is not None:
+            try:
+                os.killpg(self._process.pid, 9)
+            except ProcessLookupError:
+                pass
+        self.stop()
+
+    def _output(self, limit: int = 6000) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-limit:]
+
+    def __enter__(self) -> RankPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results, rank 0 first."""
+        self.start()
+        task = (fn.__module__, fn.__qualname__, args, kwargs, free_port())
+        for conn in self._conns.values():
+            _send(conn, task)
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pending = dict(self._conns)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if errors:  # the others may be stuck in a collective with the failed rank
+                remaining = min(remaining, 10.0)
+            if remaining <= 0:
+                break
+            for rank, conn in list(pending.items()):
+                if not conn.poll(min(remaining, 0.05)):
+                    continue
+                try:
+                    status, value = _recv(conn)
+                except (EOFError, OSError):
+                    status, value = "error", "the process died (see torchrun output below)"
+                del pending[rank]
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+        if pending or errors:
+            name = f"{fn.__module__}.{fn.__qualname__}"
+            story = [f"{name} failed on {self.nprocs} ranks:"]
+            for rank in sorted(errors):
+                story.append(f"--- rank {rank} raised:\n{errors[rank]}")
+            for rank in sorted(pending):
+                story.append(f"--- rank {rank} did not finish within {timeout:.0f} s")
+            if pending:
+                self._kill()
+                story.append(f"--- torchrun output:\n{self._output()}")
+            raise RankError("\n".join(story))
+        return [results[r] for r in sorted(results)]
+
+
+def _worker() -> None:
+    """The loop each rank runs: receive a task, run it, send back its result or traceback."""
+    for entry in filter(None, os.environ.get("TORCHPLUG_POOL_PATH", "").split(os.pathsep)):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    host, port = os.environ["TORCHPLUG_POOL_ADDRESS"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["TORCHPLUG_POOL_AUTHKEY"]))
+    _send(conn, int(os.environ["RANK"]))
+    # Each call hosts its own store on a fresh port instead of the agent's.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    base_env = dict(os.environ)
+    while True:
+        try:
+            task = _recv(conn)
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        module, qualname, args, kwargs, port = task
+        os.environ.clear()
+        os.environ.update(base_env)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        try:
+            target: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                target = getattr(target, part)
+            reply = ("ok", target(*args, **kwargs))
+        except BaseException:
+            reply = ("error", traceback.format_exc())
+        finally:
+            _cleanup()
+        try:
+            _send(conn, reply)
+        except Exception:
+            _send(conn, ("error", traceback.format_exc()))
+
+
+def _cleanup() -> None:
+    """Leave the process as a new call expects it: no process group, fresh plugin registry."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    from torchplug.core import manager
+
+    manager.reset_registry()
+
+
+def default_sys_path() -> list[str]:
+    """Directories a worker needs to import the caller's test modules: the current sys.path."""
+    return [p for p in sys.path if p and Path(p).is_dir()]
+
+
+if __name__ == "__main__":
+    _worker()

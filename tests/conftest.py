@@ -1,0 +1,37 @@
+"""Shared fixtures: a pool of 2 real ranks (started once by torchrun) and a clean registry."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from torchplug.core import manager
+from torchplug.testing import RankPool
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Iterator[RankPool]:
+    """Two ranks on loopback (gloo); each ``ranks.run(fn, ...)`` gets a fresh process group."""
+    pool = RankPool(2, sys_path=[str(TESTS)], env={"PYTHONWARNINGS": "ignore"})
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No torchplug or launcher variable leaks into a test; every test rebuilds the registry."""
+    for key in list(os.environ):
+        if key.startswith("TORCHPLUG_") or key in {
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "GROUP_RANK", "TORCHELASTIC_RUN_ID",
+        }:
+            monkeypatch.delenv(key, raising=False)
+    manager.reset_registry()
+    yield
+    manager.reset_registry()
