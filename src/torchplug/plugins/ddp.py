@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import socket
+import time
 from collections.abc import Callable
 
 import torch
@@ -116,7 +117,14 @@ class DDPStrategy(Strategy):
     @hookimpl
     def torchplug_teardown(self, engine: Engine) -> None:
         if self.owns_process_group and dist.is_initialized():
+            # The process group's C++ destructor runs later, when the DDP module is freed, and
+            # joins gloo's worker threads while holding the GIL. A worker still releasing the
+            # last collective's work needs the GIL too: a deadlock (seen with torch 2.13). So:
+            # the barrier keeps rank 0's store up until every rank is done, and the sleep gives
+            # up the GIL long enough for the workers to drop their finished work.
+            dist.barrier()
             dist.destroy_process_group()
+            time.sleep(0.05)
         self.owns_process_group = False
 
 

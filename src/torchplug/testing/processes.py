@@ -14,10 +14,13 @@ torchrun sets them.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import importlib
 import os
 import pickle
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -68,6 +71,7 @@ class RankPool:
         self.sys_path = list(sys_path)
         self._process: subprocess.Popen[bytes] | None = None
         self._conns: dict[int, Connection] = {}
+        self._pids: dict[int, int] = {}
         self._log: Any = None
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -96,7 +100,7 @@ class RankPool:
             "--max-restarts=0",
             "--monitor-interval=0.5",
             "-m",
-            "torchplug.testing.processes",
+            "torchplug.testing._rank_worker",
         ]
         self._process = subprocess.Popen(
             cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
@@ -106,7 +110,9 @@ class RankPool:
         def accept() -> None:
             while len(conns) < self.nprocs:
                 conn = listener.accept()
-                conns[_recv(conn)] = conn
+                rank, pid = _recv(conn)
+                conns[rank] = conn
+                self._pids[rank] = pid
 
         thread = threading.Thread(target=accept, daemon=True)
         thread.start()
@@ -147,6 +153,13 @@ class RankPool:
             except ProcessLookupError:
                 pass
         self.stop()
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Ask hung ranks to print where they are (faulthandler) before they are killed."""
+        for rank in ranks:
+            with contextlib.suppress(OSError, KeyError):
+                os.kill(self._pids[rank], signal.SIGUSR1)
+        time.sleep(1.0)
 
     def _output(self, limit: int = 6000) -> str:
         if self._log is None:
@@ -201,20 +214,22 @@ class RankPool:
             for rank in sorted(pending):
                 story.append(f"--- rank {rank} did not finish within {timeout:.0f} s")
             if pending:
-                self._kill()
+                self._dump_stacks(sorted(pending))
                 story.append(f"--- torchrun output:\n{self._output()}")
+                self._kill()
             raise RankError("\n".join(story))
         return [results[r] for r in sorted(results)]
 
 
-def _worker() -> None:
+def worker_loop() -> None:
     """The loop each rank runs: receive a task, run it, send back its result or traceback."""
     for entry in filter(None, os.environ.get("TORCHPLUG_POOL_PATH", "").split(os.pathsep)):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     host, port = os.environ["TORCHPLUG_POOL_ADDRESS"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["TORCHPLUG_POOL_AUTHKEY"]))
-    _send(conn, int(os.environ["RANK"]))
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    _send(conn, (int(os.environ["RANK"]), os.getpid()))
     # Each call hosts its own store on a fresh port instead of the agent's.
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     base_env = dict(os.environ)
@@ -263,6 +278,3 @@ def default_sys_path() -> list[str]:
     """Directories a worker needs to import the caller's test modules: the current sys.path."""
     return [p for p in sys.path if p and Path(p).is_dir()]
 
-
-if __name__ == "__main__":
-    _worker()

@@ -1,0 +1,139 @@
+"""Checkpoints: written by rank 0 atomically, verified on load, bit-exact across world sizes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from reference import make_model, snapshot, train
+
+import torchplug as tp
+
+
+def load_and_snapshot(path: str, strategy: str) -> dict:
+    with tp.Engine(strategy) as engine:
+        model = make_model(seed=123)  # different init: everything must come from the checkpoint
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+        model, optimizer = engine.setup(model, optimizer)
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        rest = engine.load(path, state)
+        return {"step": state["step"], "rest": rest, **snapshot(engine, model, optimizer)}
+
+
+def assert_bit_exact(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(actual[key], expected[key]), key
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_ranks(ranks, tmp_path_factory) -> tuple[str, dict]:
+    path = str(tmp_path_factory.mktemp("ckpt") / "run")
+    results = ranks.run(train, "ddp", steps=3, save_to=path)
+    return path, results[0]
+
+
+def test_manifest_records_run_and_files(saved_on_two_ranks):
+    path, _ = saved_on_two_ranks
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    assert manifest["format"] == "torchplug-checkpoint"
+    assert manifest["format_version"] == 1
+    assert manifest["strategy"]["name"] == "ddp"
+    assert manifest["world_size"] == 2
+    assert manifest["step"] == 3
+    assert set(manifest["files"]) == {"model.pt", "optimizer.pt"}
+    for name, info in manifest["files"].items():
+        assert (Path(path) / name).stat().st_size == info["size"]
+        assert len(info["sha256"]) == 64
+    assert not [p for p in Path(path).parent.iterdir() if p.name.startswith(".")]
+
+
+def test_two_rank_checkpoint_loads_bit_exact_in_one_process(saved_on_two_ranks):
+    path, trained = saved_on_two_ranks
+    loaded = load_and_snapshot(path, "single")
+    assert loaded["step"] == 3
+    assert_bit_exact(loaded["params"], trained["params"])
+    assert_bit_exact(loaded["optimizer"], trained["optimizer"])
+
+
+def test_two_rank_checkpoint_loads_bit_exact_in_two_ranks(ranks, saved_on_two_ranks):
+    path, trained = saved_on_two_ranks
+    for loaded in ranks.run(load_and_snapshot, path, "ddp"):
+        assert loaded["step"] == 3
+        assert_bit_exact(loaded["params"], trained["params"])
+        assert_bit_exact(loaded["optimizer"], trained["optimizer"])
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    path = tmp_path / "ckpt"
+    train("single", steps=2, save_to=str(path))
+    return path
+
+
+def test_truncated_file_is_rejected_naming_it(saved):
+    data = (saved / "model.pt").read_bytes()
+    (saved / "model.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(tp.CheckpointError, match=r"model\.pt.*truncated"):
+        load_and_snapshot(str(saved), "single")
+
+
+def test_altered_file_is_rejected_naming_it(saved):
+    data = bytearray((saved / "optimizer.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (saved / "optimizer.pt").write_bytes(bytes(data))
+    with pytest.raises(tp.CheckpointError, match=r"optimizer\.pt.*sha256"):
+        load_and_snapshot(str(saved), "single")
+
+
+def test_missing_file_and_missing_checkpoint_are_named(saved, tmp_path):
+    (saved / "model.pt").unlink()
+    with pytest.raises(tp.CheckpointError, match=r"model\.pt is missing"):
+        load_and_snapshot(str(saved), "single")
+    with pytest.raises(tp.CheckpointError, match="No torchplug checkpoint"):
+        load_and_snapshot(str(tmp_path / "nowhere"), "single")
+
+
+def test_state_key_absent_from_checkpoint_is_an_error(saved):
+    with tp.Engine("single") as engine, pytest.raises(tp.CheckpointError, match="'scheduler'"):
+        engine.load(saved, {"scheduler": torch.optim.lr_scheduler.LambdaLR(
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), lambda s: 1.0
+        )})
+
+
+def test_loading_never_unpickles_code(saved, tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (Path(tmp_path / "pwned").touch, ())
+
+    torch.save({"weight": Evil()}, saved / "model.pt")  # then fix the manifest to match
+    manifest = json.loads((saved / "manifest.json").read_text())
+    data = (saved / "model.pt").read_bytes()
+    manifest["files"]["model.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(tp.CheckpointError, match="weights_only"):
+        load_and_snapshot(str(saved), "single")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_overwrite_replaces_atomically_and_keeps_values(tmp_path):
+    path = tmp_path / "ckpt"
+    first, second = torch.arange(3.0), torch.arange(4.0)
+    with tp.Engine("single") as engine:
+        engine.save(path, {"step": 1, "note": {"a": [1, 2]}, "rng": first})
+        engine.save(path, {"step": 2, "note": {"a": [3]}, "rng": second})
+        state = {"step": 0}
+        rest = engine.load(path, state)
+    assert state == {"step": 2}
+    assert rest["note"] == {"a": [3]}
+    assert torch.equal(rest["rng"], second)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_unsaveable_object_gets_a_clear_error(tmp_path):
+    with tp.Engine("single") as engine, pytest.raises(tp.CheckpointError, match="state_dict"):
+        engine.save(tmp_path / "ckpt", {"thing": object()})
+    assert not (tmp_path / "ckpt").exists()
