@@ -28,8 +28,14 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No torchplug or launcher variable leaks into a test; every test rebuilds the registry."""
     for key in list(os.environ):
         if key.startswith("TORCHPLUG_") or key in {
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "GROUP_RANK", "TORCHELASTIC_RUN_ID",
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GROUP_RANK",
+            "TORCHELASTIC_RUN_ID",
         }:
             monkeypatch.delenv(key, raising=False)
     manager.reset_registry()

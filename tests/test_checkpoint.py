@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import make_model, snapshot, train
 
 import torchplug as tp
+from reference import make_model, snapshot, train
 
 
 def load_and_snapshot(path: str, strategy: str) -> dict:
@@ -99,9 +99,14 @@ def test_missing_file_and_missing_checkpoint_are_named(saved, tmp_path):
 
 def test_state_key_absent_from_checkpoint_is_an_error(saved):
     with tp.Engine("single") as engine, pytest.raises(tp.CheckpointError, match="'scheduler'"):
-        engine.load(saved, {"scheduler": torch.optim.lr_scheduler.LambdaLR(
-            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), lambda s: 1.0
-        )})
+        engine.load(
+            saved,
+            {
+                "scheduler": torch.optim.lr_scheduler.LambdaLR(
+                    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), lambda s: 1.0
+                )
+            },
+        )
 
 
 def test_loading_never_unpickles_code(saved, tmp_path):

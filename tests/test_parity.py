@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from reference import train
 
 TOLERANCE = {None: 1e-6, "bf16": 3e-2, "fp16": 5e-3}

@@ -130,7 +130,10 @@ def plugins(verbose: bool = False) -> int:
             ]
             caps += ["cpu"] if info.supports_cpu else []
             caps += ["cuda"] if info.supports_cuda else []
-            print(f"  capabilities: {', '.join(caps) or '-'}; precisions: {', '.join(info.precisions)}")
+            print(
+                f"  capabilities: {', '.join(caps) or '-'}; "
+                f"precisions: {', '.join(info.precisions)}"
+            )
             print(f"  launcher: {info.launcher}; requires: {', '.join(info.requires) or '-'}")
             for opt in info.options:
                 print(f"  option {opt.name}: {opt.type_name()} = {opt.default!r}  {opt.help}")
@@ -184,8 +187,15 @@ def doctor() -> int:
     env = cluster.detect()
     print("cluster environment")
     print(f"  detected by  {env.source}")
-    for field in ("rank", "world_size", "local_rank", "node_rank", "num_nodes", "master_addr",
-                  "master_port"):
+    for field in (
+        "rank",
+        "world_size",
+        "local_rank",
+        "node_rank",
+        "num_nodes",
+        "master_addr",
+        "master_port",
+    ):
         print(f"  {field:<12} {getattr(env, field)}")
     registry = get_registry()
     print("settings (value, and where it came from)")

@@ -66,9 +66,9 @@ def _load_toml(path: Path) -> dict[str, Any]:
         raise ConfigurationError(f"Config file {path} is not valid TOML: {exc}. Fix it.") from None
 
 
-def find_config(cwd: Path | None = None, env: Mapping[str, str] | None = None) -> tuple[
-    dict[str, Any], Path | None
-]:
+def find_config(
+    cwd: Path | None = None, env: Mapping[str, str] | None = None
+) -> tuple[dict[str, Any], Path | None]:
     """The ``[tool.torchplug]`` settings in effect, and the file they came from."""
     env = os.environ if env is None else env
     cwd = Path.cwd() if cwd is None else cwd
@@ -81,7 +81,9 @@ def find_config(cwd: Path | None = None, env: Mapping[str, str] | None = None) -
                 f"unset it."
             )
         data = _load_toml(path)
-        table = data.get("tool", {}).get("torchplug", data) if path.name == "pyproject.toml" else data
+        table = (
+            data.get("tool", {}).get("torchplug", data) if path.name == "pyproject.toml" else data
+        )
         return _checked(table, path), path
     own = cwd / "torchplug.toml"
     if own.is_file():
@@ -143,7 +145,8 @@ def resolve(
         return Setting(default, "default")
 
     resolved_options = {
-        name: Setting(value, file_source) for name, value in file_settings.get("options", {}).items()
+        name: Setting(value, file_source)
+        for name, value in file_settings.get("options", {}).items()
     }
     resolved_options.update(
         {name: Setting(value, "code argument") for name, value in (options or {}).items()}

@@ -94,10 +94,13 @@ class Engine:
         elif precision_options:
             raise ConfigurationError(
                 f"precision_options were given, but strategy '{self.info.name}' "
-                + ("owns precision: pass them as strategy options instead."
-                   if self.info.owns_precision else
-                   "runs in full precision, where no precision plugin is active: drop them or "
-                   "set precision='bf16'/'fp16'.")
+                + (
+                    "owns precision: pass them as strategy options instead."
+                    if self.info.owns_precision
+                    else "runs in full precision, where no precision plugin is active: drop them "
+                    "or "
+                    "set precision='bf16'/'fp16'."
+                )
             )
         active += [p for p in registry.extensions() if p not in active]
         active += list(plugins)
@@ -185,9 +188,7 @@ class Engine:
 
     # -- setup ------------------------------------------------------------------------------------
 
-    def setup(
-        self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer
-    ) -> Any:
+    def setup(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         """Wrap ``model`` (and its optimizers) for the backend and precision.
 
         Returns the model if no optimizer is given, else ``(model, *optimizers)``. Create the

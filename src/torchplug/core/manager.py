@@ -69,9 +69,13 @@ class PluginManager(pluggy.PluginManager):
 
     def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)
-        if opts is None and name.startswith("torchplug_") and hasattr(spec, name):
-            if callable(getattr(plugin, name, None)):
-                return {}
+        if (
+            opts is None
+            and name.startswith("torchplug_")
+            and hasattr(spec, name)
+            and callable(getattr(plugin, name, None))
+        ):
+            return {}
         return opts
 
 
@@ -93,9 +97,7 @@ def register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None 
     if pm.get_name(plugin) is None:  # pm.register returns None for blocked names
         return
     unknown = [
-        attr
-        for attr in dir(plugin)
-        if attr.startswith("torchplug_") and not hasattr(spec, attr)
+        attr for attr in dir(plugin) if attr.startswith("torchplug_") and not hasattr(spec, attr)
     ]
     if unknown:
         pm.unregister(plugin)
@@ -123,7 +125,9 @@ class Registry:
 
     # -- registration -------------------------------------------------------------------------
 
-    def add(self, plugin: object, name: str | None = None, origin: tuple[str, str] = ("", "")) -> str:
+    def add(
+        self, plugin: object, name: str | None = None, origin: tuple[str, str] = ("", "")
+    ) -> str:
         """Register ``plugin`` (a module, a class, or an object with hookimpls); return its name."""
         if inspect.isclass(plugin):
             plugin = plugin()
@@ -254,9 +258,7 @@ class Registry:
         names = sorted({*self.strategies, *self.aliases})
         lines = [f"Unknown strategy '{name}'.{did_you_mean(name.lower(), names)}"]
         lines.append(f"Installed: {', '.join(self.usable_names()) or 'none'}.")
-        unusable = {
-            n: r for n, i in sorted(self.strategies.items()) if (r := i.unusable_reason())
-        }
+        unusable = {n: r for n, i in sorted(self.strategies.items()) if (r := i.unusable_reason())}
         if unusable:
             lines.append(
                 "Installed but unusable here: "
@@ -274,7 +276,9 @@ class Registry:
                 "No strategies are registered at all: torchplug's entry points are missing. "
                 "Install the package (pip install -e .) rather than running it from a source tree."
             )
-        lines.append("Run `torchplug plugins` for details, or pip install the plugin that provides it.")
+        lines.append(
+            "Run `torchplug plugins` for details, or pip install the plugin that provides it."
+        )
         return " ".join(lines)
 
     def extensions(self) -> list[object]:

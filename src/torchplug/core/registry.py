@@ -32,14 +32,15 @@ def normalize_precision(value: str | int | None) -> str:
             return canonical
     accepted = ", ".join(repr(s) for spellings in PRECISIONS.values() for s in spellings[:2])
     raise ConfigurationError(
-        f"Unknown precision {value!r}.{did_you_mean(text, [s for v in PRECISIONS.values() for s in v])}"
+        f"Unknown precision {value!r}."
+        f"{did_you_mean(text, [s for v in PRECISIONS.values() for s in v])}"
         f" Expected one of {accepted} (or None for full precision)."
     )
 
 
 @dataclass(frozen=True)
 class Option:
-    """One option of a strategy, set as a keyword argument of ``Engine(strategy=..., **options)``."""
+    """One option of a strategy (``Engine(strategy=..., **options)``) or precision plugin."""
 
     name: str
     type: type | tuple[type, ...]

@@ -5,9 +5,10 @@ class or object with functions named like these hooks and marked with :data:`hoo
 
 There are two kinds of hooks.
 
-**Registration hooks** are called once on every installed plugin when the registry is built. A plugin
-announces what it offers by calling the ``register`` callback it is handed. Announcing must stay
-cheap: import nothing heavy here, since ``torchplug plugins`` announces every installed plugin.
+**Registration hooks** are called once on every installed plugin when the registry is built.
+A plugin announces what it offers by calling the ``register`` callback it is handed.
+Announcing must stay cheap: import nothing heavy here, since ``torchplug plugins`` announces
+every installed plugin.
 
 **Strategy hooks** are called on the *active set* of one :class:`~torchplug.Engine`: the chosen
 backend (an object made by the strategy's factory), the precision plugin if the backend does not own
@@ -65,7 +66,8 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
 def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> None:
     """Announce precision plugins (e.g. AMP) that compose with any backend not owning precision.
 
-    Call ``register(PrecisionInfo(...))`` with the precisions it implements (``"bf16"``, ``"fp16"``).
+    Call ``register(PrecisionInfo(...))`` with the precisions it implements (``"bf16"``,
+    ``"fp16"``).
     """
 
 
@@ -163,7 +165,7 @@ def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Ten
 
 @hookspec(firstresult=True)
 def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor | None:
-    """Gather ``tensor`` from all ranks; return a tensor of shape ``(world_size, *tensor.shape)``."""
+    """Gather ``tensor`` from all ranks into a tensor of shape ``(world_size, *tensor.shape)``."""
 
 
 @hookspec(firstresult=True)

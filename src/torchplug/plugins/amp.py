@@ -1,4 +1,4 @@
-"""``amp``: bf16/fp16 autocast, and fp16 gradient scaling, for any backend that does not own precision.
+"""``amp``: bf16/fp16 autocast and fp16 loss scaling, for any backend not owning precision.
 
 It composes through hook wrappers only: after the backend wraps the model, its forward runs under
 ``torch.autocast`` (outputs back in fp32); for fp16, an autograd hook on the loss scales the

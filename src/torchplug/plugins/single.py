@@ -40,9 +40,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("single-device", "none"),
             factory=SingleDevice,
             description="One process on one device (the first GPU, else the CPU).",
-            options=(
-                Option("device", (str, type(None)), None, "device to run on, e.g. 'cuda:1'"),
-            ),
+            options=(Option("device", (str, type(None)), None, "device to run on, e.g. 'cuda:1'"),),
             distributed=False,
         )
     )

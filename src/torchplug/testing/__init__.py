@@ -1,4 +1,4 @@
-"""Testing tools for torchplug and for plugin authors: run code in real processes, compare results."""
+"""Testing tools for torchplug and plugin authors: run code in real processes, compare results."""
 
 from torchplug.testing.processes import RankError, RankPool
 

@@ -1,4 +1,4 @@
-"""Entry point of a RankPool worker, started by torchrun: ``python -m torchplug.testing._rank_worker``."""
+"""Entry point of a RankPool worker, started by torchrun as a module."""
 
 from torchplug.testing.processes import worker_loop
 

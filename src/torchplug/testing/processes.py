@@ -82,7 +82,7 @@ class RankPool:
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = listener.address
-        self._log = tempfile.TemporaryFile()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the pool
         env = {
             **os.environ,
             **self.env,
@@ -148,10 +148,8 @@ class RankPool:
 
     def _kill(self) -> None:
         if self._process is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._process.pid, 9)
-            except ProcessLookupError:
-                pass
         self.stop()
 
     def _dump_stacks(self, ranks: list[int]) -> None:
@@ -277,4 +275,3 @@ def _cleanup() -> None:
 def default_sys_path() -> list[str]:
     """Directories a worker needs to import the caller's test modules: the current sys.path."""
     return [p for p in sys.path if p and Path(p).is_dir()]
-
