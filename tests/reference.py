@@ -51,9 +51,14 @@ def train(
     inf_at_step: int | None = None,
     save_to: str | None = None,
     precision_options: dict[str, Any] | None = None,
+    accumulate: int = 1,
     **options: Any,
 ) -> dict[str, Any]:
-    """Train ``steps`` steps of AdamW on the global batch split over the ranks."""
+    """Train ``steps`` steps of AdamW on the global batch split over the ranks.
+
+    With ``accumulate > 1`` each rank's batch is split into micro-batches whose gradients are
+    accumulated under ``engine.no_sync`` before one optimizer step.
+    """
     with tp.Engine(
         strategy=strategy, precision=precision, precision_options=precision_options, **options
     ) as engine:
@@ -66,10 +71,16 @@ def train(
         loader = engine.setup_dataloader(loader)
         losses, skipped, scales, checksums = [], [], [], []
         for step, (x, y) in enumerate(loader):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            if inf_at_step == step and engine.rank == 0:
-                loss = loss * float("inf")
-            engine.backward(loss)
+            micro = list(zip(x.chunk(accumulate), y.chunk(accumulate), strict=True))
+            parts = []
+            for i, (xs, ys) in enumerate(micro):
+                with engine.no_sync(model, enabled=i < len(micro) - 1):
+                    part = torch.nn.functional.mse_loss(model(xs), ys) / len(micro)
+                    if inf_at_step == step and engine.rank == 0:
+                        part = part * float("inf")
+                    engine.backward(part)
+                parts.append(part.detach())
+            loss = torch.stack(parts).sum()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(engine.reduce(loss.detach(), "mean").item())

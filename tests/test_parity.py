@@ -35,6 +35,14 @@ def test_ddp_matches_single_process_reference(ranks, reference):
     assert reference["losses"][-1] < reference["losses"][0]
 
 
+def test_gradient_accumulation_with_no_sync_matches_reference(ranks, reference):
+    for result in ranks.run(train, "ddp", accumulate=2):
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+        assert_close_dicts(result["params"], reference["params"], atol=1e-6)
+    single = train("single", accumulate=4)
+    assert single["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+
+
 def test_auto_picks_ddp_under_a_launcher(ranks):
     results = ranks.run(train, "auto", steps=2)
     assert [r["strategy"] for r in results] == ["ddp", "ddp"]

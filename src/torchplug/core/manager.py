@@ -282,11 +282,17 @@ class Registry:
         return " ".join(lines)
 
     def extensions(self) -> list[object]:
-        """Registered plugins that implement strategy hooks themselves: they join every Engine."""
+        """Registered plugins that implement strategy hooks themselves: they join every Engine.
+
+        A plugin that announces strategies or precisions is a provider, not an extension: its
+        hooks run only through the objects its factories make, for the Engines that select them.
+        """
+        providers = {i.provider for i in (*self.strategies.values(), *self.precisions.values())}
         return [
             plugin
-            for _, plugin in self.pm.list_name_plugin()
-            if any(callable(getattr(plugin, h, None)) for h in STRATEGY_HOOKS)
+            for name, plugin in self.pm.list_name_plugin()
+            if name not in providers
+            and any(callable(getattr(plugin, h, None)) for h in STRATEGY_HOOKS)
         ]
 
 

@@ -1,0 +1,127 @@
+"""The torchplug command: launch (through torchrun), plugins, help; import cost."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train.py"
+
+
+def torchplug(*args: str, timeout: float = 180, env: dict | None = None, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "torchplug", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        **kw,
+    )
+
+
+def epoch_losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"epoch +\d+ +loss ([0-9.]+)", output)]
+
+
+@pytest.mark.slow
+def test_launch_two_processes_trains_the_example_with_decreasing_loss():
+    run = torchplug("launch", "-n", "2", str(EXAMPLE), "--strategy", "ddp", "--epochs", "4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "strategy='ddp'" in run.stdout and "world_size=2" in run.stdout
+    losses = epoch_losses(run.stdout)
+    assert len(losses) == 4  # printed once (rank 0), not once per rank
+    assert losses[-1] < losses[0] / 2
+    assert "samples/s" in run.stdout
+
+
+@pytest.mark.slow
+def test_launch_flags_reach_engine_auto_and_torchrun_flags_pass_through():
+    run = torchplug(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "--strategy",
+        "ddp",
+        "--precision",
+        "bf16",
+        str(EXAMPLE),
+        "--epochs",
+        "1",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Engine(strategy='ddp', precision='bf16', rank=0, world_size=2" in run.stdout
+
+
+def test_launch_rejects_an_unknown_strategy_before_starting_processes():
+    run = torchplug("launch", "-n", "2", "--strategy", "dpp", str(EXAMPLE))
+    assert run.returncode == 2
+    assert "Unknown strategy 'dpp'. Did you mean 'ddp'?" in run.stderr
+
+
+def test_launch_reports_a_failing_script(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys; sys.exit(3)\n")
+    run = torchplug("launch", "-n", "1", str(script))
+    assert run.returncode == 1
+    assert "fail.py" in run.stderr
+
+
+def test_help_is_fast_and_imports_no_torch():
+    probe = (
+        "import sys\n"
+        "from torchplug.core.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "launch" in run.stdout and "plugins" in run.stdout and "doctor" in run.stdout
+
+
+def test_no_backend_package_is_imported_by_torchplug(tmp_path):
+    """Even with deepspeed/fairscale/torch_xla importable, none is imported unless selected."""
+    for name in ("deepspeed", "fairscale", "torch_xla"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise SystemExit('{name} was imported')\n")
+    code = (
+        "import sys, torch, torchplug as tp\n"
+        "from torchplug.core.cli import plugins\n"
+        "with tp.Engine('single', precision='bf16') as e: pass\n"
+        "plugins(verbose=True)\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in "
+        "('deepspeed', 'fairscale', 'torch_xla')]\n"
+        "assert not heavy, heavy\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in run.stderr.splitlines()}
+    assert not imported & {"deepspeed", "fairscale", "torch_xla"}
+
+
+def test_import_torchplug_alone_imports_no_torch():
+    code = "import sys, torchplug; assert 'torch' not in sys.modules; print(torchplug.__version__)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+
+
+def test_plugins_table_lists_built_ins_with_package_and_status():
+    run = torchplug("plugins")
+    assert run.returncode == 0, run.stderr
+    rows = {line.split()[0]: line for line in run.stdout.splitlines() if line.strip()}
+    assert "torchplug 0.1.0 (ddp)" in rows["ddp"] and rows["ddp"].endswith("usable")
+    assert "single-device" in rows["single"]
+    assert "amp" in rows["bf16"] and "amp" in rows["fp16"]
