@@ -383,3 +383,22 @@ def test_plugin_package_installed_with_pip_is_selectable_and_listed(tmp_path):
         assert "tmp-backend backward" in run.stdout and "strategy tmp-backend" in run.stdout
     finally:
         subprocess.run([*pip, "uninstall", "-y", "torchplug-tmp-backend"], timeout=120)
+
+
+def test_in_house_strategy_name_clash_is_an_error_at_registration():
+    class Clash:
+        @tp.hookimpl
+        def torchplug_register_strategies(self, register):
+            register(tp.StrategyInfo(name="ddp", factory=SingleDevice, description="clash"))
+
+    with pytest.raises(tp.PluginError, match="'ddp'.*already provided by plugin 'ddp'"):
+        tp.register(Clash(), name="clash")
+    assert manager.get_registry().strategies["ddp"].provider == "ddp"
+
+
+def test_trace_prints_each_hook_call(monkeypatch, capfd):
+    monkeypatch.setenv("TORCHPLUG_TRACE", "1")
+    with tp.Engine("single") as engine:
+        one_step(engine)
+    err = capfd.readouterr().err
+    assert "torchplug_setup" in err and "torchplug_backward" in err

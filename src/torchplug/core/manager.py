@@ -126,9 +126,18 @@ class Registry:
     # -- registration -------------------------------------------------------------------------
 
     def add(
-        self, plugin: object, name: str | None = None, origin: tuple[str, str] = ("", "")
+        self,
+        plugin: object,
+        name: str | None = None,
+        origin: tuple[str, str] = ("", ""),
+        strict: bool = True,
     ) -> str:
-        """Register ``plugin`` (a module, a class, or an object with hookimpls); return its name."""
+        """Register ``plugin`` (a module, a class, or an object with hookimpls); return its name.
+
+        With ``strict``, a failure in its registration hooks is raised (in-house plugins: the
+        user is right there); otherwise it is recorded and warned about (installed plugins: one
+        broken package must not break the others).
+        """
         if inspect.isclass(plugin):
             plugin = plugin()
         register_checked(self.pm, plugin, name)
@@ -139,7 +148,7 @@ class Registry:
                 f"unblock it to register it."
             )
         self.origins[plugin_name] = origin
-        self._announce(plugin_name, plugin)
+        self._announce(plugin_name, plugin, strict)
         return plugin_name
 
     def remove(self, name: str) -> None:
@@ -151,7 +160,7 @@ class Registry:
                 del table[key]
         self.aliases = {a: n for a, n in self.aliases.items() if n in self.strategies}
 
-    def _announce(self, plugin_name: str, plugin: object) -> None:
+    def _announce(self, plugin_name: str, plugin: object, strict: bool) -> None:
         distribution, version = self.origins.get(plugin_name, ("", ""))
 
         def add_strategy(info: StrategyInfo) -> None:
@@ -188,6 +197,9 @@ class Registry:
             try:
                 function(register=callback)
             except Exception as exc:  # one broken plugin must not break the others
+                if strict:
+                    self.remove(plugin_name)
+                    raise
                 self.errors[plugin_name] = f"{type(exc).__name__}: {exc}"
                 warnings.warn(
                     f"torchplug plugin '{plugin_name}' failed in {hook_name}: {exc}",
@@ -224,7 +236,7 @@ class Registry:
                 )
                 continue
             try:
-                self.add(plugin, name=ep.name, origin=origin)
+                self.add(plugin, name=ep.name, origin=origin, strict=False)
             except PluginError as exc:
                 self.errors[ep.name] = str(exc)
                 warnings.warn(str(exc), stacklevel=2)
