@@ -26,23 +26,25 @@ def test_unknown_strategy_suggests_the_closest_and_lists_installed():
     assert "torchplug plugins" in message
 
 
-class NeedsPackage:
-    @staticmethod
-    @tp.hookimpl
-    def torchplug_register_strategies(register):
-        register(
-            tp.StrategyInfo(
-                name="needs-pkg",
-                factory=SingleDevice,
-                description="needs a package that is not installed",
-                requires=("definitely_not_installed_pkg",),
-                install_hint="pip install torchplug[needs-pkg]",
-            )
-        )
+def provider(**info) -> object:
+    """A plugin object announcing one strategy (the single-device backend under another name)."""
+
+    class Provider:
+        @tp.hookimpl
+        def torchplug_register_strategies(self, register):
+            register(tp.StrategyInfo(factory=SingleDevice, description="test", **info))
+
+    return Provider()
 
 
 def test_installed_but_unusable_strategy_says_why_and_how_to_fix():
-    tp.register(NeedsPackage())
+    tp.register(
+        provider(
+            name="needs-pkg",
+            requires=("definitely_not_installed_pkg",),
+            install_hint="pip install torchplug[needs-pkg]",
+        )
+    )
     with pytest.raises(tp.ConfigurationError) as info:
         tp.Engine("needs-pkg")
     assert "package 'definitely_not_installed_pkg' not installed" in str(info.value)
@@ -70,24 +72,12 @@ def test_wrong_option_type_names_expected_type():
         assert engine.device == torch.device("cpu")
 
 
-class Bf16Only:
-    @staticmethod
-    @tp.hookimpl
-    def torchplug_register_strategies(register):
-        register(
-            tp.StrategyInfo(
-                name="bf16-only",
-                factory=SingleDevice,
-                description="owns its precision and has no fp16",
-                precisions=("32", "bf16"),
-                owns_precision=True,
-                distributed=False,
-            )
-        )
-
-
 def test_fp16_with_a_strategy_that_cannot_do_it():
-    tp.register(Bf16Only())
+    tp.register(
+        provider(
+            name="bf16-only", precisions=("32", "bf16"), owns_precision=True, distributed=False
+        )
+    )
     with pytest.raises(tp.ConfigurationError) as info:
         tp.Engine("bf16-only", precision="fp16")
     message = str(info.value)
@@ -386,13 +376,8 @@ def test_plugin_package_installed_with_pip_is_selectable_and_listed(tmp_path):
 
 
 def test_in_house_strategy_name_clash_is_an_error_at_registration():
-    class Clash:
-        @tp.hookimpl
-        def torchplug_register_strategies(self, register):
-            register(tp.StrategyInfo(name="ddp", factory=SingleDevice, description="clash"))
-
     with pytest.raises(tp.PluginError, match="'ddp'.*already provided by plugin 'ddp'"):
-        tp.register(Clash(), name="clash")
+        tp.register(provider(name="ddp"), name="clash")
     assert manager.get_registry().strategies["ddp"].provider == "ddp"
 
 
