@@ -178,6 +178,8 @@ class RankPool:
         self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
     ) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results, rank 0 first."""
+        if self._process is not None and self._process.poll() is not None:
+            self.stop()  # torchrun ended (a rank died in an earlier call): start afresh
         self.start()
         task = (fn.__module__, fn.__qualname__, args, kwargs, free_port())
         for conn in self._conns.values():
@@ -186,6 +188,7 @@ class RankPool:
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         pending = dict(self._conns)
+        died = False
         while pending:
             remaining = deadline - time.monotonic()
             if errors:  # the others may be stuck in a collective with the failed rank
@@ -199,6 +202,7 @@ class RankPool:
                     status, value = _recv(conn)
                 except (EOFError, OSError):
                     status, value = "error", "the process died (see torchrun output below)"
+                    died = True
                 del pending[rank]
                 if status == "ok":
                     results[rank] = value
@@ -211,7 +215,7 @@ class RankPool:
                 story.append(f"--- rank {rank} raised:\n{errors[rank]}")
             for rank in sorted(pending):
                 story.append(f"--- rank {rank} did not finish within {timeout:.0f} s")
-            if pending:
+            if pending or died:
                 self._dump_stacks(sorted(pending))
                 story.append(f"--- torchrun output:\n{self._output()}")
                 self._kill()
