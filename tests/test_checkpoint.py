@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,11 @@ def test_manifest_records_run_and_files(saved_on_two_ranks):
     assert manifest["strategy"]["name"] == "ddp"
     assert manifest["world_size"] == 2
     assert manifest["step"] == 3
-    assert set(manifest["files"]) == {"model.pt", "optimizer.pt"}
+    assert manifest["layout"] == "dcp"
+    assert {"tensors/.metadata", "tensors/__0_0.distcp"} <= set(manifest["files"])
+    assert manifest["entries"]["step"] == {"kind": "value", "data": 3}
+    assert manifest["entries"]["model"]["kind"] == "module"
+    assert manifest["entries"]["model"]["data"]["0.weight"] == {"__tensor__": "model/0.weight"}
     for name, info in manifest["files"].items():
         assert (Path(path) / name).stat().st_size == info["size"]
         assert len(info["sha256"]) == 64
@@ -74,24 +79,27 @@ def saved(tmp_path) -> Path:
     return path
 
 
+SHARD = "tensors/__0_0.distcp"
+
+
 def test_truncated_file_is_rejected_naming_it(saved):
-    data = (saved / "model.pt").read_bytes()
-    (saved / "model.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(tp.CheckpointError, match=r"model\.pt.*truncated"):
+    data = (saved / SHARD).read_bytes()
+    (saved / SHARD).write_bytes(data[: len(data) // 2])
+    with pytest.raises(tp.CheckpointError, match=r"__0_0\.distcp.*truncated"):
         load_and_snapshot(str(saved), "single")
 
 
 def test_altered_file_is_rejected_naming_it(saved):
-    data = bytearray((saved / "optimizer.pt").read_bytes())
+    data = bytearray((saved / SHARD).read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (saved / "optimizer.pt").write_bytes(bytes(data))
-    with pytest.raises(tp.CheckpointError, match=r"optimizer\.pt.*sha256"):
+    (saved / SHARD).write_bytes(bytes(data))
+    with pytest.raises(tp.CheckpointError, match=r"__0_0\.distcp.*sha256"):
         load_and_snapshot(str(saved), "single")
 
 
 def test_missing_file_and_missing_checkpoint_are_named(saved, tmp_path):
-    (saved / "model.pt").unlink()
-    with pytest.raises(tp.CheckpointError, match=r"model\.pt is missing"):
+    (saved / "tensors" / ".metadata").unlink()
+    with pytest.raises(tp.CheckpointError, match=r"\.metadata is missing"):
         load_and_snapshot(str(saved), "single")
     with pytest.raises(tp.CheckpointError, match="No torchplug checkpoint"):
         load_and_snapshot(str(tmp_path / "nowhere"), "single")
@@ -114,14 +122,25 @@ def test_loading_never_unpickles_code(saved, tmp_path):
         def __reduce__(self):
             return (Path(tmp_path / "pwned").touch, ())
 
-    torch.save({"weight": Evil()}, saved / "model.pt")  # then fix the manifest to match
+    metadata = saved / "tensors" / ".metadata"
+    metadata.write_bytes(pickle.dumps(Evil()))  # then make the manifest agree, as an attacker would
     manifest = json.loads((saved / "manifest.json").read_text())
-    data = (saved / "model.pt").read_bytes()
-    manifest["files"]["model.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    data = metadata.read_bytes()
+    manifest["files"]["tensors/.metadata"] = {
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
     (saved / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(tp.CheckpointError, match="weights_only"):
+    with pytest.raises(tp.CheckpointError, match="refusing to load it"):
         load_and_snapshot(str(saved), "single")
     assert not (tmp_path / "pwned").exists()
+
+
+def test_architecture_mismatch_names_the_differences(saved):
+    with tp.Engine("single") as engine:
+        other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+        with pytest.raises(tp.CheckpointError, match=r"in the checkpoint only: \['2\.bias'"):
+            engine.load(saved, {"model": other, "optimizer": None, "step": 0})
 
 
 def test_overwrite_replaces_atomically_and_keeps_values(tmp_path):

@@ -3,34 +3,43 @@
 A checkpoint is a directory::
 
     ckpt/
-      manifest.json      format version, layout, strategy and options, world size, step,
-                         entries (what each state key is and where it lives), and every file
-                         with its size and sha256
-      model.pt ...       tensor data, one file per stateful entry
+      manifest.json      format version, layout, strategy and options, world size, step, user
+                         metadata, the entries (their structure, with JSON values in place and
+                         tensors by name), and every file with its size and sha256
+      tensors/           the tensors, written by torch.distributed.checkpoint (DCP): each rank
+                         writes its own shards; replicated tensors are written once
 
-It is written into a hidden temporary directory beside the target, flushed to disk, and swapped
-into place in one rename, so a crash never leaves a half-written checkpoint under the final name
-and never destroys the last good one. Loading checks the manifest, verifies each file's size and
-hash before reading it, and reads with ``weights_only=True``: a checkpoint cannot run code.
+Because DCP records every tensor's global shape and each shard's offsets, a checkpoint written by
+any strategy on any world size loads into any other: loading reads exactly the pieces each rank
+needs. Module and optimizer state is stored by parameter name (``get_model_state_dict`` /
+``get_optimizer_state_dict``), never by wrapper-specific names or parameter ids.
 
-The manifest grows by adding keys: readers ignore keys they do not know, and ``format_version``
-changes only when an old reader would misread a new checkpoint. ``layout`` says how tensor data is
-stored (``"full"`` here; sharded layouts add their own).
+Nothing in a checkpoint can run code on load: non-tensor state is JSON in the manifest, tensor
+data is read with ``weights_only=True``, and DCP's own metadata file is read by an unpickler that
+admits only DCP's metadata classes. Every file's size and sha256 are checked before loading.
+
+The checkpoint is written into a hidden temporary directory beside the target and swapped into
+place in one rename once every rank has finished, so a crash never leaves a half-written
+checkpoint under the final name and never destroys the last good one.
+
+The manifest grows by adding keys (readers ignore keys they do not know); ``format_version``
+changes only when an old reader would misread a new checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import datetime
 import hashlib
-import io
 import json
 import os
-import re
+import pickle
 import shutil
 import uuid
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +49,11 @@ from torchplug.core.errors import CheckpointError
 
 FORMAT = "torchplug-checkpoint"
 FORMAT_VERSION = 1
+LAYOUT = "dcp"
 MANIFEST = "manifest.json"
+TENSORS = "tensors"
 
-#: Kinds of state entries and how each is stored.
-#:   module / optimizer / stateful -> state_dict() in a tensor file, restored with load_state_dict
-#:   tensor -> a tensor file;  value -> JSON inside the manifest
+#: Kinds of state entries.
 KINDS = ("module", "optimizer", "stateful", "tensor", "value")
 
 
@@ -60,50 +69,92 @@ def kind_of(obj: Any) -> str:
         return "stateful"
     if isinstance(obj, torch.Tensor):
         return "tensor"
-    if _is_json(obj):
+    try:
+        encode(obj, "", {})
+    except CheckpointError:
+        pass
+    else:
         return "value"
     raise CheckpointError(
         f"Cannot save an object of type {type(obj).__name__}: expected an nn.Module, an "
-        f"optimizer, an object with state_dict()/load_state_dict(), a tensor, or a JSON value "
+        f"optimizer, an object with state_dict()/load_state_dict(), a tensor, or plain data "
         f"(numbers, strings, lists, dicts). Convert it to one of those, or give it a state_dict()."
     )
 
 
-def _is_json(obj: Any) -> bool:
+# -- structure: JSON skeleton + named tensors ------------------------------------------------------
+
+
+def encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """A JSON skeleton of ``obj``; its tensors go into ``tensors`` under slash-separated paths.
+
+    Tuples, dicts with non-string keys and tensors are tagged so that :func:`decode` restores
+    them exactly. Anything else that JSON cannot hold is refused: no pickles.
+    """
+    if isinstance(obj, torch.Tensor):
+        if path in tensors:
+            raise CheckpointError(f"Two tensors in the state map to the name {path!r}.")
+        tensors[path] = obj
+        return {"__tensor__": path}
     if obj is None or isinstance(obj, (bool, int, float, str)):
-        return True
+        return obj
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
     if isinstance(obj, (list, tuple)):
-        return all(_is_json(v) for v in obj)
-    if isinstance(obj, dict):
-        return all(isinstance(k, str) and _is_json(v) for k, v in obj.items())
-    return False
+        items = [encode(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: encode(v, f"{path}/{k}", tensors) for k, v in obj.items()}
+        pairs = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise CheckpointError(
+                    f"State at {path or '/'} has a key of type {type(k).__name__}; checkpoint "
+                    f"keys must be strings or numbers."
+                )
+            pairs.append([k, encode(v, f"{path}/{k}", tensors)])
+        return {"__dict__": pairs}
+    raise CheckpointError(
+        f"State at {path or '/'} holds a {type(obj).__name__}, which a checkpoint cannot store "
+        f"safely (no pickles). Store tensors, numbers, strings, lists or dicts instead."
+    )
 
 
-def capture(obj: Any) -> tuple[str, Any]:
-    """``(kind, payload)`` for one live object: its state dict, the tensor, or the value."""
-    kind = kind_of(obj)
-    if kind in ("module", "optimizer", "stateful"):
-        return kind, obj.state_dict()
-    if kind == "tensor":
-        return kind, obj.detach().cpu()
-    return kind, obj
+def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild what :func:`encode` took apart."""
+    if isinstance(skeleton, list):
+        return [decode(v, tensors) for v in skeleton]
+    if isinstance(skeleton, dict):
+        if "__tensor__" in skeleton:
+            return tensors[skeleton["__tensor__"]]
+        if "__dtype__" in skeleton:
+            return getattr(torch, skeleton["__dtype__"])
+        if "__tuple__" in skeleton:
+            return tuple(decode(v, tensors) for v in skeleton["__tuple__"])
+        if "__dict__" in skeleton:
+            return {k: decode(v, tensors) for k, v in skeleton["__dict__"]}
+        return {k: decode(v, tensors) for k, v in skeleton.items()}
+    return skeleton
 
 
-def _file_name(key: str, taken: set[str]) -> str:
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", key).strip(".") or "entry"
-    name, n = f"{stem}.pt", 1
-    while name in taken:
-        n += 1
-        name = f"{stem}-{n}.pt"
-    taken.add(name)
-    return name
+def tensor_paths(skeleton: Any) -> Iterator[str]:
+    """Every tensor name a skeleton refers to."""
+    if isinstance(skeleton, list):
+        for v in skeleton:
+            yield from tensor_paths(v)
+    elif isinstance(skeleton, dict):
+        if "__tensor__" in skeleton:
+            yield skeleton["__tensor__"]
+            return
+        for v in skeleton.values():
+            yield from tensor_paths(v)
 
 
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=repr))
+# -- files -----------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -116,54 +167,55 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, data: bytes) -> dict[str, Any]:
-    with path.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-def write(
-    path: str | os.PathLike[str],
-    payloads: Mapping[str, tuple[str, Any]],
-    header: Mapping[str, Any],
-) -> Path:
-    """Write ``payloads`` (from :func:`capture`) as a checkpoint at ``path``, atomically."""
-    final = Path(path).absolute()
+def describe_files(root: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file below ``root`` (fsynced on the way), by relative path."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        _fsync(path)
+        files[path.relative_to(root).as_posix()] = {
+            "size": path.stat().st_size,
+            "sha256": _sha256(path),
+        }
+    for directory in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        _fsync(directory)
+    return files
+
+
+def temporary_dir(final: Path) -> Path:
+    """A fresh hidden directory beside ``final``; stale ones from crashed saves are removed."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
-    try:
-        files: dict[str, Any] = {}
-        entries: dict[str, Any] = {}
-        taken: set[str] = {MANIFEST}
-        for key, (kind, payload) in payloads.items():
-            if kind == "value":
-                entries[key] = {"kind": kind, "value": _jsonable(payload)}
-                continue
-            name = _file_name(key, taken)
-            buffer = io.BytesIO()
-            torch.save(payload, buffer)
-            files[name] = _write_file(tmp / name, buffer.getvalue())
-            entries[key] = {"kind": kind, "file": name}
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "layout": "full",
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "torch_version": torch.__version__,
-            **_jsonable(dict(header)),
-            "entries": entries,
-            "files": files,
-        }
-        _write_file(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
-        _fsync_dir(tmp)
-        _swap_into_place(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return tmp
+
+
+def write_manifest(directory: Path, header: Mapping[str, Any], entries: Mapping[str, Any]) -> None:
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "layout": LAYOUT,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "torch_version": torch.__version__,
+        **json.loads(json.dumps(dict(header), default=repr)),
+        "entries": entries,
+        "files": describe_files(directory),
+    }
+    path = directory / MANIFEST
+    with path.open("w") as handle:
+        json.dump(manifest, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync(directory)
 
 
 _RENAME_EXCHANGE = 2
@@ -188,7 +240,8 @@ def _exchange(a: Path, b: Path) -> bool:
     return result == 0
 
 
-def _swap_into_place(tmp: Path, final: Path) -> None:
+def swap_into_place(tmp: Path, final: Path) -> None:
+    """Make ``tmp`` the checkpoint at ``final`` in one step; the old one is removed after."""
     if not final.exists():
         os.rename(tmp, final)
     elif _exchange(tmp, final):
@@ -198,7 +251,10 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
         os.rename(final, backup)
         os.rename(tmp, final)
         shutil.rmtree(backup)
-    _fsync_dir(final.parent)
+    _fsync(final.parent)
+
+
+# -- reading ---------------------------------------------------------------------------------------
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -233,100 +289,147 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"Checkpoint {root} has format version {version!r}; this torchplug reads up to "
             f"{FORMAT_VERSION}. Upgrade torchplug to load it."
         )
+    if manifest.get("layout") != LAYOUT:
+        raise CheckpointError(
+            f"Checkpoint {root} has layout {manifest.get('layout')!r}; this torchplug reads "
+            f"{LAYOUT!r}. Upgrade torchplug to load it."
+        )
     return manifest
 
 
-def read_file(root: str | os.PathLike[str], manifest: Mapping[str, Any], name: str) -> bytes:
-    """The bytes of one checkpoint file, after checking its size and sha256 against the manifest."""
-    path = Path(root) / name
-    expected = manifest.get("files", {}).get(name)
-    if expected is None:
-        raise CheckpointError(f"Checkpoint manifest of {root} lists no file {name!r}.")
-    if not path.is_file():
+def verify_files(root: str | os.PathLike[str], manifest: Mapping[str, Any]) -> None:
+    """Check that every file the manifest lists is there with its size and sha256."""
+    root = Path(root)
+    for name, expected in sorted(manifest.get("files", {}).items()):
+        path = root / name
+        if not path.is_file():
+            raise CheckpointError(
+                f"Checkpoint file {path} is missing (the manifest lists it). The checkpoint is "
+                f"incomplete; restore the file or load an earlier checkpoint."
+            )
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointError(
+                f"Checkpoint file {path} has {size} bytes, the manifest says {expected['size']}: "
+                f"it was truncated or changed after saving. Restore it or load an earlier "
+                f"checkpoint."
+            )
+        digest = _sha256(path)
+        if digest != expected["sha256"]:
+            raise CheckpointError(
+                f"Checkpoint file {path} fails its sha256 check ({digest[:12]}..., the manifest "
+                f"says {expected['sha256'][:12]}...): it was altered or corrupted after saving. "
+                f"Restore it or load an earlier checkpoint."
+            )
+
+
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "ChunkStorageMetadata",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` admitting only its data classes: no code runs on load."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _SAFE_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
         raise CheckpointError(
-            f"Checkpoint file {path} is missing (the manifest lists it). The checkpoint is "
-            f"incomplete; restore the file or load an earlier checkpoint."
+            f"Checkpoint metadata refers to {module}.{name}, which is not part of "
+            f"torch.distributed.checkpoint's metadata; refusing to load it (it could run code)."
         )
-    data = path.read_bytes()
-    if len(data) != expected["size"]:
-        raise CheckpointError(
-            f"Checkpoint file {path} has {len(data)} bytes, the manifest says {expected['size']}: "
-            f"it was truncated or changed after saving. Restore it or load an earlier checkpoint."
+
+
+def tensor_reader(directory: str | os.PathLike[str]) -> Any:
+    """A DCP storage reader whose metadata is read by :class:`_MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = Path(self.path) / ".metadata"
+            with path.open("rb") as handle:
+                metadata = _MetadataUnpickler(handle).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(directory)
+
+
+def tensor_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Global shape and dtype of every tensor in a checkpoint's tensor store."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = tensor_reader(directory).read_metadata()
+    return {
+        name: (meta.size, meta.properties.dtype)
+        for name, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def save_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` (plain or sharded DTensors) with DCP; a collective on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_single_process():
+        dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
+            no_dist=not distributed(),
         )
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != expected["sha256"]:
+
+
+def load_tensors(directory: Path, targets: dict[str, torch.Tensor]) -> None:
+    """Fill ``targets`` in place from the tensor store, resharding as needed; a collective."""
+    import torch.distributed.checkpoint as dcp
+
+    if not targets:
+        return
+    with _quiet_single_process():
+        dcp.load(targets, storage_reader=tensor_reader(directory), no_dist=not distributed())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns when it runs in one process; here that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def allocate(
+    shapes: Mapping[str, tuple[torch.Size, torch.dtype]], names: list[str]
+) -> dict[str, torch.Tensor]:
+    """Empty CPU tensors to load the named tensors into, from the store's metadata."""
+    missing = [n for n in names if n not in shapes]
+    if missing:
         raise CheckpointError(
-            f"Checkpoint file {path} fails its sha256 check ({digest[:12]}..., the manifest says "
-            f"{expected['sha256'][:12]}...): it was altered or corrupted after saving. Restore it "
-            f"or load an earlier checkpoint."
+            f"Checkpoint tensor store lacks {missing[:5]}; the checkpoint is damaged. Load an "
+            f"earlier checkpoint."
         )
-    return data
-
-
-def read_entry(root: str | os.PathLike[str], manifest: Mapping[str, Any], key: str) -> Any:
-    """One entry's payload: a JSON value, or tensor data read with ``weights_only=True``."""
-    entry = manifest["entries"][key]
-    if entry["kind"] == "value":
-        return entry["value"]
-    data = read_file(root, manifest, entry["file"])
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(
-            f"Checkpoint file {Path(root) / entry['file']} could not be read safely "
-            f"(weights_only=True): {exc}"
-        ) from None
-
-
-def restore(target: Any, kind: str, payload: Any) -> bool:
-    """Load ``payload`` into the live object ``target`` in place; False if it has no place."""
-    if kind in ("module", "optimizer", "stateful") and callable(
-        getattr(target, "load_state_dict", None)
-    ):
-        target.load_state_dict(payload)
-        return True
-    return False
-
-
-def load(
-    root: str | os.PathLike[str],
-    state: dict[str, Any] | None,
-    *,
-    strict: bool = True,
-    unwrap: Callable[[Any], Any] = lambda obj: obj,
-) -> dict[str, Any]:
-    """Load the full checkpoint at ``root`` into ``state`` in place.
-
-    Modules, optimizers and stateful objects are restored with ``load_state_dict``; tensors and
-    plain values replace the entries of ``state``. Returns the entries that were not restored into
-    an object (values, tensors, and state dicts of keys ``state`` does not hold).
-    """
-    manifest = read_manifest(root)
-    if manifest.get("layout") != "full":
-        raise CheckpointError(
-            f"Checkpoint {root} has layout {manifest.get('layout')!r}, which this strategy cannot "
-            f"read. Load it with the strategy that wrote it ({manifest.get('strategy')})."
-        )
-    entries = manifest["entries"]
-    state = {} if state is None else state
-    missing = [k for k in state if k not in entries]
-    if missing and strict:
-        raise CheckpointError(
-            f"Checkpoint {root} has no entries {missing}; it holds {sorted(entries)}. Remove "
-            f"those keys from the state you load into, or pass strict=False."
-        )
-    remainder: dict[str, Any] = {}
-    for key, entry in entries.items():
-        payload = read_entry(root, manifest, key)
-        target = unwrap(state.get(key))
-        if key in state and entry["kind"] in ("module", "optimizer", "stateful"):
-            if not restore(target, entry["kind"], payload):
-                raise CheckpointError(
-                    f"Checkpoint entry '{key}' is a saved {entry['kind']} but state['{key}'] is a "
-                    f"{type(target).__name__} without load_state_dict(). Pass the live object."
-                )
-            continue
-        remainder[key] = payload
-        if key in state:
-            state[key] = payload
-    return remainder
+    return {n: torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in names}

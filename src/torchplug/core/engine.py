@@ -16,7 +16,7 @@ import torch
 
 from torchplug.core import cluster as cluster_mod
 from torchplug.core import config, manager
-from torchplug.core.errors import ConfigurationError, PluginError
+from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.registry import StrategyInfo, normalize_precision, resolve_options
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -73,6 +73,8 @@ class Engine:
             weakref.WeakKeyDictionary()
         )
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._optimizer_models: dict[int, weakref.ref[torch.nn.Module]] = {}
+        self._raw_steps = False
         self._closed = False
 
         self.backend = self.info.factory(**self.options)
@@ -211,6 +213,7 @@ class Engine:
         self._originals[wrapped] = self.unwrap(model)
         for opt in wrapped_optimizers:
             self._attach(opt)
+            self._optimizer_models[id(opt)] = weakref.ref(wrapped)
         return (wrapped, *wrapped_optimizers) if optimizers else wrapped
 
     def _attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -226,7 +229,7 @@ class Engine:
             # that call is the real step.
             nonlocal inside
             engine = engine_ref()
-            if inside or engine is None:
+            if inside or engine is None or engine._raw_steps:
                 return real_step(closure) if closure is not None else real_step()
             inside = True
             try:
@@ -247,6 +250,53 @@ class Engine:
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._optimizers)
+
+    def model_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Any:
+        """The (wrapped) model whose parameters ``optimizer`` updates."""
+        ref = self._optimizer_models.get(id(optimizer))
+        model = ref() if ref is not None else None
+        if model is not None:
+            return model
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for candidate in state.values():
+            if isinstance(candidate, torch.nn.Module) and any(
+                id(p) in owned for p in candidate.parameters()
+            ):
+                return candidate
+        raise CheckpointError(
+            "Cannot tell which model this optimizer belongs to: it was not set up with "
+            "engine.setup(model, optimizer) and no model in the state owns its parameters. "
+            "Put the model in the same state dict, or set both up together."
+        )
+
+    @contextlib.contextmanager
+    def real_optimizer_steps(self) -> Iterator[None]:
+        """Inside, ``optimizer.step()`` bypasses the hook (zero steps that create state)."""
+        previous, self._raw_steps = self._raw_steps, True
+        try:
+            yield
+        finally:
+            self._raw_steps = previous
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from rank ``src`` on every rank (small, trusted objects: names, flags)."""
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if ``what`` failed on any rank (so none waits for the others)."""
+        flag = torch.tensor(0.0 if error is None else 1.0, device=self.device)
+        failed = self.reduce(flag, "max").item() > 0
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(
+                f"Another rank failed to {what}; its error is in that rank's output. "
+                f"The previous checkpoint at that path, if any, is intact."
+            )
 
     def unwrap(self, obj: Any) -> Any:
         """The user's original module behind a module this Engine returned (else ``obj``)."""
