@@ -9,17 +9,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
 
 FEATURES = 8
+MAX_STEPS = 20
 
 
-def make_model(seed: int = 0) -> torch.nn.Module:
+def make_model(seed: int = 0, width: int = 16) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        torch.nn.Linear(FEATURES, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
     )
 
 
@@ -32,14 +38,21 @@ def make_dataset(n: int, seed: int = 1) -> TensorDataset:
 
 
 def snapshot(engine: tp.Engine, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    params = {k: v.detach().cpu().clone() for k, v in engine.unwrap(model).state_dict().items()}
+    """Full (gathered) parameters and optimizer state by name, whatever the strategy."""
+    full = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload: rank 0 only)
+    params = get_model_state_dict(model, options=full)
+    with engine.real_optimizer_steps():
+        optim = get_optimizer_state_dict(model, optimizer, options=full)
     opt_state = {
-        f"{i}.{k}": v.detach().cpu().clone()
-        for i, s in optimizer.state_dict()["state"].items()
+        f"{name}.{k}": v.detach().cpu().clone()
+        for name, s in optim["state"].items()
         for k, v in s.items()
         if isinstance(v, torch.Tensor)
     }
-    return {"params": params, "optimizer": opt_state}
+    return {
+        "params": {k: v.detach().cpu().clone() for k, v in params.items()},
+        "optimizer": opt_state,
+    }
 
 
 def train(
@@ -50,6 +63,10 @@ def train(
     lr: float = 3e-2,
     inf_at_step: int | None = None,
     save_to: str | None = None,
+    load_from: str | None = None,
+    first_step: int = 0,
+    clip: float | None = None,
+    width: int = 16,
     precision_options: dict[str, Any] | None = None,
     accumulate: int = 1,
     **options: Any,
@@ -57,20 +74,29 @@ def train(
     """Train ``steps`` steps of AdamW on the global batch split over the ranks.
 
     With ``accumulate > 1`` each rank's batch is split into micro-batches whose gradients are
-    accumulated under ``engine.no_sync`` before one optimizer step.
+    accumulated under ``engine.no_sync`` before one optimizer step. ``load_from`` resumes from a
+    checkpoint; ``first_step`` skips the batches the run before it trained on.
     """
     with tp.Engine(
         strategy=strategy, precision=precision, precision_options=precision_options, **options
     ) as engine:
-        model = make_model()
+        model = make_model(width=width)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         model, optimizer = engine.setup(model, optimizer)
+        if load_from is not None:
+            state = {"model": model, "optimizer": optimizer, "step": 0}
+            engine.load(load_from, state)
+            assert state["step"] == first_step, (state["step"], first_step)
         loader = DataLoader(
-            make_dataset(steps * global_batch), batch_size=global_batch // engine.world_size
+            make_dataset(MAX_STEPS * global_batch), batch_size=global_batch // engine.world_size
         )
         loader = engine.setup_dataloader(loader)
-        losses, skipped, scales, checksums = [], [], [], []
+        losses, skipped, scales, checksums, norms = [], [], [], [], []
         for step, (x, y) in enumerate(loader):
+            if step < first_step:
+                continue
+            if step >= first_step + steps:
+                break
             micro = list(zip(x.chunk(accumulate), y.chunk(accumulate), strict=True))
             parts = []
             for i, (xs, ys) in enumerate(micro):
@@ -81,21 +107,40 @@ def train(
                     engine.backward(part)
                 parts.append(part.detach())
             loss = torch.stack(parts).sum()
+            if clip is not None:
+                norms.append(engine.clip_grad_norm_(model, clip).item())
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(engine.reduce(loss.detach(), "mean").item())
+            losses.append(engine.reduce(loss, "mean").item())
             skipped.append(optimizer.step_was_skipped)
-            checksums.append(sum(p.double().sum().item() for p in model.parameters()))
+            local = sum(
+                (p.detach().double().sum() for p in _local(model)),
+                torch.zeros((), dtype=torch.float64),
+            )
+            checksums.append(engine.reduce(local, "sum").item())
             scaler = next((p.scaler for p in engine.plugins if getattr(p, "scaler", None)), None)
             scales.append(scaler.get_scale() if scaler is not None else None)
         if save_to is not None:
-            engine.save(save_to, {"model": model, "optimizer": optimizer, "step": steps})
+            state = {"model": model, "optimizer": optimizer, "step": first_step + steps}
+            engine.save(save_to, state)
         return {
             "losses": losses,
             "skipped": skipped,
             "scales": scales,
             "checksums": checksums,
+            "norms": norms,
             "strategy": engine.strategy,
             "world_size": engine.world_size,
             **snapshot(engine, model, optimizer),
         }
+
+
+def _local(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's own parameter data (its shard under a sharding strategy, once per replica)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    if params and isinstance(params[0], DTensor):
+        return [p.to_local() for p in params]
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return params if rank == 0 else []

@@ -8,7 +8,10 @@ that answers a hook takes precedence over them.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import shutil
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,11 +20,13 @@ import torch
 import torch.distributed as dist
 
 from torchplug.core import checkpoint
-from torchplug.core.errors import CheckpointError
+from torchplug.core.errors import CheckpointError, ConfigurationError
+from torchplug.core.registry import Option
 from torchplug.core.spec import hookimpl
 
 if TYPE_CHECKING:
-    from torchplug.core.engine import Engine
+    from torchplug.core.cluster import ClusterInfo
+    from torchplug.core.engine import Engine, Runtime
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -256,3 +261,85 @@ def _check_same_tensors(root: Path, key: str, saved: set[str], live: set[str]) -
         f"in the checkpoint only: {only_saved or 'none'}; in your object only: "
         f"{only_live or 'none'}. Load into the same architecture that was saved."
     )
+
+
+def default_device(local_rank: int = 0) -> torch.device:
+    """The accelerator for this local rank if there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def distributed_options() -> tuple[Option, ...]:
+    """The options of every :class:`DistributedStrategy`, for its StrategyInfo."""
+    return (
+        Option(
+            "process_group_backend",
+            (str, type(None)),
+            None,
+            "torch.distributed backend; default nccl on CUDA, gloo on CPU",
+        ),
+        Option("timeout", float, 1800.0, "seconds before a collective gives up"),
+    )
+
+
+class DistributedStrategy(Strategy):
+    """A backend on a torch.distributed process group: created here unless one exists."""
+
+    def __init__(self, process_group_backend: str | None = None, timeout: float = 1800.0) -> None:
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout
+        self.owns_process_group = False
+
+    @hookimpl
+    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+        from torchplug.core.engine import Runtime
+
+        device = default_device(cluster.local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            port = cluster.master_port
+            if port is None:
+                if cluster.world_size > 1:
+                    raise ConfigurationError(
+                        f"Strategy '{engine.strategy}' with world size {cluster.world_size} "
+                        f"needs MASTER_PORT (and MASTER_ADDR). Start the script with "
+                        f"`torchplug launch` or torchrun, which set them."
+                    )
+                port = free_port()  # a world of one, e.g. in a notebook
+            host = f"[{cluster.master_addr}]" if ":" in cluster.master_addr else cluster.master_addr
+            dist.init_process_group(
+                backend=self.process_group_backend or ("nccl" if device.type == "cuda" else "gloo"),
+                init_method=f"tcp://{host}:{port}",
+                rank=cluster.rank,
+                world_size=cluster.world_size,
+                timeout=datetime.timedelta(seconds=self.timeout),
+            )
+            self.owns_process_group = True
+        return Runtime(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=cluster.local_rank,
+            device=device,
+            node_rank=cluster.node_rank,
+        )
+
+    @hookimpl
+    def torchplug_teardown(self, engine: Engine) -> None:
+        if self.owns_process_group and dist.is_initialized():
+            # The process group's C++ destructor runs later, when the wrapped module is freed,
+            # and joins gloo's worker threads while holding the GIL. A worker still releasing the
+            # last collective's work needs the GIL too: a deadlock (seen with torch 2.13). So:
+            # the barrier keeps rank 0's store up until every rank is done, and the sleep gives
+            # up the GIL long enough for the workers to drop their finished work.
+            dist.barrier()
+            dist.destroy_process_group()
+            time.sleep(0.05)
+        self.owns_process_group = False

@@ -10,14 +10,7 @@ from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import Strategy
-
-
-def default_device(local_rank: int = 0) -> torch.device:
-    """The accelerator if there is one, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+from torchplug.core.strategy import Strategy, default_device
 
 
 class SingleDevice(Strategy):

@@ -1,0 +1,178 @@
+"""``fsdp``: torch FSDP2 (``fully_shard`` on a device mesh). Parameters, gradients and optimizer
+state are sharded across ranks; each shard unit is gathered only while it computes.
+
+FSDP owns precision: ``precision="bf16"`` becomes a ``MixedPrecisionPolicy`` (bf16 compute and
+all-gathers, fp32 gradient reduction and outputs) instead of the generic AMP wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from torchplug.core.engine import Engine
+from torchplug.core.errors import ConfigurationError
+from torchplug.core.registry import Option, StrategyInfo
+from torchplug.core.spec import hookimpl
+from torchplug.core.strategy import DistributedStrategy, distributed_options
+
+
+def shard_units(
+    model: torch.nn.Module, class_names: tuple[str, ...], min_params: int
+) -> list[torch.nn.Module]:
+    """Submodules (not the root) to shard on their own, innermost first.
+
+    A submodule qualifies if its class is named in ``class_names``, or if ``min_params`` > 0 and
+    the parameters it holds outside already chosen units number at least ``min_params``.
+    """
+    chosen: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module, is_root: bool) -> int:
+        free = sum(visit(child, False) for child in module.children())
+        free += sum(p.numel() for p in module.parameters(recurse=False))
+        by_class = type(module).__name__ in class_names
+        by_size = min_params > 0 and free >= min_params
+        if not is_root and free and (by_class or by_size):
+            chosen.append(module)
+            return 0
+        return free
+
+    visit(model, True)
+    return chosen
+
+
+def rebind(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.nn.Parameter]
+) -> None:
+    """Point ``optimizer`` at the sharded parameters that replaced the ones it was made with."""
+    if optimizer.state:
+        raise ConfigurationError(
+            "The optimizer has already stepped; fsdp replaces the model's parameters with shards, "
+            "so its state would no longer match. Call engine.setup(model, optimizer) before the "
+            "first step."
+        )
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [params[names[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise ConfigurationError(
+                "The optimizer holds parameters that are not the model's. Create it from "
+                "model.parameters() and pass both to engine.setup(model, optimizer)."
+            ) from None
+
+
+class FSDPStrategy(DistributedStrategy):
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        timeout: float = 1800.0,
+        shard_classes: list[str] | tuple[str, ...] = (),
+        min_params: int = 0,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+    ) -> None:
+        super().__init__(process_group_backend, timeout)
+        self.shard_classes = tuple(shard_classes)
+        self.min_params = min_params
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+
+    def _fully_shard_kwargs(self, engine: Engine) -> dict[str, Any]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        kwargs: dict[str, Any] = {
+            "mesh": init_device_mesh(engine.device.type, (engine.world_size,)),
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+        if engine.precision == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+            )
+        if self.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        return kwargs
+
+    @hookimpl
+    def torchplug_wrap(
+        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        from torch.distributed.fsdp import fully_shard
+
+        names = {id(p): name for name, p in model.named_parameters()}
+        if not self.cpu_offload:
+            model = model.to(engine.device)
+        kwargs = self._fully_shard_kwargs(engine)
+        for unit in shard_units(model, self.shard_classes, self.min_params):
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        params = dict(model.named_parameters())
+        for optimizer in optimizers:
+            rebind(optimizer, names, params)
+        return model, optimizers
+
+    @hookimpl
+    def torchplug_no_sync(
+        self, engine: Engine, model: torch.nn.Module
+    ) -> contextlib.AbstractContextManager[None]:
+        return _without_gradient_sync(model)
+
+    @hookimpl
+    def torchplug_clip_grad_norm(
+        self,
+        engine: Engine,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+        return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is None:
+        raise ConfigurationError(
+            f"no_sync() needs the model returned by engine.setup(), got a "
+            f"{type(model).__name__}. Pass the wrapped model."
+        )
+    setter(False)
+    try:
+        yield
+    finally:
+        setter(True)
+
+
+@hookimpl
+def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
+    register(
+        StrategyInfo(
+            name="fsdp",
+            aliases=("fsdp2", "fully-sharded"),
+            factory=FSDPStrategy,
+            description="torch FSDP2: parameters, gradients and optimizer state sharded.",
+            options=(
+                *distributed_options(),
+                Option(
+                    "shard_classes",
+                    (list, tuple),
+                    (),
+                    "class names of submodules to shard as units, e.g. ['TransformerBlock']",
+                ),
+                Option("min_params", int, 0, "shard submodules holding at least this many params"),
+                Option("reshard_after_forward", bool, True, "free gathered params after forward"),
+                Option("cpu_offload", bool, False, "keep sharded params and grads on the CPU"),
+            ),
+            precisions=("32", "bf16"),
+            owns_precision=True,
+            shards_parameters=True,
+            shards_optimizer=True,
+        )
+    )
