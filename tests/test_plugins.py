@@ -22,7 +22,7 @@ def test_unknown_strategy_suggests_the_closest_and_lists_installed():
         tp.Engine("dpp")
     message = str(info.value)
     assert "Unknown strategy 'dpp'. Did you mean 'ddp'?" in message
-    assert "Installed: ddp, single." in message
+    assert "Installed: ddp, fsdp, single." in message
     assert "torchplug plugins" in message
 
 
@@ -272,7 +272,7 @@ def test_installed_plugin_is_found_and_a_broken_one_is_reported_by_name(fake_dis
 def test_disable_autoload_loads_built_ins_only(fake_distribution, monkeypatch):
     monkeypatch.setenv("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD", "1")
     registry = manager.get_registry()
-    assert sorted(registry.strategies) == ["ddp", "single"]
+    assert sorted(registry.strategies) == ["ddp", "fsdp", "single"]
     assert imported(fake_distribution) == []
 
 
