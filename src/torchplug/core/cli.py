@@ -1,4 +1,4 @@
-"""The ``torchplug`` command: launch, plugins, doctor.
+"""The ``torchplug`` command: launch, plugins, doctor, convert.
 
 ``torchplug launch`` builds a ``torch.distributed.run`` (torchrun) invocation and runs it in this
 process: torchrun's own flags pass through, multi-node runs use its rendezvous, and there is no
@@ -216,6 +216,29 @@ def doctor() -> int:
     return 0
 
 
+# -- convert --------------------------------------------------------------------------------------
+
+
+def convert(args: Any) -> int:
+    from torchplug.core.convert import convert as run_convert
+    from torchplug.core.errors import TorchplugError
+
+    try:
+        written = run_convert(
+            args.source,
+            args.destination,
+            entry=args.entry,
+            optimizer=args.optimizer,
+            progress=args.progress,
+        )
+    except TorchplugError as exc:
+        print(f"torchplug convert: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
 # -- entry ----------------------------------------------------------------------------------------
 
 
@@ -233,6 +256,20 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list installed strategies and plugins")
     p.add_argument("-v", "--verbose", action="store_true", help="options, capabilities, hooks")
     sub.add_parser("doctor", help="versions, devices, cluster, resolved settings and their sources")
+    p = sub.add_parser(
+        "convert",
+        help="turn a checkpoint into DST/model.safetensors (loadable without torchplug)",
+    )
+    p.add_argument("source", help="a checkpoint directory written by engine.save")
+    p.add_argument("destination", help="directory to write model.safetensors into")
+    p.add_argument("--entry", default=None, help="which module entry (default: the only one)")
+    p.add_argument("--optimizer", action="store_true", help="also write optimizer.safetensors")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: on a terminal or for checkpoints over 1 GiB)",
+    )
     return parser
 
 
@@ -245,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plugins(verbose=args.verbose)
     if args.command == "doctor":
         return doctor()
+    if args.command == "convert":
+        return convert(args)
     _parser().print_help()
     return 0
 
