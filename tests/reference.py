@@ -9,11 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-)
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
@@ -39,20 +34,14 @@ def make_dataset(n: int, seed: int = 1) -> TensorDataset:
 
 def snapshot(engine: tp.Engine, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """Full (gathered) parameters and optimizer state by name, whatever the strategy."""
-    full = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload: rank 0 only)
-    params = get_model_state_dict(model, options=full)
-    with engine.real_optimizer_steps():
-        optim = get_optimizer_state_dict(model, optimizer, options=full)
+    full = engine.full_state(model, optimizer)
     opt_state = {
-        f"{name}.{k}": v.detach().cpu().clone()
-        for name, s in optim["state"].items()
+        f"{name}.{k}": v
+        for name, s in full["optimizer"]["state"].items()
         for k, v in s.items()
         if isinstance(v, torch.Tensor)
     }
-    return {
-        "params": {k: v.detach().cpu().clone() for k, v in params.items()},
-        "optimizer": opt_state,
-    }
+    return {"params": full["model"], "optimizer": opt_state}
 
 
 def train(

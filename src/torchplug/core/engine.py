@@ -410,6 +410,31 @@ class Engine:
             "torchplug_version": __version__,
         }
 
+    def full_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """Unsharded model (and optimizer) state by parameter name, on every rank, on the CPU.
+
+        A collective under sharding strategies: call it on every rank.
+        """
+        from torch.distributed.tensor import DTensor
+
+        def full(value: Any) -> Any:
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if isinstance(value, torch.Tensor):
+                return value.detach().cpu().clone()
+            if isinstance(value, dict):
+                return {k: full(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(full(v) for v in value)
+            return value
+
+        result = {"model": full(self.backend.model_state(self, model))}
+        if optimizer is not None:
+            result["optimizer"] = full(self.backend.optimizer_state(self, model, optimizer))
+        return result
+
     def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         """Write ``state`` (modules, optimizers, tensors, JSON values) as a checkpoint at ``path``.
 

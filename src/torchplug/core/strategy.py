@@ -119,6 +119,11 @@ class Strategy:
     # name and returns DTensor shards for sharded modules. Backends with their own optimizer
     # sharding (FairScale OSS) override them.
 
+    #: Load optimizer tensors into the live optimizer's own (possibly sharded) state tensors.
+    #: A backend whose optimizer holds only part of the state sets this False: the full state is
+    #: then read into fresh tensors and handed to ``load_optimizer_state``.
+    live_optimizer_targets = True
+
     def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -212,7 +217,8 @@ class Strategy:
         for key, entry in entries.items():
             names = list(checkpoint.tensor_paths(entry["data"]))
             kind = entry["kind"]
-            if key in state and kind in ("module", "optimizer"):
+            from_live = kind == "module" or (kind == "optimizer" and self.live_optimizer_targets)
+            if key in state and from_live:
                 obj = state[key]
                 if kind == "module":
                     live[key] = self.model_state(engine, obj)

@@ -1,0 +1,238 @@
+"""FairScale backends (`pip install torchplug[fairscale]`); fairscale is imported when chosen.
+
+``fairscale-oss``
+    optimizer state sharded with ``fairscale.optim.OSS``; gradients all-reduced by torch DDP.
+``fairscale-sdp``
+    OSS plus ``ShardedDataParallel``: each gradient is reduced only to the rank owning its
+    optimizer shard.
+``fairscale-fsdp``
+    FairScale's FullyShardedDataParallel; CUDA only (unusable elsewhere, with that reason).
+
+Checkpoints consolidate the sharded optimizer state (OSS's own consolidation) and store it by
+parameter name like every other strategy, so a FairScale checkpoint loads into ``ddp``, ``fsdp`` or
+``single`` and back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchplug.core.engine import Engine
+from torchplug.core.errors import ConfigurationError
+from torchplug.core.registry import Option, StrategyInfo
+from torchplug.core.spec import hookimpl
+from torchplug.core.strategy import DistributedStrategy, distributed_options
+from torchplug.plugins.ddp import DDPStrategy
+
+INSTALL = "pip install torchplug[fairscale]"
+
+
+def to_oss(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The same optimizer (class, groups, hyper-parameters) with its state sharded by OSS."""
+    from fairscale.optim import OSS
+
+    if isinstance(optimizer, OSS):
+        return optimizer
+    if optimizer.state:
+        raise ConfigurationError(
+            "The optimizer has already stepped; OSS re-creates it with sharded state. Call "
+            "engine.setup(model, optimizer) before the first step."
+        )
+    groups = [dict(g) for g in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    # defaults can hold keys the constructor does not take (AdamW: decoupled_weight_decay)
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return OSS(groups, optim=type(optimizer), **defaults)
+
+
+def _names(model: torch.nn.Module) -> dict[int, str]:
+    inner = getattr(model, "module", model)
+    return {id(p): name for name, p in inner.named_parameters()}
+
+
+class OSSCheckpointing:
+    """Optimizer state through OSS consolidation, stored by parameter name (portable)."""
+
+    #: OSS holds only its shard: loading reads the full optimizer state into fresh tensors.
+    live_optimizer_targets = False
+
+    def optimizer_state(
+        self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        optimizer.consolidate_state_dict(recipient_rank=0)  # a collective
+        full = engine.broadcast_object(optimizer.state_dict() if engine.is_main else None)
+        names = _names(model)
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        state = {order[i]: values for i, values in full["state"].items()}
+        groups = []
+        for group in full["param_groups"]:
+            groups.append({**group, "params": [order[i] for i in group["params"]]})
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state(
+        self,
+        engine: Engine,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
+    ) -> None:
+        names = _names(model)
+        index = {
+            names[id(p)]: i
+            for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
+        }
+        try:
+            full = {
+                "state": {index[name]: values for name, values in state["state"].items()},
+                "param_groups": [
+                    {**group, "params": [index[name] for name in group["params"]]}
+                    for group in state["param_groups"]
+                ],
+            }
+        except KeyError as exc:
+            raise ConfigurationError(
+                f"The checkpoint's optimizer state names parameter {exc}, which this model lacks."
+            ) from None
+        optimizer.load_state_dict(full)
+
+
+class OSSStrategy(OSSCheckpointing, DDPStrategy):
+    @hookimpl
+    def torchplug_wrap(
+        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        ddp_model, _ = DDPStrategy.torchplug_wrap(self, engine, model, optimizers)
+        return ddp_model, [to_oss(o) for o in optimizers]
+
+
+class SDPStrategy(OSSCheckpointing, DistributedStrategy):
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        timeout: float = 1800.0,
+        reduce_buffer_size: int = 2**23,
+    ) -> None:
+        super().__init__(process_group_backend, timeout)
+        self.reduce_buffer_size = reduce_buffer_size
+
+    @hookimpl
+    def torchplug_wrap(
+        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        if not optimizers:
+            raise ConfigurationError(
+                "fairscale-sdp shards gradients by optimizer: pass the optimizer too, "
+                "engine.setup(model, optimizer)."
+            )
+        sharded = [to_oss(o) for o in optimizers]
+        for optimizer in sharded:
+            _keep_gradient_buffers(optimizer)
+        wrapped = ShardedDataParallel(
+            model.to(engine.device),
+            sharded_optimizer=sharded,
+            reduce_buffer_size=self.reduce_buffer_size,
+        )
+        return wrapped, sharded
+
+    @hookimpl
+    def torchplug_no_sync(
+        self, engine: Engine, model: torch.nn.Module
+    ) -> contextlib.AbstractContextManager[None]:
+        return model.no_sync()
+
+    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+        return super().model_state(engine, getattr(model, "module", model))
+
+    def load_model_state(
+        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any]
+    ) -> None:
+        super().load_model_state(engine, getattr(model, "module", model), state)
+
+
+def _keep_gradient_buffers(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``zero_grad()`` zero gradients in place instead of setting them to None.
+
+    The FairScale trap: ShardedDataParallel reduces gradients through buffers that each
+    ``param.grad`` views. torch >= 2.0's ``zero_grad()`` sets grads to None, the next backward
+    allocates fresh unreduced grads outside the buffers, and training silently uses each rank's
+    local gradient. Zeroing in place keeps the views, so the reduced gradient is what steps.
+    """
+    original = optimizer.zero_grad
+
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        original(set_to_none=False)
+
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+
+
+def _cuda_only() -> str | None:
+    if not torch.cuda.is_available():
+        return "FairScale's FullyShardedDataParallel runs on CUDA only and this machine has no GPU"
+    return None
+
+
+class FairScaleFSDPStrategy(DistributedStrategy):
+    @hookimpl
+    def torchplug_wrap(
+        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        from fairscale.nn import FullyShardedDataParallel
+
+        if any(o.param_groups for o in optimizers):
+            raise ConfigurationError(
+                "fairscale-fsdp flattens the model's parameters; create the optimizer after "
+                "setup: model = engine.setup(model); optimizer = Adam(model.parameters()); "
+                "engine.setup(model, optimizer) is not supported for it."
+            )
+        return FullyShardedDataParallel(model.to(engine.device)), optimizers
+
+
+@hookimpl
+def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
+    common: dict[str, Any] = {"requires": ("fairscale",), "install_hint": INSTALL}
+    register(
+        StrategyInfo(
+            name="fairscale-oss",
+            aliases=("oss",),
+            factory=OSSStrategy,
+            description="FairScale OSS optimizer-state sharding with torch DDP.",
+            options=(*distributed_options(),),
+            shards_optimizer=True,
+            **common,
+        )
+    )
+    register(
+        StrategyInfo(
+            name="fairscale-sdp",
+            aliases=("sharded-ddp",),
+            factory=SDPStrategy,
+            description="FairScale OSS + ShardedDataParallel: gradients reduced to their owner.",
+            options=(
+                *distributed_options(),
+                Option("reduce_buffer_size", int, 2**23, "bucket size in elements; 0 = none"),
+            ),
+            shards_optimizer=True,
+            **common,
+        )
+    )
+    register(
+        StrategyInfo(
+            name="fairscale-fsdp",
+            factory=FairScaleFSDPStrategy,
+            description="FairScale FullyShardedDataParallel (CUDA only).",
+            options=(*distributed_options(),),
+            shards_parameters=True,
+            shards_optimizer=True,
+            supports_cpu=False,
+            check=_cuda_only,
+            **common,
+        )
+    )
