@@ -148,12 +148,13 @@ def test_overwrite_replaces_atomically_and_keeps_values(tmp_path):
     first, second = torch.arange(3.0), torch.arange(4.0)
     with tp.Engine("single") as engine:
         engine.save(path, {"step": 1, "note": {"a": [1, 2]}, "rng": first})
-        engine.save(path, {"step": 2, "note": {"a": [3]}, "rng": second})
+        engine.save(path, {"step": 2, "note": {"a": [3]}, "rng": second}, metadata={"run": "b"})
         state = {"step": 0}
         rest = engine.load(path, state)
     assert state == {"step": 2}
     assert rest["note"] == {"a": [3]}
     assert torch.equal(rest["rng"], second)
+    assert json.loads((path / "manifest.json").read_text())["metadata"] == {"run": "b"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 

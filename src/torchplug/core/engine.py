@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import json
 import os
 import types
 import weakref
@@ -435,13 +436,25 @@ class Engine:
             result["optimizer"] = full(self.backend.optimizer_state(self, model, optimizer))
         return result
 
-    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         """Write ``state`` (modules, optimizers, tensors, JSON values) as a checkpoint at ``path``.
 
         Call it on every rank. The previous checkpoint at ``path`` stays intact until the new one
-        is complete.
+        is complete. ``metadata`` (JSON values) is recorded in the manifest for your own use.
         """
-        self.hook.torchplug_save(engine=self, path=str(Path(path)), state=state)
+        metadata = dict(metadata or {})
+        try:
+            json.dumps(metadata, allow_nan=True)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"Checkpoint metadata must be JSON values (numbers, strings, lists, dicts): {exc}"
+            ) from None
+        self.hook.torchplug_save(engine=self, path=str(Path(path)), state=state, metadata=metadata)
 
     def load(
         self, path: str | os.PathLike[str], state: dict[str, Any] | None = None

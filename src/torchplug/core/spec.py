@@ -174,8 +174,12 @@ def torchplug_barrier(engine: Engine) -> bool | None:
 
 
 @hookspec(firstresult=True)
-def torchplug_save(engine: Engine, path: str, state: dict[str, Any]) -> bool | None:
+def torchplug_save(
+    engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
+) -> bool | None:
     """Write ``state`` as a torchplug checkpoint directory at ``path``; return ``True``.
+
+    ``metadata`` is the user's JSON-serializable dict, recorded in the manifest as is.
 
     Every rank calls it. The backend decides who writes what (rank 0 writes a full state dict;
     sharded backends write shards) through :mod:`torchplug.core.checkpoint`, which writes

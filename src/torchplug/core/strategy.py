@@ -167,7 +167,9 @@ class Strategy:
         return kind, obj
 
     @hookimpl(trylast=True)
-    def torchplug_save(self, engine: Engine, path: str, state: dict[str, Any]) -> bool:
+    def torchplug_save(
+        self, engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
+    ) -> bool:
         """Every rank writes its tensors (DCP); rank 0 writes the manifest and swaps it in."""
         final = Path(path).absolute()
         tmp: Path | None = None
@@ -189,7 +191,8 @@ class Strategy:
                 checkpoint.save_tensors(tmp / checkpoint.TENSORS, tensors)
             engine.barrier()
             if engine.is_main:
-                checkpoint.write_manifest(tmp, engine.checkpoint_header(state), entries)
+                header = {**engine.checkpoint_header(state), "metadata": metadata}
+                checkpoint.write_manifest(tmp, header, entries)
                 checkpoint.swap_into_place(tmp, final)
         except BaseException as exc:
             error = exc
