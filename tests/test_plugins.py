@@ -390,4 +390,8 @@ def test_trace_prints_each_hook_call(monkeypatch, capfd):
     with tp.Engine("single") as engine:
         one_step(engine)
     err = capfd.readouterr().err
-    assert "torchplug_setup" in err and "torchplug_backward" in err
+    assert "[torchplug] torchplug_setup: answered by SingleDevice -> Runtime(" in err
+    assert "[torchplug] torchplug_backward: answered by SingleDevice -> True" in err
+    with tp.Engine("single", precision="bf16") as engine:
+        one_step(engine)
+    assert "torchplug_wrap: wrapped by MixedPrecision" in capfd.readouterr().err

@@ -63,9 +63,16 @@ class PluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__(spec.PROJECT)
         self.add_hookspecs(spec)
-        if _truthy("TORCHPLUG_TRACE"):
-            self.trace.root.setwriter(lambda text: sys.stderr.write(f"[torchplug] {text}"))
-            self.enable_tracing()
+        self.tracing = _truthy("TORCHPLUG_TRACE")
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        registered = super().register(plugin, name)
+        if registered is not None and self.tracing:
+            for caller in self.get_hookcallers(plugin) or []:
+                for impl in caller.get_hookimpls():
+                    if impl.plugin is plugin:
+                        impl.function = _traced(caller.name, impl, _label(plugin, registered))
+        return registered
 
     def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)
@@ -77,6 +84,34 @@ class PluginManager(pluggy.PluginManager):
         ):
             return {}
         return opts
+
+
+def _label(plugin: object, name: str) -> str:
+    kind = getattr(plugin, "__name__", None) or type(plugin).__name__
+    return kind if name.isdigit() or name.startswith("_") else f"{name} ({kind})"
+
+
+def _traced(hook: str, impl: Any, label: str) -> Any:
+    """``impl.function``, printing to stderr which plugin answered or wrapped ``hook``."""
+    function = impl.function
+
+    if impl.wrapper or impl.hookwrapper:
+
+        def wrapper(*args: Any) -> Any:
+            sys.stderr.write(f"[torchplug] {hook}: wrapped by {label}\n")
+            return function(*args)
+
+        return wrapper
+
+    def answer(*args: Any) -> Any:
+        result = function(*args)
+        if result is not None:
+            shown = repr(result)
+            shown = shown if len(shown) < 60 else shown[:57] + "..."
+            sys.stderr.write(f"[torchplug] {hook}: answered by {label} -> {shown}\n")
+        return result
+
+    return answer
 
 
 def new_plugin_manager() -> PluginManager:
