@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from torchplug.core import manager
 from torchplug.testing import RankPool
 
-TESTS = Path(__file__).parent
-ROOT = TESTS.parent
+pytest_plugins = ["torchplug.testing.pytest_plugin"]
 
 
 @pytest.fixture(scope="session")
-def ranks() -> Iterator[RankPool]:
-    """Two ranks on loopback (gloo); each ``ranks.run(fn, ...)`` gets a fresh process group."""
-    pool = RankPool(2, sys_path=[str(TESTS)], env={"PYTHONWARNINGS": "ignore"})
-    yield pool
-    pool.stop()
+def ranks(torchplug_ranks: RankPool) -> RankPool:
+    """Two ranks on loopback (gloo); each ``ranks.run(fn, ...)`` gets a fresh process group.
+
+    The conformance kit's own pool (from torchplug's pytest plugin), so one torchrun serves all.
+    """
+    return torchplug_ranks
 
 
 @pytest.fixture(autouse=True)

@@ -216,6 +216,38 @@ def doctor() -> int:
     return 0
 
 
+# -- check ----------------------------------------------------------------------------------------
+
+
+def check(args: Any) -> int:
+    from torchplug.core.errors import TorchplugError
+    from torchplug.testing.kit import PROPERTIES, Kit
+
+    unknown = [p for p in args.only or () if p not in PROPERTIES]
+    if unknown:
+        print(
+            f"torchplug check: unknown property {unknown}; choose from {', '.join(PROPERTIES)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        kit = Kit(args.strategy, args.nprocs, plugins=args.plugin)
+    except TorchplugError as exc:
+        print(f"torchplug check: {exc}", file=sys.stderr)
+        return 2
+    where = f"{kit.nprocs} ranks" if kit.nprocs > 1 else "1 process: the strategy runs one"
+    print(f"torchplug check {kit.strategy} ({where})")
+    try:
+        outcomes = kit.check(args.only or PROPERTIES)
+    finally:
+        kit.close()
+    for outcome in outcomes:
+        print(f"  {outcome}")
+    failed = [o.name for o in outcomes if not o.passed]
+    print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
 # -- convert --------------------------------------------------------------------------------------
 
 
@@ -257,6 +289,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="options, capabilities, hooks")
     sub.add_parser("doctor", help="versions, devices, cluster, resolved settings and their sources")
     p = sub.add_parser(
+        "check", help="run the conformance kit on a strategy (torchplug check ddp -n 2)"
+    )
+    p.add_argument("strategy")
+    p.add_argument("-n", "--nprocs", type=int, default=2, help="ranks to run on (default 2)")
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import and register an in-house plugin module first (repeatable)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        metavar="PROPERTY",
+        help="check only this property (repeatable)",
+    )
+    p = sub.add_parser(
         "convert",
         help="turn a checkpoint into DST/model.safetensors (loadable without torchplug)",
     )
@@ -284,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return doctor()
     if args.command == "convert":
         return convert(args)
+    if args.command == "check":
+        return check(args)
     _parser().print_help()
     return 0
 

@@ -117,6 +117,9 @@ class StrategyInfo:
     distributed: bool = True
     #: ``"torchrun"`` or the name of a launcher the strategy brings (e.g. ``"xla"``).
     launcher: str = "torchrun"
+    #: How far results may stray from the single-process reference (lossy communication such
+    #: as gradient compression declares more); ``None``: check convergence instead.
+    tolerance: float | None = 1e-5
     #: Extra usability test; returns why the strategy cannot run here, or ``None``.
     check: Callable[[], str | None] | None = None
     #: Filled in by the plugin manager: which plugin and distribution announced it.

@@ -1,0 +1,305 @@
+"""The conformance kit: the properties every strategy must have, each checked in real processes.
+
+Run it as ``torchplug check STRATEGY [-n 2]``, or in a test suite through
+:class:`torchplug.testing.Conformance`. Each property yields an :class:`Outcome` whose detail
+holds the measured numbers, so a failure says which property broke and by how much.
+
+Strategies whose communication is lossy (gradient compression) declare ``tolerance`` in their
+:class:`~torchplug.StrategyInfo`; with ``tolerance=None`` parity is checked as convergence.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import torchplug as tp
+from torchplug.core import manager
+from torchplug.core.errors import ConfigurationError
+from torchplug.core.registry import StrategyInfo
+from torchplug.testing import bodies
+from torchplug.testing.processes import RankError, RankPool, default_sys_path
+
+PROPERTIES = (
+    "parity",
+    "collectives",
+    "checkpoint",
+    "resume",
+    "portability",
+    "single_process",
+    "unsupported",
+)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    passed: bool
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'}  {self.name:<15} {self.detail}"
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        return float("inf")
+    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a), default=0.0)
+
+
+def bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ in any bit (or exist on one side only)."""
+    return sorted(
+        k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k])
+    )
+
+
+class Kit:
+    """Checks one strategy. Results of shared runs are cached across properties."""
+
+    def __init__(
+        self,
+        strategy: str,
+        nprocs: int = 2,
+        *,
+        plugins: Sequence[str] = (),
+        options: dict[str, Any] | None = None,
+        pool: RankPool | None = None,
+    ) -> None:
+        bodies.register(plugins)
+        self.info: StrategyInfo = manager.get_registry().strategy(strategy)
+        self.strategy = self.info.name
+        self.plugins = list(plugins)
+        self.options = dict(options or {})
+        self.nprocs = nprocs if self.info.distributed else 1
+        self._pool = pool
+        self._own_pool = pool is None
+        self._cache: dict[str, Any] = {}
+        self._tmp = Path(tempfile.mkdtemp(prefix="torchplug-check-"))
+
+    # -- running ----------------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> RankPool:
+        if self._pool is None:
+            self._pool = RankPool(self.nprocs, sys_path=default_sys_path())
+        return self._pool
+
+    def close(self) -> None:
+        if self._own_pool and self._pool is not None:
+            self._pool.stop()
+
+    def run(self, body: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``body`` on every rank of the strategy (or in this process if it runs one)."""
+        kwargs.update(plugins=self.plugins, options=self.options)
+        if self.nprocs == 1:
+            return [body(self.strategy, *args, **kwargs)]
+        return self.pool.run(body, self.strategy, *args, **kwargs)
+
+    def cached(self, key: str, make: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def reference(self, **kwargs: Any) -> dict[str, Any]:
+        key = f"reference{sorted(kwargs.items())}"
+        return self.cached(key, lambda: bodies.train("single", **kwargs))
+
+    @property
+    def tolerance(self) -> float | None:
+        return self.info.tolerance
+
+    # -- properties -------------------------------------------------------------------------------
+
+    def parity(self) -> Outcome:
+        reference = self.reference()
+        results = self.cached("train10", lambda: self.run(bodies.train))
+        if self.tolerance is None:
+            losses = results[0]["losses"]
+            ok = losses[-1] < 0.5 * losses[0]
+            return Outcome(
+                "parity",
+                ok,
+                f"lossy: checked for convergence, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+                f"({'at least' if ok else 'less than'} halved)",
+            )
+        worst_loss = max(
+            abs(a - b)
+            for r in results
+            for a, b in zip(r["losses"], reference["losses"], strict=True)
+        )
+        worst_param = max(max_diff(r["params"], reference["params"]) for r in results)
+        worst = max(worst_loss, worst_param)
+        return Outcome(
+            "parity",
+            worst <= self.tolerance,
+            f"max |loss diff| {worst_loss:.2e}, max |param diff| {worst_param:.2e} "
+            f"{'<=' if worst <= self.tolerance else '>'} tolerance {self.tolerance:.0e} "
+            f"({len(results)} ranks vs one process on the combined batch)",
+        )
+
+    def collectives(self) -> Outcome:
+        results = self.run(bodies.collectives)
+        n = results[0]["world_size"]
+        values = [[r + 1.0, -2.0 * (r + 1)] for r in range(n)]
+        expected = {
+            "sum": [sum(v[i] for v in values) for i in range(2)],
+            "mean": [sum(v[i] for v in values) / n for i in range(2)],
+            "max": [max(v[i] for v in values) for i in range(2)],
+            "min": [min(v[i] for v in values) for i in range(2)],
+            "gather": values,
+        }
+        wrong = [
+            f"rank {r['rank']} {op}: got {r[op]}, expected {want}"
+            for r in results
+            for op, want in expected.items()
+            if r[op] != want
+        ]
+        return Outcome(
+            "collectives",
+            not wrong,
+            "; ".join(wrong) or f"sum/mean/max/min and gather correct on {n} ranks",
+        )
+
+    def _saved(self) -> tuple[str, dict[str, Any]]:
+        def make() -> tuple[str, dict[str, Any]]:
+            path = str(self._tmp / "ckpt")
+            return path, self.run(bodies.train, steps=3, save_to=path)[0]
+
+        return self.cached("saved", make)
+
+    def checkpoint(self) -> Outcome:
+        path, saved = self._saved()
+        loaded = self.run(bodies.load, path)
+        differ = sorted({n for r in loaded for n in bit_exact(r["params"], saved["params"])})
+        differ += sorted({n for r in loaded for n in bit_exact(r["optimizer"], saved["optimizer"])})
+        steps = {r["step"] for r in loaded}
+        ok = not differ and steps == {3}
+        detail = (
+            "parameters and optimizer state load back bit-exact"
+            if ok
+            else f"differ after save -> load: {differ[:5]}; step {steps} (expected 3)"
+        )
+        return Outcome("checkpoint", ok, detail)
+
+    def resume(self) -> Outcome:
+        path = str(self._tmp / "half")
+        first = self.run(bodies.train, steps=5, save_to=path)[0]
+        second = self.run(bodies.train, steps=5, first_step=5, load_from=path)[0]
+        whole = self.cached("train10", lambda: self.run(bodies.train))[0]
+        worst_loss = max(
+            abs(a - b)
+            for a, b in zip(first["losses"] + second["losses"], whole["losses"], strict=True)
+        )
+        worst = max(worst_loss, max_diff(second["params"], whole["params"]))
+        # A resumed run repeats the same arithmetic: exact strategies must agree to 1e-6; lossy
+        # ones whose compression state is not checkpointed, to their declared tolerance.
+        if self.tolerance is None:
+            tolerance = 1e-1
+        else:
+            tolerance = 1e-6 if self.tolerance <= 1e-5 else self.tolerance
+        return Outcome(
+            "resume",
+            worst <= tolerance,
+            f"5 steps + save/load + 5 steps vs 10 steps: max diff {worst:.2e} "
+            f"{'<=' if worst <= tolerance else '>'} {tolerance:.0e}",
+        )
+
+    def portability(self) -> Outcome:
+        path, saved = self._saved()
+        loaded = bodies.load("single", path)
+        differ = bit_exact(loaded["params"], saved["params"])
+        differ += bit_exact(loaded["optimizer"], saved["optimizer"])
+        return Outcome(
+            "portability",
+            not differ,
+            f"checkpoint of {self.nprocs} rank(s) loads bit-exact into 'single' in one process"
+            if not differ
+            else f"differ after loading into 'single': {differ[:5]}",
+        )
+
+    def single_process(self) -> Outcome:
+        result = bodies.train(self.strategy, plugins=self.plugins, options=self.options)
+        reference = self.reference()
+        if self.tolerance is None:
+            ok = result["losses"][-1] < 0.5 * result["losses"][0]
+            return Outcome(
+                "single_process",
+                ok,
+                "lossy: converges in one process"
+                if ok
+                else f"does not converge in one process: {result['losses']}",
+            )
+        worst = max(
+            max(abs(a - b) for a, b in zip(result["losses"], reference["losses"], strict=True)),
+            max_diff(result["params"], reference["params"]),
+        )
+        return Outcome(
+            "single_process",
+            result["world_size"] == 1 and worst <= self.tolerance,
+            f"runs as a world of one; max diff vs reference {worst:.2e}",
+        )
+
+    def unsupported(self) -> Outcome:
+        problems = []
+        asks: list[tuple[str, dict[str, Any]]] = [
+            (f"precision {p!r}", {"precision": p})
+            for p in ("32", "bf16", "fp16")
+            if p not in self.info.precisions
+        ]
+        asks.append(("an unknown option", {"no_such_option_xyz": 1}))
+        for what, kwargs in asks:
+            try:
+                engine = tp.Engine(self.strategy, **{**self.options, **kwargs})
+            except ConfigurationError:
+                continue
+            except Exception as exc:  # an error, but not the clear configuration error
+                problems.append(f"{what} raised {type(exc).__name__}, not ConfigurationError")
+                continue
+            engine.close()
+            problems.append(f"{what} was accepted instead of refused")
+        return Outcome(
+            "unsupported",
+            not problems,
+            "; ".join(problems)
+            or f"refused with ConfigurationError: {', '.join(w for w, _ in asks)}",
+        )
+
+    def check(self, only: Sequence[str] = PROPERTIES) -> list[Outcome]:
+        outcomes = []
+        for name in only:
+            try:
+                outcomes.append(getattr(self, name)())
+            except RankError as exc:
+                outcomes.append(Outcome(name, False, f"a rank failed: {_last_line(str(exc))}"))
+            except Exception as exc:
+                outcomes.append(Outcome(name, False, f"{type(exc).__name__}: {exc}"))
+        return outcomes
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line]
+    return (errors or lines or [""])[-1].strip()
+
+
+def check(
+    strategy: str,
+    nprocs: int = 2,
+    *,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    only: Sequence[str] = PROPERTIES,
+    pool: RankPool | None = None,
+) -> list[Outcome]:
+    """Run the kit on ``strategy``; every property's outcome, in order."""
+    kit = Kit(strategy, nprocs, plugins=plugins, options=options, pool=pool)
+    try:
+        return kit.check(only)
+    finally:
+        kit.close()
