@@ -10,8 +10,6 @@ import pytest
 from torchplug.core import manager
 from torchplug.testing import RankPool
 
-pytest_plugins = ["torchplug.testing.pytest_plugin"]
-
 
 @pytest.fixture(scope="session")
 def ranks(torchplug_ranks: RankPool) -> RankPool:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from torchplug.testing.conformance import Conformance
 from torchplug.testing.kit import check
-from torchplug.testing.pytest_plugin import Conformance
 
 
 class TestSingle(Conformance):

@@ -48,6 +48,25 @@ def _launch_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def apply_cluster(args: Any, parser: argparse.ArgumentParser, info: Any) -> list[str]:
+    """Fill torchrun's multi-node flags the user left at their defaults from the cluster
+    environment a plugin detected (SLURM, SageMaker, ...); return the flags filled."""
+    if info.num_nodes <= 1 or info.source in ("torchrun", "single process"):
+        return []
+    wanted = {
+        "nnodes": str(info.num_nodes),
+        "node_rank": info.node_rank,
+        "master_addr": info.master_addr,
+        "master_port": info.master_port,
+    }
+    filled = []
+    for dest, value in wanted.items():
+        if value is not None and getattr(args, dest) == parser.get_default(dest):
+            setattr(args, dest, value)
+            filled.append(dest)
+    return filled
+
+
 def launch(argv: Sequence[str]) -> int:
     parser = _launch_parser()
     args = parser.parse_args(list(argv))
@@ -76,6 +95,9 @@ def launch(argv: Sequence[str]) -> int:
         return 2
     if args.nproc_per_node is None:
         args.nproc_per_node = str(torch.cuda.device_count() or 1)
+    from torchplug.core import cluster
+
+    apply_cluster(args, parser, cluster.detect())
     single_node = str(args.nnodes) in ("1", "1:1")
     if single_node and not args.rdzv_endpoint and "MASTER_PORT" not in os.environ:
         args.standalone = True  # a free port per run: several launches can share the machine

@@ -1,26 +1,14 @@
-"""The conformance kit as a pytest plugin, for backend authors' own test suites.
-
-Enable it in a ``conftest.py`` and subclass :class:`Conformance`::
-
-    pytest_plugins = ["torchplug.testing.pytest_plugin"]
-
-    from torchplug.testing.pytest_plugin import Conformance
-
-    class TestMyBackend(Conformance):
-        strategy = "my-backend"        # options = {...}; plugins = ["my_module"]; nprocs = 2
-
-Every property of :mod:`torchplug.testing.kit` becomes a test, run on real ranks started once per
-session by torchrun (the ``torchplug_ranks`` fixture).
+"""torchplug's pytest plugin, loaded automatically (``pytest11`` entry point) where torchplug is
+installed. It only provides the ``torchplug_ranks`` fixture and imports nothing heavy; the
+conformance suite lives in :mod:`torchplug.testing.conformance`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
-from torchplug.testing.kit import Kit, Outcome
 from torchplug.testing.processes import RankPool, default_sys_path
 
 
@@ -30,45 +18,3 @@ def torchplug_ranks() -> Iterator[RankPool]:
     pool = RankPool(2, sys_path=default_sys_path(), env={"PYTHONWARNINGS": "ignore"})
     yield pool
     pool.stop()
-
-
-def _expect(outcome: Outcome) -> None:
-    assert outcome.passed, f"{outcome.name}: {outcome.detail}"
-
-
-class Conformance:
-    """Subclass with ``strategy = "name"``: one test per property of the conformance kit."""
-
-    strategy: str = ""
-    nprocs: int = 2
-    plugins: Sequence[str] = ()
-    options: dict[str, Any] = {}  # noqa: RUF012 - read-only class configuration
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def torchplug_kit(cls, torchplug_ranks: RankPool) -> Iterator[Kit]:
-        pool = torchplug_ranks if torchplug_ranks.nprocs == cls.nprocs else None
-        kit = Kit(cls.strategy, cls.nprocs, plugins=cls.plugins, options=cls.options, pool=pool)
-        yield kit
-        kit.close()
-
-    def test_parity(self, torchplug_kit: Kit) -> None:
-        _expect(torchplug_kit.parity())
-
-    def test_collectives(self, torchplug_kit: Kit) -> None:
-        _expect(torchplug_kit.collectives())
-
-    def test_checkpoint(self, torchplug_kit: Kit) -> None:
-        _expect(torchplug_kit.checkpoint())
-
-    def test_resume(self, torchplug_kit: Kit) -> None:
-        _expect(torchplug_kit.resume())
-
-    def test_portability(self, torchplug_kit: Kit) -> None:
-        _expect(torchplug_kit.portability())
-
-    def test_single_process(self, torchplug_kit: Kit) -> None:
-        _expect(torchplug_kit.single_process())
-
-    def test_unsupported(self, torchplug_kit: Kit) -> None:
-        _expect(torchplug_kit.unsupported())

@@ -1,0 +1,65 @@
+"""The conformance kit as pytest tests, for backend authors' own test suites.
+
+Subclass :class:`Conformance` in a test module; torchplug's pytest plugin (loaded automatically)
+provides the ranks::
+
+    from torchplug.testing.conformance import Conformance
+
+    class TestMyBackend(Conformance):
+        strategy = "my-backend"        # options = {...}; plugins = ["my_module"]; nprocs = 2
+
+Every property of :mod:`torchplug.testing.kit` becomes a test, run on real ranks started once per
+session by torchrun (the ``torchplug_ranks`` fixture).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from torchplug.testing.kit import Kit, Outcome
+from torchplug.testing.processes import RankPool
+
+
+def _expect(outcome: Outcome) -> None:
+    assert outcome.passed, f"{outcome.name}: {outcome.detail}"
+
+
+class Conformance:
+    """Subclass with ``strategy = "name"``: one test per property of the conformance kit."""
+
+    strategy: str = ""
+    nprocs: int = 2
+    plugins: Sequence[str] = ()
+    options: dict[str, Any] = {}  # noqa: RUF012 - read-only class configuration
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def torchplug_kit(cls, torchplug_ranks: RankPool) -> Iterator[Kit]:
+        pool = torchplug_ranks if torchplug_ranks.nprocs == cls.nprocs else None
+        kit = Kit(cls.strategy, cls.nprocs, plugins=cls.plugins, options=cls.options, pool=pool)
+        yield kit
+        kit.close()
+
+    def test_parity(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.parity())
+
+    def test_collectives(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.collectives())
+
+    def test_checkpoint(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.checkpoint())
+
+    def test_resume(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.resume())
+
+    def test_portability(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.portability())
+
+    def test_single_process(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.single_process())
+
+    def test_unsupported(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.unsupported())

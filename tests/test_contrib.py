@@ -1,0 +1,113 @@
+"""The contrib packages, pip-installed into this environment and used by name."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from torchplug.core.cli import _launch_parser, apply_cluster
+from torchplug.core.cluster import ClusterInfo
+from torchplug.testing.kit import check
+
+CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
+PACKAGES = {
+    "torchplug_powersgd": "torchplug-powersgd",
+    "torchplug_sagemaker": "torchplug-sagemaker",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed() -> Iterator[None]:
+    """pip-install the contrib packages unless the environment (tox) already has them."""
+    missing = [d for m, d in PACKAGES.items() if importlib.util.find_spec(m) is None]
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    if missing:
+        subprocess.run(
+            [
+                *pip,
+                "install",
+                "--no-deps",
+                "--no-build-isolation",
+                *(str(CONTRIB / d) for d in missing),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    yield
+    if missing:
+        subprocess.run([*pip, "uninstall", "-y", *missing], capture_output=True, timeout=120)
+
+
+def torchplug(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchplug", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_powersgd_is_listed_with_its_package_and_version():
+    run = torchplug("plugins")
+    line = next(x for x in run.stdout.splitlines() if x.startswith("powersgd"))
+    assert "torchplug-powersgd 0.1.0" in line and line.endswith("usable")
+
+
+def test_powersgd_passes_the_conformance_kit_on_two_ranks(ranks):
+    outcomes = check("powersgd", pool=ranks)
+    failed = [str(o) for o in outcomes if not o.passed]
+    assert not failed, failed
+    assert "lossy: checked for convergence" in outcomes[0].detail
+
+
+def test_sagemaker_identity_in_doctor(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "SLURM_"))}
+    env.update(
+        SM_HOSTS=json.dumps(["algo-1", "algo-2"]),
+        SM_CURRENT_HOST="algo-2",
+        SM_NUM_GPUS="0",
+        SM_NUM_CPUS="8",
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "torchplug", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = {line.split()[0]: line.split()[-1] for line in run.stdout.splitlines() if line.strip()}
+    assert lines["detected"] == "SageMaker"
+    assert (lines["rank"], lines["world_size"], lines["node_rank"]) == ("1", "2", "1")
+    assert lines["master_addr"] == "algo-1"
+
+
+def test_launch_takes_multi_node_flags_from_the_cluster_environment():
+    parser = _launch_parser()
+    info = ClusterInfo(
+        rank=4,
+        world_size=8,
+        node_rank=1,
+        num_nodes=2,
+        local_world_size=4,
+        master_addr="algo-1",
+        master_port=29500,
+        source="SageMaker",
+    )
+    args = parser.parse_args(["train.py"])
+    filled = sorted(apply_cluster(args, parser, info))
+    assert filled == ["master_addr", "master_port", "nnodes", "node_rank"]
+    assert (args.nnodes, args.node_rank, args.master_addr) == ("2", 1, "algo-1")
+    args = parser.parse_args(["--nnodes", "3", "train.py"])  # the user's own flags win
+    apply_cluster(args, parser, info)
+    assert args.nnodes == "3"
