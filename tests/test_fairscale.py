@@ -9,6 +9,7 @@ import torchplug as tp
 from reference import make_dataset, make_model, train
 from test_parity import assert_close_dicts
 from test_resume import run
+from torchplug.testing.conformance import Conformance
 
 pytest.importorskip("fairscale")
 
@@ -84,3 +85,11 @@ def test_resume_across_fairscale_and_others(ranks, tmp_path, first, second):
     after = run(ranks, *second, steps=5, first_step=5, load_from=path)
     assert before["losses"] + after["losses"] == pytest.approx(uninterrupted["losses"], abs=1e-6)
     assert_close_dicts(after["params"], uninterrupted["params"], atol=1e-6)
+
+
+class TestFairScaleOSSConformance(Conformance):
+    strategy = "fairscale-oss"
+
+
+class TestFairScaleSDPConformance(Conformance):
+    strategy = "fairscale-sdp"
