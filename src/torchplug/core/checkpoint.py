@@ -392,26 +392,36 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def save_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` (plain or sharded DTensors) with DCP; a collective on every rank."""
+def save_tensors(
+    directory: Path, tensors: dict[str, torch.Tensor], no_dist: bool | None = None
+) -> None:
+    """Write ``tensors`` (plain or sharded DTensors) with DCP; a collective on every rank unless
+    ``no_dist`` (one process writing alone)."""
     import torch.distributed.checkpoint as dcp
 
     with _quiet_single_process():
         dcp.save(
             tensors,
             storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
-            no_dist=not distributed(),
+            no_dist=not distributed() if no_dist is None else no_dist,
         )
 
 
-def load_tensors(directory: Path, targets: dict[str, torch.Tensor]) -> None:
-    """Fill ``targets`` in place from the tensor store, resharding as needed; a collective."""
+def load_tensors(
+    directory: Path, targets: dict[str, torch.Tensor], no_dist: bool | None = None
+) -> None:
+    """Fill ``targets`` in place from the tensor store, resharding as needed; a collective
+    unless ``no_dist``."""
     import torch.distributed.checkpoint as dcp
 
     if not targets:
         return
     with _quiet_single_process():
-        dcp.load(targets, storage_reader=tensor_reader(directory), no_dist=not distributed())
+        dcp.load(
+            targets,
+            storage_reader=tensor_reader(directory),
+            no_dist=not distributed() if no_dist is None else no_dist,
+        )
 
 
 @contextlib.contextmanager

@@ -83,6 +83,8 @@ def convert(
     """Write ``destination/model.safetensors`` (and ``optimizer.safetensors``); return the paths."""
     st = _safetensors()
     root = Path(source)
+    if not (root / checkpoint.MANIFEST).is_file() and (root / "latest").is_file():
+        return [_convert_native_deepspeed(root, Path(destination), st)]
     manifest = checkpoint.read_manifest(root)
     checkpoint.verify_files(root, manifest)
     entries = manifest["entries"]
@@ -127,6 +129,24 @@ def convert(
         st.save_file(flat, str(target), metadata={"param_groups": groups, "entry": key})
         written.append(target)
     return written
+
+
+def _convert_native_deepspeed(root: Path, out: Path, st: Any) -> Path:
+    """A DeepSpeed checkpoint directory (with its ``latest`` file), consolidated by DeepSpeed's
+    own zero_to_fp32."""
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ModuleNotFoundError:
+        raise CheckpointError(
+            f"{root} is a native DeepSpeed checkpoint; converting it needs deepspeed: "
+            f"pip install torchplug[deepspeed]."
+        ) from None
+    state = get_fp32_state_dict_from_zero_checkpoint(str(root))
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "model.safetensors"
+    flat = {name: tensor.contiguous() for name, tensor in state.items()}
+    st.save_file(flat, str(target), metadata={"torchplug_source": str(root), "entry": "deepspeed"})
+    return target
 
 
 CHUNK_BYTES = 256 * 2**20

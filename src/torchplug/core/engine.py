@@ -113,7 +113,11 @@ class Engine:
         self.plugins = tuple(active)
         self.hook = self._pm.hook
 
-        runtime = self.hook.torchplug_setup(engine=self, cluster=self.cluster)
+        try:
+            runtime = self.hook.torchplug_setup(engine=self, cluster=self.cluster)
+        except BaseException:
+            self.hook.torchplug_teardown(engine=self)  # release what setup got before failing
+            raise
         if not isinstance(runtime, Runtime):
             raise PluginError(
                 f"Strategy '{self.info.name}' (plugin '{self.info.provider}') returned "

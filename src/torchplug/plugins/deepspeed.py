@@ -1,0 +1,487 @@
+"""DeepSpeed ZeRO stages 1/2/3 (``pip install torchplug[deepspeed]``); deepspeed is imported only
+when one of these strategies is selected.
+
+* Precision is DeepSpeed's own (``bf16`` / ``fp16`` sections of its config), never the AMP plugin.
+* The user's torch optimizer is passed through, so nothing is compiled; ops that need compiling
+  (CPU offload's DeepSpeedCPUAdam) are announced before DeepSpeed builds them. DeepSpeed's CPU
+  shared-memory all-reduce op, which it would otherwise JIT-compile with g++ on every first
+  start (minutes on 2 cores, a failure without a compiler), is switched off.
+* The process group is torchplug's; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK are
+  set from the cluster environment, so DeepSpeed never falls back to MPI discovery.
+* Checkpoints hold DeepSpeed's native checkpoint (exact resume on the same stage and world size)
+  and, consolidated with DeepSpeed's zero_to_fp32, the model in the portable format, so any
+  strategy can load the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchplug.core import checkpoint
+from torchplug.core.cluster import ClusterInfo
+from torchplug.core.engine import Engine, Runtime
+from torchplug.core.errors import CheckpointError, ConfigurationError
+from torchplug.core.registry import Option, StrategyInfo
+from torchplug.core.spec import hookimpl
+from torchplug.core.strategy import DistributedStrategy, distributed_options
+
+INSTALL = "pip install torchplug[deepspeed]"
+OFFLOAD = ("none", "cpu", "nvme")
+NATIVE = "deepspeed"  # the native checkpoint's directory inside a torchplug checkpoint
+TAG = "torchplug"
+
+
+def _quiet_deepspeed() -> None:
+    """Silence DeepSpeed's per-import and per-step chatter that asks nothing of the user."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module=r"deepspeed(\.|$)")
+
+
+def _import_deepspeed() -> Any:
+    _quiet_deepspeed()
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    # The CPU shared-memory all-reduce is an optimisation DeepSpeed JIT-compiles on first start.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def _cast_forward(ds_engine: Any, dtype: torch.dtype) -> None:
+    """DeepSpeed holds bf16/fp16 weights but leaves inputs as they come: cast floating inputs
+    to the weights' dtype and floating outputs back to fp32, as the AMP plugin and FSDP do."""
+    forward = ds_engine.forward
+
+    def cast(value: Any, to: torch.dtype) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(to)
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast(v, to) for v in value)
+        if isinstance(value, dict):
+            return {k: cast(v, to) for k, v in value.items()}
+        return value
+
+    @functools.wraps(forward)
+    def cast_forward(*args: Any, **kwargs: Any) -> Any:
+        return cast(forward(*cast(args, dtype), **cast(kwargs, dtype)), torch.float32)
+
+    ds_engine.forward = cast_forward
+
+
+def _reset_deepspeed_state() -> None:
+    """Forget DeepSpeed's module-level process groups, so a later Engine starts clean."""
+    import deepspeed.comm.comm as comm
+    import deepspeed.utils.groups as groups
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None:  # ZeRO-3's process-wide F.linear replacement
+        torch.nn.functional.linear = original
+    comm.cdb = None
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.isupper() and not isinstance(value, str):
+            if isinstance(value, dict):
+                value.clear()
+            elif not callable(value):
+                setattr(groups, name, None)
+
+
+def _user_config(config: dict[str, Any] | str | None) -> tuple[dict[str, Any], str]:
+    if config is None:
+        return {}, ""
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config)), "the config dict passed as config="
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigurationError(
+            f"DeepSpeed config file {config} does not exist. Pass config= a dict or the path of "
+            f"a JSON file."
+        )
+    try:
+        return json.loads(path.read_text()), f"DeepSpeed config file {path}"
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(f"DeepSpeed config file {path} is not valid JSON: {exc}") from None
+
+
+class DeepSpeedStrategy(DistributedStrategy):
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: str = "none",
+        offload_params: str = "none",
+        nvme_path: str | None = None,
+        config: dict[str, Any] | str | None = None,
+        process_group_backend: str | None = None,
+        timeout: float = 1800.0,
+        _named: bool = False,
+    ) -> None:
+        super().__init__(process_group_backend, timeout)
+        self.stage = stage
+        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
+        self.nvme_path = nvme_path
+        self.config_arg = config
+        self.stage_fixed_by_name = _named
+        self.ds_engine: Any = None
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    @hookimpl
+    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+        deepspeed = _import_deepspeed()
+        if engine.precision == "fp16":
+            from deepspeed.accelerator import get_accelerator
+
+            if torch.float16 not in get_accelerator().supported_dtypes():
+                raise ConfigurationError(
+                    f"DeepSpeed does not support fp16 on this device "
+                    f"({get_accelerator().device_name()}: 'Type fp16 is not supported on your "
+                    f"device'). Use precision='bf16' or precision=None here, or fp16 on a GPU."
+                )
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ConfigurationError(
+                "offload to 'nvme' needs nvme_path='/path/on/a/fast/disk'. Pass it, or offload "
+                "to 'cpu'."
+            )
+        self.config, self.config_source = self._config(engine)  # conflicts: before any work
+        runtime = super().torchplug_setup(engine, cluster)
+        for key, value in {
+            "RANK": runtime.rank,
+            "WORLD_SIZE": runtime.world_size,
+            "LOCAL_RANK": runtime.local_rank,
+            "MASTER_ADDR": cluster.master_addr,
+            "MASTER_PORT": cluster.master_port or 29500,
+        }.items():
+            os.environ[key] = str(value)
+        deepspeed.init_distributed(
+            dist_backend=torch.distributed.get_backend(),
+            auto_mpi_discovery=False,
+            verbose=False,
+        )
+        return runtime
+
+    def _config(self, engine: Engine) -> tuple[dict[str, Any], str]:
+        user, source = _user_config(self.config_arg)
+        config = dict(user)
+        config.setdefault("train_micro_batch_size_per_gpu", 1)  # batches are the user's own
+        config.setdefault("gradient_accumulation_steps", 1)
+        config.setdefault("steps_per_print", 2**31 - 1)
+        config.setdefault("wall_clock_breakdown", False)
+        # DeepSpeed clips at 1.0 unless told otherwise; a plain training loop does not clip, and
+        # switching backends must not change the math. Set it in your config to clip.
+        config.setdefault("gradient_clipping", 0.0)
+
+        def agree(what: str, ours: Any, ours_from: str, theirs: Any) -> None:
+            if theirs is not None and theirs != ours:
+                raise ConfigurationError(
+                    f"Conflicting {what}: {ours!r} from {ours_from}, but {theirs!r} in {source}. "
+                    f"Set it in one place only: remove it from the DeepSpeed config, or change "
+                    f"the torchplug setting to match."
+                )
+
+        precision_from = engine.settings.precision.source
+        for name in ("bf16", "fp16"):
+            enabled = (
+                user.get(name, {}).get("enabled") if isinstance(user.get(name), dict) else None
+            )
+            agree(
+                f"{name}.enabled",
+                engine.precision == name,
+                f"precision ({precision_from})",
+                enabled,
+            )
+            config.setdefault(name, {})["enabled"] = engine.precision == name
+        zero = config.setdefault("zero_optimization", {})
+        explicit = self.stage_fixed_by_name or "stage" in engine.settings.options
+        stage_from = "the strategy name" if self.stage_fixed_by_name else "the strategy option"
+        if explicit:
+            agree(
+                "ZeRO stage", self.stage, stage_from, user.get("zero_optimization", {}).get("stage")
+            )
+        zero.setdefault("stage", self.stage)
+        # ZeRO-3 would otherwise replace torch.nn.functional.linear for the whole process.
+        zero.setdefault("memory_efficient_linear", False)
+        for part, device in (("optimizer", self.offload_optimizer), ("param", self.offload_params)):
+            if device != "none":
+                zero[f"offload_{part}"] = {"device": device, "nvme_path": self.nvme_path}
+        if config.get("zero_optimization", {}).get("offload_optimizer"):
+            warnings.warn(
+                "DeepSpeed CPU/NVMe optimizer offload uses DeepSpeedCPUAdam, which DeepSpeed "
+                "compiles with g++ on first use (minutes on few cores; needs a compiler).",
+                stacklevel=2,
+            )
+        return config, source or "defaults"
+
+    # -- wrapping and steps -----------------------------------------------------------------------
+
+    @hookimpl
+    def torchplug_wrap(
+        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        deepspeed = _import_deepspeed()
+        if len(optimizers) > 1:
+            raise ConfigurationError(
+                f"DeepSpeed drives one optimizer per model; got {len(optimizers)}. Combine the "
+                f"parameter groups into one optimizer."
+            )
+        if self.ds_engine is not None:
+            raise ConfigurationError(
+                "This deepspeed Engine already set up a model; create one torchplug Engine per "
+                "model with DeepSpeed."
+            )
+        ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizers[0] if optimizers else None,
+            config=self.config,
+            dist_init_required=False,
+        )
+        self.ds_engine = ds_engine
+        if engine.precision in ("bf16", "fp16"):
+            _cast_forward(
+                ds_engine, torch.bfloat16 if engine.precision == "bf16" else torch.float16
+            )
+        return ds_engine, [ds_optimizer] if optimizers else []
+
+    @hookimpl
+    def torchplug_backward(
+        self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
+    ) -> bool:
+        self._engine_for("backward").backward(loss)
+        return True
+
+    @hookimpl
+    def torchplug_optimizer_step(
+        self, engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
+    ) -> bool:
+        ds_engine = self._engine_for("optimizer.step()")
+        skipped = getattr(ds_engine, "skipped_steps", 0)
+        ds_engine.step()
+        return getattr(ds_engine, "skipped_steps", 0) == skipped
+
+    @hookimpl
+    def torchplug_no_sync(self, engine: Engine, model: torch.nn.Module) -> Any:
+        raise ConfigurationError(
+            "engine.no_sync() is not available with DeepSpeed (ZeRO partitions gradients as they "
+            "are reduced). Set gradient_accumulation_steps in the DeepSpeed config instead."
+        )
+
+    @hookimpl
+    def torchplug_clip_grad_norm(self, engine: Engine, **_: Any) -> torch.Tensor:
+        raise ConfigurationError(
+            'DeepSpeed clips gradients itself: set "gradient_clipping": MAX_NORM in the '
+            "DeepSpeed config (config=...) instead of calling engine.clip_grad_norm_()."
+        )
+
+    def _engine_for(self, what: str) -> Any:
+        if self.ds_engine is None:
+            raise ConfigurationError(
+                f"{what} before engine.setup(model, optimizer): DeepSpeed needs the model set up."
+            )
+        return self.ds_engine
+
+    @hookimpl
+    def torchplug_teardown(self, engine: Engine) -> None:
+        self.ds_engine = None
+        _reset_deepspeed_state()
+        super().torchplug_teardown(engine)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+        """Full fp32 model state (ZeRO-3 gathers its partitions)."""
+        import deepspeed
+
+        module = getattr(model, "module", model)
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def optimizer_state(self, engine: Engine, model: torch.nn.Module, optimizer: Any) -> Any:
+        raise CheckpointError(
+            "DeepSpeed's optimizer state is partitioned its own way; it is saved in DeepSpeed's "
+            "native checkpoint by engine.save and restored by engine.load with deepspeed."
+        )
+
+    @hookimpl
+    def torchplug_save(
+        self, engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
+    ) -> bool:
+        ds_engine = self._engine_for("engine.save")
+        final = Path(path).absolute()
+        name = checkpoint.temporary_dir(final).name if engine.is_main else None
+        tmp = final.parent / engine.broadcast_object(name)
+        error: BaseException | None = None
+        try:
+            ds_engine.save_checkpoint(str(tmp / NATIVE), tag=TAG)
+        except BaseException as exc:
+            error = exc
+        engine.agree(error, f"write DeepSpeed checkpoint {final}")
+        try:
+            if engine.is_main:
+                self._write_portable(engine, tmp, state, metadata)
+                checkpoint.swap_into_place(tmp, final)
+        except BaseException as exc:
+            error = exc
+        engine.agree(error, f"write checkpoint {final}")
+        return True
+
+    def _write_portable(
+        self, engine: Engine, tmp: Path, state: dict[str, Any], metadata: dict[str, Any]
+    ) -> None:
+        """On rank 0: the consolidated fp32 model (zero_to_fp32), values, and the manifest."""
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        entries: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for key, obj in state.items():
+            if obj is self.ds_engine:
+                full = get_fp32_state_dict_from_zero_checkpoint(str(tmp / NATIVE), tag=TAG)
+                entries[key] = {"kind": "module", "data": checkpoint.encode(full, key, tensors)}
+            elif obj is getattr(self.ds_engine, "optimizer", None):
+                entries[key] = {"kind": "deepspeed-optimizer", "data": NATIVE}
+            else:
+                kind = checkpoint.kind_of(obj)
+                payload = obj.state_dict() if kind == "stateful" else obj
+                entries[key] = {"kind": kind, "data": checkpoint.encode(payload, key, tensors)}
+        if tensors:
+            checkpoint.save_tensors(tmp / checkpoint.TENSORS, tensors, no_dist=True)
+        header = {
+            **engine.checkpoint_header(state),
+            "metadata": metadata,
+            "deepspeed": {
+                "dir": NATIVE,
+                "tag": TAG,
+                "stage": self.config["zero_optimization"]["stage"],
+            },
+        }
+        checkpoint.write_manifest(tmp, header, entries)
+
+    @hookimpl
+    def torchplug_load(self, engine: Engine, path: str, state: dict[str, Any]) -> dict[str, Any]:
+        ds_engine = self._engine_for("engine.load")
+        root = Path(path)
+        manifest = checkpoint.read_manifest(root)
+        checkpoint.verify_files(root, manifest)
+        native = manifest.get("deepspeed")
+        stage = self.config["zero_optimization"]["stage"]
+        if (
+            native is None
+            or manifest.get("world_size") != engine.world_size
+            or native["stage"] != stage
+        ):
+            saved = (
+                f"stage {native['stage']} on {manifest.get('world_size')} ranks"
+                if native
+                else (f"strategy {manifest.get('strategy', {}).get('name')}")
+            )
+            raise CheckpointError(
+                f"Checkpoint {root} was written by {saved}; deepspeed resumes only its own native "
+                f"checkpoints of the same stage and world size ({stage} on {engine.world_size}). "
+                f"Load its model into another strategy, or resume with the original settings."
+            )
+        ds_engine.load_checkpoint(
+            str(root / native["dir"]),
+            tag=native["tag"],
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        remainder: dict[str, Any] = {}
+        for key, entry in manifest["entries"].items():
+            if entry["kind"] in ("module", "deepspeed-optimizer"):
+                continue
+            names = list(checkpoint.tensor_paths(entry["data"]))
+            tensors = {}
+            if names:
+                store = root / checkpoint.TENSORS
+                tensors = checkpoint.allocate(checkpoint.tensor_shapes(store), names)
+                checkpoint.load_tensors(store, tensors, no_dist=True)
+            payload = checkpoint.decode(entry["data"], tensors)
+            target = state.get(key)
+            if entry["kind"] == "stateful" and hasattr(target, "load_state_dict"):
+                target.load_state_dict(payload)
+            else:
+                remainder[key] = payload
+                if key in state:
+                    state[key] = payload
+        return remainder
+
+
+def _named(stage: int, **preset: Any) -> Callable[..., DeepSpeedStrategy]:
+    @functools.wraps(DeepSpeedStrategy)
+    def factory(**options: Any) -> DeepSpeedStrategy:
+        return DeepSpeedStrategy(stage=stage, _named=True, **preset, **options)
+
+    return factory
+
+
+def _options(with_stage: bool, with_offload: bool = True) -> tuple[Option, ...]:
+    options = [*distributed_options()]
+    if with_stage:
+        options.append(Option("stage", int, 2, "ZeRO stage", choices=(1, 2, 3)))
+    if with_offload:
+        options += [
+            Option(
+                "offload_optimizer", str, "none", "optimizer state to cpu/nvme", choices=OFFLOAD
+            ),
+            Option(
+                "offload_params", str, "none", "parameters to cpu/nvme (stage 3)", choices=OFFLOAD
+            ),
+        ]
+    options += [
+        Option("nvme_path", (str, type(None)), None, "directory for nvme offload"),
+        Option("config", (dict, str, type(None)), None, "DeepSpeed config: a dict or JSON path"),
+    ]
+    return tuple(options)
+
+
+@hookimpl
+def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
+    common: dict[str, Any] = {
+        "requires": ("deepspeed",),
+        "install_hint": INSTALL,
+        "owns_precision": True,
+        "precisions": ("32", "bf16", "fp16"),
+        "shards_optimizer": True,
+    }
+    register(
+        StrategyInfo(
+            name="deepspeed",
+            factory=DeepSpeedStrategy,
+            options=_options(True),
+            description="DeepSpeed ZeRO (stage option 1/2/3, offload, your DeepSpeed config).",
+            **common,
+        )
+    )
+    for stage in (1, 2, 3):
+        register(
+            StrategyInfo(
+                name=f"deepspeed-zero{stage}",
+                factory=_named(stage),
+                options=_options(False),
+                description=f"DeepSpeed ZeRO stage {stage}.",
+                shards_parameters=stage == 3,
+                **common,
+            )
+        )
+    register(
+        StrategyInfo(
+            name="deepspeed-zero3-offload",
+            factory=_named(3, offload_optimizer="cpu", offload_params="cpu"),
+            options=_options(False, with_offload=False),
+            description="DeepSpeed ZeRO stage 3, optimizer and parameters offloaded to the CPU.",
+            shards_parameters=True,
+            **common,
+        )
+    )

@@ -1,0 +1,166 @@
+"""DeepSpeed ZeRO 1/2/3 against the single-process reference (tox -e deepspeed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torchplug as tp
+from reference import make_dataset, make_model, train
+from test_parity import assert_close_dicts
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed"
+)
+
+
+def train_ds(
+    strategy: str,
+    precision: str | None = None,
+    steps: int = 10,
+    first_step: int = 0,
+    save_to: str | None = None,
+    load_from: str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """The reference run (tests/reference.py), through DeepSpeed's engine."""
+    with tp.Engine(strategy, precision=precision, timeout=120.0, **options) as engine:
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        model, optimizer = engine.setup(model, optimizer)
+        if load_from is not None:
+            state = {"model": model, "optimizer": optimizer, "step": 0}
+            engine.load(load_from, state)
+            assert state["step"] == first_step
+        loader = engine.setup_dataloader(
+            DataLoader(make_dataset(320), batch_size=16 // engine.world_size)
+        )
+        losses = []
+        for step, (x, y) in enumerate(loader):
+            if step < first_step:
+                continue
+            if step >= first_step + steps:
+                break
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(engine.reduce(loss.detach().float(), "mean").item())
+        if save_to is not None:
+            engine.save(
+                save_to, {"model": model, "optimizer": optimizer, "step": first_step + steps}
+            )
+        params = engine.full_state(model)["model"]
+        return {"losses": losses, "params": {k: v.float() for k, v in params.items()}}
+
+
+def extensions() -> list[str]:
+    """What this process would find in torch's JIT extension directory."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return train("single")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_matches_single_process_reference_without_compiling(ranks, reference, stage):
+    for result in ranks.run(train_ds, f"deepspeed-zero{stage}", timeout=300):
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert_close_dicts(result["params"], reference["params"], atol=1e-5)
+    assert ranks.run(extensions) == [[], []]  # nothing was JIT-compiled
+
+
+@needs_deepspeed
+def test_zero_bf16_is_deepspeed_bf16_within_tolerance(ranks, reference):
+    for result in ranks.run(train_ds, "deepspeed-zero2", "bf16", timeout=300):
+        assert result["losses"] == pytest.approx(reference["losses"], abs=5e-2)
+        assert result["losses"] != reference["losses"]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_resume_is_bit_exact(ranks, tmp_path, stage):
+    name, path = f"deepspeed-zero{stage}", str(tmp_path / "ckpt")
+    whole = ranks.run(train_ds, name, timeout=300)[0]
+    first = ranks.run(train_ds, name, steps=5, save_to=path, timeout=300)[0]
+    second = ranks.run(train_ds, name, steps=5, first_step=5, load_from=path, timeout=300)[0]
+    assert first["losses"] + second["losses"] == whole["losses"]
+    for key, value in whole["params"].items():
+        assert torch.equal(second["params"][key], value), key
+
+
+def load_model(path: str, strategy: str) -> dict[str, torch.Tensor]:
+    with tp.Engine(strategy) as engine:
+        model = engine.setup(make_model(seed=7))
+        state = {"model": model, "step": 0}
+        engine.load(path, state)
+        return engine.full_state(model)["model"]
+
+
+@needs_deepspeed
+def test_zero3_checkpoint_loads_into_ddp_and_single(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = ranks.run(train_ds, "deepspeed-zero3", steps=3, save_to=path, timeout=300)[0]
+    for loaded in [*ranks.run(load_model, path, "ddp"), load_model(path, "single")]:
+        for key, value in saved["params"].items():
+            assert torch.equal(loaded[key], value), key
+
+
+@needs_deepspeed
+def test_config_conflicts_name_both_values_and_sources():
+    with pytest.raises(tp.ConfigurationError) as info:
+        tp.Engine("deepspeed-zero3", config={"zero_optimization": {"stage": 2}})
+    message = str(info.value)
+    assert "ZeRO stage: 3 from the strategy name, but 2 in the config dict" in message
+    with pytest.raises(tp.ConfigurationError) as info:
+        tp.Engine("deepspeed", precision="bf16", config={"bf16": {"enabled": False}})
+    assert "bf16.enabled: True from precision (code argument), but False" in str(info.value)
+
+
+@needs_deepspeed
+def test_fp16_on_a_device_without_it_is_refused_before_initializing():
+    from deepspeed.accelerator import get_accelerator
+
+    if torch.float16 in get_accelerator().supported_dtypes():
+        pytest.skip("this device supports fp16 in DeepSpeed")
+    with pytest.raises(tp.ConfigurationError, match="does not support fp16.*precision='bf16'"):
+        tp.Engine("deepspeed-zero2", precision="fp16")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed installed")
+def test_missing_deepspeed_names_the_install_command():
+    with pytest.raises(tp.ConfigurationError, match=r"pip install torchplug\[deepspeed\]"):
+        tp.Engine("deepspeed-zero2")
+
+
+@needs_deepspeed
+def test_convert_accepts_a_native_deepspeed_checkpoint(ranks, tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    path = tmp_path / "ckpt"
+    saved = ranks.run(train_ds, "deepspeed-zero2", steps=2, save_to=str(path), timeout=300)[0]
+    for source in (path, path / "deepspeed"):  # the torchplug checkpoint, and DeepSpeed's own
+        out = tmp_path / f"out-{source.name}"
+        run = subprocess.run(
+            [sys.executable, "-m", "torchplug", "convert", str(source), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        converted = load_file(str(out / "model.safetensors"))
+        for key, value in saved["params"].items():
+            assert torch.equal(converted[key], value), key
