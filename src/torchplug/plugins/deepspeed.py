@@ -38,6 +38,7 @@ INSTALL = "pip install torchplug[deepspeed]"
 OFFLOAD = ("none", "cpu", "nvme")
 NATIVE = "deepspeed"  # the native checkpoint's directory inside a torchplug checkpoint
 TAG = "torchplug"
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _quiet_deepspeed() -> None:
@@ -45,6 +46,10 @@ def _quiet_deepspeed() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"deepspeed(\.|$)")
+    # DeepSpeed calls torch.distributed functions torch has deprecated, warning on every step.
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger"
+    )
 
 
 def _import_deepspeed() -> Any:
@@ -157,6 +162,7 @@ class DeepSpeedStrategy(DistributedStrategy):
             )
         self.config, self.config_source = self._config(engine)  # conflicts: before any work
         runtime = super().torchplug_setup(engine, cluster)
+        self.saved_env = {k: os.environ.get(k) for k in _DIST_ENV}
         for key, value in {
             "RANK": runtime.rank,
             "WORLD_SIZE": runtime.world_size,
@@ -295,6 +301,11 @@ class DeepSpeedStrategy(DistributedStrategy):
     def torchplug_teardown(self, engine: Engine) -> None:
         self.ds_engine = None
         _reset_deepspeed_state()
+        for key, value in getattr(self, "saved_env", {}).items():  # as they were before setup
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         super().torchplug_teardown(engine)
 
     # -- checkpoints ------------------------------------------------------------------------------
