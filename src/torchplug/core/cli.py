@@ -67,6 +67,25 @@ def apply_cluster(args: Any, parser: argparse.ArgumentParser, info: Any) -> list
     return filled
 
 
+def _launch_in_process(args: Any, strategy: str) -> int:
+    """One process per host (torch_xla SPMD): run the script here, not under torchrun."""
+    import runpy
+
+    if str(args.nproc_per_node or "1") != "1":
+        print(
+            f"torchplug launch: strategy '{strategy}' runs one process per host and spreads it "
+            f"over the host's devices itself; drop -n/--nproc-per-node.",
+            file=sys.stderr,
+        )
+        return 2
+    sys.argv = [args.training_script, *args.training_script_args]
+    if args.module:
+        runpy.run_module(args.training_script, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(args.training_script, run_name="__main__")
+    return 0
+
+
 def launch(argv: Sequence[str]) -> int:
     parser = _launch_parser()
     args = parser.parse_args(list(argv))
@@ -82,12 +101,16 @@ def launch(argv: Sequence[str]) -> int:
             from torchplug.core.manager import get_registry
 
             info = get_registry().strategy(args.strategy)
+            os.environ["TORCHPLUG_LAUNCH_STRATEGY"] = info.name
+            if info.launcher == "xla":
+                if args.precision:
+                    os.environ["TORCHPLUG_LAUNCH_PRECISION"] = normalize_precision(args.precision)
+                return _launch_in_process(args, info.name)
             if info.launcher != "torchrun":
                 raise TorchplugError(
                     f"Strategy '{info.name}' needs the '{info.launcher}' launcher, which this "
-                    f"torchplug cannot start yet. Run the script directly as its docs describe."
+                    f"torchplug cannot start. Run the script directly as its docs describe."
                 )
-            os.environ["TORCHPLUG_LAUNCH_STRATEGY"] = info.name
         if args.precision:
             os.environ["TORCHPLUG_LAUNCH_PRECISION"] = normalize_precision(args.precision)
     except TorchplugError as exc:

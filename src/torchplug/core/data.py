@@ -9,7 +9,7 @@ steps and no collective waits forever.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -75,13 +75,12 @@ class EngineDataLoader:
     def __init__(
         self,
         loader: DataLoader,
-        device: torch.device,
+        place: Callable[[Any], Any] | None,
         *,
         num_replicas: int = 1,
         rank: int = 0,
         seed: int = 0,
         use_distributed_sampler: bool = True,
-        move_to_device: bool = True,
     ) -> None:
         self._shard_batches = 1
         self._rank = rank
@@ -96,8 +95,7 @@ class EngineDataLoader:
             elif not isinstance(getattr(loader, "sampler", None), DistributedSampler):
                 self._shard_batches = num_replicas
         self.loader = loader
-        self.device = device
-        self.move = move_to_device and device.type != "cpu"
+        self.place = place
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -117,10 +115,12 @@ class EngineDataLoader:
                 if len(round_) < n:
                     continue
                 batch, round_ = round_[rank], []
-            yield move_to_device(batch, self.device) if self.move else batch
+            yield self.place(batch) if self.place is not None else batch
 
     def __len__(self) -> int:
         return len(self.loader) // self._shard_batches
 
     def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.loader, name)

@@ -324,13 +324,16 @@ class Engine:
 
         return EngineDataLoader(
             loader,  # type: ignore[arg-type]
-            self.device,
+            self.place_batch if move_to_device else None,
             num_replicas=self.world_size,
             rank=self.rank,
             seed=self.seed,
             use_distributed_sampler=use_distributed_sampler,
-            move_to_device=move_to_device,
         )
+
+    def place_batch(self, batch: Any) -> Any:
+        """Put a batch where the backend wants it (device, and sharding for SPMD backends)."""
+        return self.hook.torchplug_place_batch(engine=self, batch=batch)
 
     # -- training step ----------------------------------------------------------------------------
 

@@ -107,6 +107,15 @@ def torchplug_wrap(
 
 
 @hookspec(firstresult=True)
+def torchplug_place_batch(engine: Engine, batch: Any) -> Any:
+    """Return ``batch`` (tensors, possibly nested in lists, tuples and dicts) placed for the step.
+
+    The default moves tensors to ``engine.device``; an SPMD backend also marks them sharded over
+    its data axis. Called for every batch of a loader returned by ``engine.setup_dataloader``.
+    """
+
+
+@hookspec(firstresult=True)
 def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None) -> bool:
     """Run the backward pass of ``loss``; return ``True``.
 

@@ -50,6 +50,12 @@ class Strategy:
         return model.to(engine.device), optimizers
 
     @hookimpl(trylast=True)
+    def torchplug_place_batch(self, engine: Engine, batch: Any) -> Any:
+        from torchplug.core.data import move_to_device
+
+        return batch if engine.device.type == "cpu" else move_to_device(batch, engine.device)
+
+    @hookimpl(trylast=True)
     def torchplug_backward(
         self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
     ) -> bool:
@@ -119,6 +125,11 @@ class Strategy:
     # name and returns DTensor shards for sharded modules. Backends with their own optimizer
     # sharding (FairScale OSS) override them.
 
+    #: Load model tensors into the live module's own (possibly sharded) tensors. A backend whose
+    #: tensors torch.distributed.checkpoint cannot write into (XLA) sets this False: the state is
+    #: then read into fresh CPU tensors and handed to ``load_model_state``.
+    live_model_targets = True
+
     #: Load optimizer tensors into the live optimizer's own (possibly sharded) state tensors.
     #: A backend whose optimizer holds only part of the state sets this False: the full state is
     #: then read into fresh tensors and handed to ``load_optimizer_state``.
@@ -153,7 +164,8 @@ class Strategy:
     ) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, state)
+        with engine.real_optimizer_steps():  # it may take a zero step to create the state
+            set_optimizer_state_dict(model, optimizer, state)
 
     def capture(self, engine: Engine, obj: Any, state: dict[str, Any]) -> tuple[str, Any]:
         """``(kind, payload)`` for one live state entry."""
@@ -220,7 +232,9 @@ class Strategy:
         for key, entry in entries.items():
             names = list(checkpoint.tensor_paths(entry["data"]))
             kind = entry["kind"]
-            from_live = kind == "module" or (kind == "optimizer" and self.live_optimizer_targets)
+            from_live = (kind == "module" and self.live_model_targets) or (
+                kind == "optimizer" and self.live_optimizer_targets
+            )
             if key in state and from_live:
                 obj = state[key]
                 if kind == "module":
@@ -352,3 +366,30 @@ class DistributedStrategy(Strategy):
             dist.destroy_process_group()
             time.sleep(0.05)
         self.owns_process_group = False
+
+
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    params: dict[str, torch.nn.Parameter],
+    why: str,
+) -> None:
+    """Point ``optimizer`` at the parameters that replaced the ones it was made with.
+
+    ``names`` maps the old parameters' ids to their names, ``params`` the names to the new ones.
+    Backends whose ``setup`` creates new parameter objects (sharding, another device type) call
+    it so that an optimizer created before ``engine.setup`` keeps working.
+    """
+    if optimizer.state:
+        raise ConfigurationError(
+            f"The optimizer has already stepped; {why}, so its state would no longer match. Call "
+            f"engine.setup(model, optimizer) before the first step."
+        )
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [params[names[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise ConfigurationError(
+                "The optimizer holds parameters that are not the model's. Create it from "
+                "model.parameters() and pass both to engine.setup(model, optimizer)."
+            ) from None

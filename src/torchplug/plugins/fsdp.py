@@ -17,7 +17,7 @@ from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DistributedStrategy, distributed_options
+from torchplug.core.strategy import DistributedStrategy, distributed_options, rebind_optimizer
 
 
 def shard_units(
@@ -42,26 +42,6 @@ def shard_units(
 
     visit(model, True)
     return chosen
-
-
-def rebind(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.nn.Parameter]
-) -> None:
-    """Point ``optimizer`` at the sharded parameters that replaced the ones it was made with."""
-    if optimizer.state:
-        raise ConfigurationError(
-            "The optimizer has already stepped; fsdp replaces the model's parameters with shards, "
-            "so its state would no longer match. Call engine.setup(model, optimizer) before the "
-            "first step."
-        )
-    for group in optimizer.param_groups:
-        try:
-            group["params"] = [params[names[id(p)]] for p in group["params"]]
-        except KeyError:
-            raise ConfigurationError(
-                "The optimizer holds parameters that are not the model's. Create it from "
-                "model.parameters() and pass both to engine.setup(model, optimizer)."
-            ) from None
 
 
 class FSDPStrategy(DistributedStrategy):
@@ -111,7 +91,9 @@ class FSDPStrategy(DistributedStrategy):
         fully_shard(model, **kwargs)
         params = dict(model.named_parameters())
         for optimizer in optimizers:
-            rebind(optimizer, names, params)
+            rebind_optimizer(
+                optimizer, names, params, "fsdp replaces the model's parameters with shards"
+            )
         return model, optimizers
 
     @hookimpl

@@ -1,0 +1,203 @@
+"""``xla``: data parallel with torch_xla SPMD over every local XLA device (TPU, or any PJRT device).
+
+One process per host: the batch each host loads is sharded over its devices along a ``data`` mesh
+axis, parameters are replicated, and XLA's compiler inserts the gradient all-reduce — the path
+torch_xla recommends for TPUs. Multi-host runs start one process per host through torch_xla's
+runtime, so ``torchplug launch --strategy xla`` runs the script in its own process instead of
+torchrun. ``pip install torchplug[xla]``; torch_xla is imported only when this strategy is chosen.
+
+Precision is XLA's: bf16 runs the forward under ``torch.autocast("xla", torch.bfloat16)``
+(``torch_xla.amp.autocast`` fails off TPU); fp16 is refused.
+
+On a machine without accelerators, ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=2`` gives two virtual CPU
+devices to test on.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchplug.core.cluster import ClusterInfo
+from torchplug.core.engine import Engine, Runtime
+from torchplug.core.registry import StrategyInfo
+from torchplug.core.spec import hookimpl
+from torchplug.core.strategy import Strategy, rebind_optimizer
+
+INSTALL = "pip install torchplug[xla]"
+
+
+def recorded_torch_revision(torch_xla_dir: Path) -> str | None:
+    """The torch git revision a torch_xla build was made against (from its version.py)."""
+    version_file = torch_xla_dir / "version.py"
+    if not version_file.is_file():
+        return None
+    match = re.search(r"__torch_gitrev__\s*=\s*['\"]([0-9a-f]+)['\"]", version_file.read_text())
+    return match.group(1) if match else None
+
+
+def _usable() -> str | None:
+    """Why the xla strategy cannot run here, checked without importing torch_xla."""
+    spec = importlib.util.find_spec("torch_xla")
+    if spec is None or not spec.submodule_search_locations:
+        return None  # StrategyInfo.requires reports the missing package
+    wanted = recorded_torch_revision(Path(next(iter(spec.submodule_search_locations))))
+    have = getattr(torch.version, "git_version", None)
+    if wanted and have and wanted != have:
+        return (
+            f"torch_xla was built for torch revision {wanted[:12]} but torch {torch.__version__} "
+            f"is revision {have[:12]}; install the torch release that matches torch_xla "
+            f"(e.g. torch_xla 2.9.0 needs torch 2.9.0)"
+        )
+    device = os.environ.get("PJRT_DEVICE", "").upper()
+    no_libtpu = importlib.util.find_spec("libtpu") is None and not os.environ.get(
+        "TPU_LIBRARY_PATH"
+    )
+    if device == "TPU" and no_libtpu:
+        return (
+            "PJRT_DEVICE=TPU but libtpu is not installed (pip install torch_xla[tpu]); on a "
+            "machine without TPUs use PJRT_DEVICE=CPU"
+        )
+    return None
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+class XLAStrategy(Strategy):
+    #: torch.distributed.checkpoint cannot write into XLA tensors: state goes through the CPU.
+    live_model_targets = False
+    live_optimizer_targets = False
+
+    def __init__(self) -> None:
+        self.mesh: Any = None
+
+    @hookimpl
+    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+        import numpy as np
+
+        os.environ.setdefault("PJRT_DEVICE", "TPU" if importlib.util.find_spec("libtpu") else "CPU")
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()
+        devices = xr.global_runtime_device_count()
+        self.mesh = xs.Mesh(np.arange(devices), (devices, 1), ("data", "model"))
+        xs.set_global_mesh(self.mesh)
+        self.devices = devices
+        return Runtime(
+            rank=xr.process_index(),
+            world_size=xr.process_count(),
+            local_rank=0,
+            device=torch_xla.device(),
+            node_rank=xr.process_index(),
+        )
+
+    @hookimpl
+    def torchplug_wrap(
+        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        names = {id(p): name for name, p in model.named_parameters()}
+        model = model.to(engine.device)
+        params = dict(model.named_parameters())
+        for optimizer in optimizers:
+            rebind_optimizer(optimizer, names, params, "moving the model to XLA replaces them")
+        if engine.precision == "bf16":
+            forward = model.forward
+
+            @functools.wraps(forward)
+            def bf16_forward(*args: Any, **kwargs: Any) -> Any:
+                with torch.autocast("xla", dtype=torch.bfloat16):
+                    out = forward(*args, **kwargs)
+                return (
+                    out.float()
+                    if isinstance(out, torch.Tensor) and out.is_floating_point()
+                    else out
+                )
+
+            model.forward = bf16_forward
+        return model, optimizers
+
+    @hookimpl
+    def torchplug_place_batch(self, engine: Engine, batch: Any) -> Any:
+        """Move to the XLA device and shard along the batch dimension over the data axis."""
+        import torch_xla.distributed.spmd as xs
+
+        def place(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                value = value.to(engine.device)
+                if value.dim() >= 1 and value.shape[0] % self.devices == 0:
+                    xs.mark_sharding(value, self.mesh, ("data",) + (None,) * (value.dim() - 1))
+                return value
+            if isinstance(value, dict):
+                return type(value)({k: place(v) for k, v in value.items()})
+            if isinstance(value, (list, tuple)):
+                return type(value)(place(v) for v in value)
+            return value
+
+        return place(batch)
+
+    @hookimpl
+    def torchplug_optimizer_step(
+        self, engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
+    ) -> bool:
+        import torch_xla
+
+        optimizer.step(closure) if closure is not None else optimizer.step()
+        torch_xla.sync()  # cut the graph here: one compiled program per training step
+        return True
+
+    @hookimpl
+    def torchplug_barrier(self, engine: Engine) -> bool:
+        import torch_xla.core.xla_model as xm
+
+        if engine.world_size > 1:
+            xm.rendezvous("torchplug.barrier")
+        return True
+
+    # checkpoints: through CPU copies, in the portable format
+    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+        return _to_cpu(model.state_dict())
+
+    def load_model_state(
+        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any]
+    ) -> None:
+        model.load_state_dict(state)
+
+    def optimizer_state(self, engine: Engine, model: torch.nn.Module, optimizer: Any) -> Any:
+        return _to_cpu(super().optimizer_state(engine, model, optimizer))
+
+
+@hookimpl
+def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
+    register(
+        StrategyInfo(
+            name="xla",
+            aliases=("tpu", "xla-spmd"),
+            factory=XLAStrategy,
+            description="torch_xla SPMD data parallel over all local XLA devices (TPU, PJRT).",
+            requires=("torch_xla",),
+            install_hint=INSTALL,
+            precisions=("32", "bf16"),
+            owns_precision=True,
+            distributed=False,  # one process per host; SPMD spans the host's devices
+            launcher="xla",
+            supports_cuda=False,
+            check=_usable,
+        )
+    )
