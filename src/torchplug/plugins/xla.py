@@ -34,28 +34,42 @@ from torchplug.core.strategy import Strategy, rebind_optimizer
 INSTALL = "pip install torchplug[xla]"
 
 
-def recorded_torch_revision(torch_xla_dir: Path) -> str | None:
-    """The torch git revision a torch_xla build was made against (from its version.py)."""
+def recorded_build(torch_xla_dir: Path) -> tuple[str | None, str | None]:
+    """torch_xla's own version and the torch git revision it was built from (its version.py)."""
     version_file = torch_xla_dir / "version.py"
     if not version_file.is_file():
+        return None, None
+    text = version_file.read_text()
+    version = re.search(r"__version__\s*=\s*['\"]([^'\"]+)['\"]", text)
+    revision = re.search(r"__torch_gitrev__\s*=\s*['\"]([0-9a-f]+)['\"]", text)
+    return (version.group(1) if version else None), (revision.group(1) if revision else None)
+
+
+def version_mismatch(xla_version: str | None, torch_revision: str | None) -> str | None:
+    """Why this torch cannot run this torch_xla, or None. Releases pair by major.minor (the
+    recorded revision is the build's, which need not be the release tag's)."""
+    if xla_version is None:
         return None
-    match = re.search(r"__torch_gitrev__\s*=\s*['\"]([0-9a-f]+)['\"]", version_file.read_text())
-    return match.group(1) if match else None
+    pair = ".".join(xla_version.split(".")[:2])
+    have = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if pair == have:
+        return None
+    return (
+        f"torch_xla {xla_version} was built against torch {pair} (revision "
+        f"{(torch_revision or '?')[:12]}) but torch {torch.__version__} is installed; install "
+        f"torch=={pair}.* with it (pip install torch=={xla_version} torch_xla=={xla_version})"
+    )
 
 
 def _usable() -> str | None:
-    """Why the xla strategy cannot run here, checked without importing torch_xla."""
+    """Why the xla strategy cannot run here, checked without importing torch_xla (a mismatched
+    torch_xla can crash the interpreter on import)."""
     spec = importlib.util.find_spec("torch_xla")
     if spec is None or not spec.submodule_search_locations:
         return None  # StrategyInfo.requires reports the missing package
-    wanted = recorded_torch_revision(Path(next(iter(spec.submodule_search_locations))))
-    have = getattr(torch.version, "git_version", None)
-    if wanted and have and wanted != have:
-        return (
-            f"torch_xla was built for torch revision {wanted[:12]} but torch {torch.__version__} "
-            f"is revision {have[:12]}; install the torch release that matches torch_xla "
-            f"(e.g. torch_xla 2.9.0 needs torch 2.9.0)"
-        )
+    mismatch = version_mismatch(*recorded_build(Path(next(iter(spec.submodule_search_locations)))))
+    if mismatch:
+        return mismatch
     device = os.environ.get("PJRT_DEVICE", "").upper()
     no_libtpu = importlib.util.find_spec("libtpu") is None and not os.environ.get(
         "TPU_LIBRARY_PATH"
@@ -91,6 +105,7 @@ class XLAStrategy(Strategy):
         import numpy as np
 
         os.environ.setdefault("PJRT_DEVICE", "TPU" if importlib.util.find_spec("libtpu") else "CPU")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's per-compile C++ warnings
         import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
