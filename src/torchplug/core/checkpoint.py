@@ -53,9 +53,6 @@ LAYOUT = "dcp"
 MANIFEST = "manifest.json"
 TENSORS = "tensors"
 
-#: Kinds of state entries.
-KINDS = ("module", "optimizer", "stateful", "tensor", "value")
-
 
 def kind_of(obj: Any) -> str:
     """Classify a state entry, or raise an error saying what can be saved."""

@@ -29,22 +29,6 @@ class ClusterInfo:
     #: Which environment answered, e.g. ``"torchrun"`` or ``"single process"``.
     source: str = "single process"
 
-    def export(self, env: dict[str, str] | os._Environ[str] | None = None) -> None:
-        """Write the torch.distributed variables (``env://``) for this identity into ``env``."""
-        target = os.environ if env is None else env
-        values = {
-            "RANK": self.rank,
-            "WORLD_SIZE": self.world_size,
-            "LOCAL_RANK": self.local_rank,
-            "LOCAL_WORLD_SIZE": self.local_world_size,
-            "GROUP_RANK": self.node_rank,
-            "MASTER_ADDR": self.master_addr,
-        }
-        if self.master_port is not None:
-            values["MASTER_PORT"] = self.master_port
-        for key, value in values.items():
-            target.setdefault(key, str(value))
-
 
 def _int(env: Mapping[str, str], key: str, default: int) -> int:
     value = env.get(key, "")

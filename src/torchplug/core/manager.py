@@ -405,9 +405,3 @@ def block(names: Iterable[str] | str) -> None:
             _registry.remove(name)
             _registry.pm.set_blocked(name)
             _registry.blocked.add(name)
-
-
-def plugin_modules_loaded() -> list[str]:
-    """Names of imported modules that belong to known heavy backends (for diagnostics)."""
-    heavy = ("deepspeed", "fairscale", "torch_xla")
-    return sorted(m for m in sys.modules if m.split(".")[0] in heavy)
