@@ -9,27 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import torchplug as tp
+from torchplug.testing.bodies import make_dataset, make_model
 
-FEATURES = 8
 MAX_STEPS = 20
-
-
-def make_model(seed: int = 0, width: int = 16) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
-    )
-
-
-def make_dataset(n: int, seed: int = 1) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, FEATURES, generator=g)
-    w = torch.linspace(-1, 1, FEATURES).unsqueeze(1)
-    y = x @ w + 0.05 * torch.randn(n, 1, generator=g)
-    return TensorDataset(x, y)
 
 
 def snapshot(engine: tp.Engine, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:

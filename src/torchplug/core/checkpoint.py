@@ -148,6 +148,20 @@ def tensor_paths(skeleton: Any) -> Iterator[str]:
             yield from tensor_paths(v)
 
 
+def restore_entry(
+    state: dict[str, Any], key: str, kind: str, payload: Any, remainder: dict[str, Any]
+) -> None:
+    """Restore a non-module, non-optimizer entry: a stateful object in place; anything else is
+    returned in ``remainder`` and replaces ``state[key]`` if the caller holds that key."""
+    target = state.get(key)
+    if key in state and kind == "stateful" and hasattr(target, "load_state_dict"):
+        target.load_state_dict(payload)
+        return
+    remainder[key] = payload
+    if key in state:
+        state[key] = payload
+
+
 # -- files -----------------------------------------------------------------------------------------
 
 

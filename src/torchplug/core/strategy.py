@@ -264,12 +264,8 @@ class Strategy:
                 self.load_model_state(engine, target, payload)
             elif key in state and kind == "optimizer":
                 self.load_optimizer_state(engine, engine.model_of(target, state), target, payload)
-            elif key in state and kind == "stateful" and hasattr(target, "load_state_dict"):
-                target.load_state_dict(payload)
             else:
-                remainder[key] = payload
-                if key in state:
-                    state[key] = payload
+                checkpoint.restore_entry(state, key, kind, payload, remainder)
         return remainder
 
 

@@ -419,13 +419,7 @@ class DeepSpeedStrategy(DistributedStrategy):
                 tensors = checkpoint.allocate(checkpoint.tensor_shapes(store), names)
                 checkpoint.load_tensors(store, tensors, no_dist=True)
             payload = checkpoint.decode(entry["data"], tensors)
-            target = state.get(key)
-            if entry["kind"] == "stateful" and hasattr(target, "load_state_dict"):
-                target.load_state_dict(payload)
-            else:
-                remainder[key] = payload
-                if key in state:
-                    state[key] = payload
+            checkpoint.restore_entry(state, key, entry["kind"], payload, remainder)
         return remainder
 
 
