@@ -12,21 +12,13 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchplug as tp
-from torchplug.testing.bodies import make_dataset, make_model
+from torchplug.testing.bodies import full_state, make_dataset, make_model
 
 MAX_STEPS = 20
 
 
-def snapshot(engine: tp.Engine, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """Full (gathered) parameters and optimizer state by name, whatever the strategy."""
-    full = engine.full_state(model, optimizer)
-    opt_state = {
-        f"{name}.{k}": v
-        for name, s in full["optimizer"]["state"].items()
-        for k, v in s.items()
-        if isinstance(v, torch.Tensor)
-    }
-    return {"params": full["model"], "optimizer": opt_state}
+#: Full (gathered) parameters and optimizer tensors by name, whatever the strategy.
+snapshot = full_state
 
 
 def train(

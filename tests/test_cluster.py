@@ -56,18 +56,27 @@ def test_plain_process_is_rank_zero_of_one():
     assert (info.rank, info.world_size, info.source) == (0, 1, "single process")
 
 
-def test_doctor_reports_the_slurm_identity(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK"))}
-    out = subprocess.run(
+def doctor(env: dict[str, str], cwd) -> str:
+    """``torchplug doctor``'s output with ``env`` as the whole environment (plus PATH)."""
+    run = subprocess.run(
         [sys.executable, "-m", "torchplug", "doctor"],
-        env={**env, **SLURM},
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env},
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=tmp_path,
+        cwd=cwd,
     )
-    assert out.returncode == 0, out.stderr
-    lines = {line.split()[0]: line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def identity(output: str) -> dict[str, str]:
+    """The last word of each line of doctor's output, by its first word."""
+    return {line.split()[0]: line.split()[-1] for line in output.splitlines() if line.strip()}
+
+
+def test_doctor_reports_the_slurm_identity(tmp_path):
+    lines = identity(doctor(SLURM, tmp_path))
     assert lines["detected"] == "SLURM"
     assert (lines["rank"], lines["world_size"], lines["node_rank"]) == ("5", "8", "2")
     assert lines["master_addr"] == "gpu07"

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 import torchplug as tp
+from test_cluster import doctor
 from torchplug.core import config
 
 
@@ -77,19 +75,10 @@ def test_explicit_config_path_must_exist(project, monkeypatch):
 
 def test_doctor_prints_every_setting_with_its_source(project):
     (project / "torchplug.toml").write_text('precision = "bf16"\n')
-    env = {"TORCHPLUG_STRATEGY": "ddp", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(
-        [sys.executable, "-m", "torchplug", "doctor"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=project,
-    )
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    output = doctor({"TORCHPLUG_STRATEGY": "ddp"}, project)
+    lines = output.splitlines()
     strategy = next(x for x in lines if x.strip().startswith("strategy"))
     precision = next(x for x in lines if x.strip().startswith("precision "))
     assert "ddp" in strategy and "environment TORCHPLUG_STRATEGY" in strategy
     assert "bf16" in precision and "torchplug.toml" in precision
-    assert "torch " in out.stdout and "world_size   1" in out.stdout
+    assert "torch " in output and "world_size   1" in output

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from test_cluster import doctor, identity
 from torchplug.core.cli import _launch_parser, apply_cluster
 from torchplug.core.cluster import ClusterInfo
 from torchplug.testing.kit import check
@@ -70,23 +71,13 @@ def test_powersgd_passes_the_conformance_kit_on_two_ranks(ranks):
 
 
 def test_sagemaker_identity_in_doctor(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "SLURM_"))}
-    env.update(
-        SM_HOSTS=json.dumps(["algo-1", "algo-2"]),
-        SM_CURRENT_HOST="algo-2",
-        SM_NUM_GPUS="0",
-        SM_NUM_CPUS="8",
-    )
-    run = subprocess.run(
-        [sys.executable, "-m", "torchplug", "doctor"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert run.returncode == 0, run.stderr
-    lines = {line.split()[0]: line.split()[-1] for line in run.stdout.splitlines() if line.strip()}
+    env = {
+        "SM_HOSTS": json.dumps(["algo-1", "algo-2"]),
+        "SM_CURRENT_HOST": "algo-2",
+        "SM_NUM_GPUS": "0",
+        "SM_NUM_CPUS": "8",
+    }
+    lines = identity(doctor(env, tmp_path))
     assert lines["detected"] == "SageMaker"
     assert (lines["rank"], lines["world_size"], lines["node_rank"]) == ("1", "2", "1")
     assert lines["master_addr"] == "algo-1"
