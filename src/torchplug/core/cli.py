@@ -297,7 +297,7 @@ def check(args: Any) -> int:
 
 
 def convert(args: Any) -> int:
-    from torchplug.core.convert import convert as run_convert
+    from torchplug.checkpoint.convert import convert as run_convert
     from torchplug.core.errors import TorchplugError
 
     try:

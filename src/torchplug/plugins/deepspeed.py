@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torchplug.core import checkpoint
+from torchplug import checkpoint
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import CheckpointError, ConfigurationError
@@ -310,7 +310,8 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+    @hookimpl
+    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
         """Full fp32 model state (ZeRO-3 gathers its partitions)."""
         import deepspeed
 
@@ -319,7 +320,10 @@ class DeepSpeedStrategy(DistributedStrategy):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
-    def optimizer_state(self, engine: Engine, model: torch.nn.Module, optimizer: Any) -> Any:
+    @hookimpl
+    def torchplug_optimizer_state(
+        self, engine: Engine, model: torch.nn.Module, optimizer: Any
+    ) -> Any:
         raise CheckpointError(
             "DeepSpeed's optimizer state is partitioned its own way; it is saved in DeepSpeed's "
             "native checkpoint by engine.save and restored by engine.load with deepspeed."
@@ -330,35 +334,39 @@ class DeepSpeedStrategy(DistributedStrategy):
         self, engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
     ) -> bool:
         ds_engine = self._engine_for("engine.save")
-        final = Path(path).absolute()
-        name = checkpoint.temporary_dir(final).name if engine.is_main else None
-        tmp = final.parent / engine.broadcast_object(name)
-        error: BaseException | None = None
-        try:
-            ds_engine.save_checkpoint(str(tmp / NATIVE), tag=TAG)
-        except BaseException as exc:
-            error = exc
-        engine.agree(error, f"write DeepSpeed checkpoint {final}")
-        try:
-            if engine.is_main:
-                self._write_portable(engine, tmp, state, metadata)
-                checkpoint.swap_into_place(tmp, final)
-        except BaseException as exc:
-            error = exc
-        engine.agree(error, f"write checkpoint {final}")
+        header = {
+            "deepspeed": {
+                "dir": NATIVE,
+                "tag": TAG,
+                "stage": self.config["zero_optimization"]["stage"],
+            }
+        }
+        checkpoint.save(
+            engine,
+            path,
+            state,
+            metadata,
+            native=lambda tmp: ds_engine.save_checkpoint(str(tmp / NATIVE), tag=TAG),
+            entries_of=lambda tmp: self._portable(engine, tmp, state),
+            header=header,
+        )
         return True
 
-    def _write_portable(
-        self, engine: Engine, tmp: Path, state: dict[str, Any], metadata: dict[str, Any]
-    ) -> None:
-        """On rank 0: the consolidated fp32 model (zero_to_fp32), values, and the manifest."""
+    def _portable(
+        self, engine: Engine, tmp: Path, state: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The consolidated fp32 model (zero_to_fp32, on rank 0), and the other entries."""
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         entries: dict[str, Any] = {}
         tensors: dict[str, torch.Tensor] = {}
         for key, obj in state.items():
             if obj is self.ds_engine:
-                full = get_fp32_state_dict_from_zero_checkpoint(str(tmp / NATIVE), tag=TAG)
+                full = (
+                    get_fp32_state_dict_from_zero_checkpoint(str(tmp / NATIVE), tag=TAG)
+                    if engine.is_main
+                    else {}
+                )
                 entries[key] = {"kind": "module", "data": checkpoint.encode(full, key, tensors)}
             elif obj is getattr(self.ds_engine, "optimizer", None):
                 entries[key] = {"kind": "deepspeed-optimizer", "data": NATIVE}
@@ -366,36 +374,27 @@ class DeepSpeedStrategy(DistributedStrategy):
                 kind = checkpoint.kind_of(obj)
                 payload = obj.state_dict() if kind == "stateful" else obj
                 entries[key] = {"kind": kind, "data": checkpoint.encode(payload, key, tensors)}
-        if tensors:
-            checkpoint.save_tensors(tmp / checkpoint.TENSORS, tensors, no_dist=True)
-        header = {
-            **engine.checkpoint_header(state),
-            "metadata": metadata,
-            "deepspeed": {
-                "dir": NATIVE,
-                "tag": TAG,
-                "stage": self.config["zero_optimization"]["stage"],
-            },
-        }
-        checkpoint.write_manifest(tmp, header, entries)
+        return entries, tensors
 
     @hookimpl
-    def torchplug_load(self, engine: Engine, path: str, state: dict[str, Any]) -> dict[str, Any]:
+    def torchplug_load(
+        self, engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
+    ) -> dict[str, Any]:
         ds_engine = self._engine_for("engine.load")
-        root = Path(path)
-        manifest = checkpoint.read_manifest(root)
-        checkpoint.verify_files(root, manifest)
+        root, manifest = checkpoint.open_checkpoint(path, engine.checkpoint_key)
         native = manifest.get("deepspeed")
         stage = self.config["zero_optimization"]["stage"]
-        if (
-            native is None
-            or manifest.get("world_size") != engine.world_size
-            or native["stage"] != stage
-        ):
+        valid = (
+            isinstance(native, dict)
+            and native.get("dir") == NATIVE
+            and isinstance(native.get("tag"), str)
+            and native.get("stage") in (0, 1, 2, 3)
+        )
+        if not valid or manifest["world_size"] != engine.world_size or native["stage"] != stage:
             saved = (
-                f"stage {native['stage']} on {manifest.get('world_size')} ranks"
-                if native
-                else (f"strategy {manifest.get('strategy', {}).get('name')}")
+                f"stage {native['stage']} on {manifest['world_size']} ranks"
+                if valid
+                else f"strategy {manifest['strategy']['name']}"
             )
             raise CheckpointError(
                 f"Checkpoint {root} was written by {saved}; deepspeed resumes only its own native "
@@ -403,24 +402,15 @@ class DeepSpeedStrategy(DistributedStrategy):
                 f"Load its model into another strategy, or resume with the original settings."
             )
         ds_engine.load_checkpoint(
-            str(root / native["dir"]),
+            str(checkpoint.files.confined(root, native["dir"], "the DeepSpeed directory")),
             tag=native["tag"],
             load_optimizer_states=True,
             load_lr_scheduler_states=True,
         )
-        remainder: dict[str, Any] = {}
-        for key, entry in manifest["entries"].items():
-            if entry["kind"] in ("module", "deepspeed-optimizer"):
-                continue
-            names = list(checkpoint.tensor_paths(entry["data"]))
-            tensors = {}
-            if names:
-                store = root / checkpoint.TENSORS
-                tensors = checkpoint.allocate(checkpoint.tensor_shapes(store), names)
-                checkpoint.load_tensors(store, tensors, no_dist=True)
-            payload = checkpoint.decode(entry["data"], tensors)
-            checkpoint.restore_entry(state, key, entry["kind"], payload, remainder)
-        return remainder
+        restored = ("module", "deepspeed-optimizer")
+        return checkpoint.load(
+            engine, path, state, strict, skip=lambda key, entry: entry["kind"] in restored
+        )
 
 
 def _named(stage: int, **preset: Any) -> Callable[..., DeepSpeedStrategy]:
@@ -490,3 +480,21 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             **common,
         )
     )
+
+
+@hookimpl
+def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] | None:
+    """A native DeepSpeed checkpoint directory (with its ``latest`` file), consolidated by
+    DeepSpeed's own zero_to_fp32."""
+    if not (source / "latest").is_file():
+        return None
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ModuleNotFoundError:
+        raise CheckpointError(
+            f"{source} is a native DeepSpeed checkpoint; converting it needs deepspeed: {INSTALL}."
+        ) from None
+    from torchplug.checkpoint.convert import write_safetensors
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(source))
+    return [write_safetensors(state, destination, source, "deepspeed")]

@@ -59,10 +59,13 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
 class OSSCheckpointing:
     """Optimizer state through OSS consolidation, stored by parameter name (portable)."""
 
-    #: OSS holds only its shard: loading reads the full optimizer state into fresh tensors.
-    live_optimizer_targets = False
+    @hookimpl
+    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+        # OSS holds only its shard: loading reads the full optimizer state into fresh tensors.
+        return kind != "optimizer"
 
-    def optimizer_state(
+    @hookimpl
+    def torchplug_optimizer_state(
         self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         optimizer.consolidate_state_dict(recipient_rank=0)  # a collective
@@ -75,13 +78,14 @@ class OSSCheckpointing:
             groups.append({**group, "params": [order[i] for i in group["params"]]})
         return {"state": state, "param_groups": groups}
 
-    def load_optimizer_state(
+    @hookimpl
+    def torchplug_load_optimizer_state(
         self,
         engine: Engine,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
-    ) -> None:
+    ) -> bool:
         names = _names(model)
         index = {
             names[id(p)]: i
@@ -100,6 +104,7 @@ class OSSCheckpointing:
                 f"The checkpoint's optimizer state names parameter {exc}, which this model lacks."
             ) from None
         optimizer.load_state_dict(full)
+        return True
 
 
 class OSSStrategy(OSSCheckpointing, DDPStrategy):
@@ -148,13 +153,17 @@ class SDPStrategy(OSSCheckpointing, DistributedStrategy):
     ) -> contextlib.AbstractContextManager[None]:
         return model.no_sync()
 
-    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
-        return super().model_state(engine, getattr(model, "module", model))
+    @hookimpl
+    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+        return super().torchplug_model_state(engine, getattr(model, "module", model))
 
-    def load_model_state(
-        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any]
-    ) -> None:
-        super().load_model_state(engine, getattr(model, "module", model), state)
+    @hookimpl
+    def torchplug_load_model_state(
+        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+    ) -> bool:
+        return super().torchplug_load_model_state(
+            engine, getattr(model, "module", model), state, strict
+        )
 
 
 def _keep_gradient_buffers(optimizer: torch.optim.Optimizer) -> None:

@@ -93,9 +93,10 @@ def _to_cpu(value: Any) -> Any:
 
 
 class XLAStrategy(Strategy):
-    #: torch.distributed.checkpoint cannot write into XLA tensors: state goes through the CPU.
-    live_model_targets = False
-    live_optimizer_targets = False
+    @hookimpl
+    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+        # torch.distributed.checkpoint cannot write into XLA tensors: state goes through the CPU.
+        return False
 
     def __init__(self) -> None:
         self.mesh: Any = None
@@ -186,16 +187,22 @@ class XLAStrategy(Strategy):
         return True
 
     # checkpoints: through CPU copies, in the portable format
-    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+    @hookimpl
+    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
         return _to_cpu(model.state_dict())
 
-    def load_model_state(
-        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any]
-    ) -> None:
-        model.load_state_dict(state)
+    @hookimpl
+    def torchplug_load_model_state(
+        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+    ) -> bool:
+        model.load_state_dict(state, strict=strict)
+        return True
 
-    def optimizer_state(self, engine: Engine, model: torch.nn.Module, optimizer: Any) -> Any:
-        return _to_cpu(super().optimizer_state(engine, model, optimizer))
+    @hookimpl
+    def torchplug_optimizer_state(
+        self, engine: Engine, model: torch.nn.Module, optimizer: Any
+    ) -> Any:
+        return _to_cpu(super().torchplug_optimizer_state(engine, model, optimizer))
 
 
 @hookimpl
