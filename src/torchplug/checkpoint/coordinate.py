@@ -11,7 +11,6 @@ here pickles, and nothing needs numpy.
 from __future__ import annotations
 
 import datetime
-import itertools
 import json
 import time
 import warnings
@@ -24,8 +23,9 @@ import torch.distributed as dist
 from torchplug.checkpoint.files import describe_os_error
 from torchplug.core.errors import CheckpointError
 
-#: One number per save or load, the same on every rank as long as every rank calls them.
-_SEQUENCE = itertools.count(1)
+#: The number of saves and loads begun in this process: the same on every rank as long as every
+#: rank calls them (a save that some ranks never called is taken back, see ``_absent``).
+_SEQUENCE = [0]
 #: How often a rank that waits for the others says so.
 NOTICE_EVERY = 30.0
 
@@ -37,7 +37,7 @@ def error_text(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         rank, inner = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
-        inner_exc = getattr(inner, "exc", inner)  # a CheckpointException holds wrapped errors
+        inner_exc = inner[0] if isinstance(inner, tuple) and inner else inner  # (exc, frames)
         if isinstance(inner_exc, BaseException):
             return error_text(inner_exc)
         return str(inner)
@@ -60,7 +60,9 @@ class Coordinator:
         self.store = None
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             self.store = dist.distributed_c10d._get_default_store()
-        self.prefix = f"torchplug/checkpoint/{next(_SEQUENCE)}/"
+        _SEQUENCE[0] += 1
+        self.sequence = _SEQUENCE[0]
+        self.prefix = f"torchplug/checkpoint/{self.sequence}/"
 
     def run(self, phase: str, work: Callable[[], Any], share: bool = False) -> Any:
         """Run ``work`` here, then agree: every rank raises a CheckpointError naming the first
@@ -119,6 +121,11 @@ class Coordinator:
                 return
             elapsed = time.monotonic() - start
             if elapsed >= timeout:
+                if phase == "arrive" and _SEQUENCE[0] == self.sequence:
+                    # The absent ranks never drew this number: take it back, so that the next
+                    # save or load of every rank meets under the same one.
+                    self.store.delete_key(keys[self.rank])
+                    _SEQUENCE[0] -= 1
                 raise CheckpointError(self._absent(missing, phase, elapsed))
             if elapsed >= next_notice:
                 warnings.warn(self._absent(missing, phase, elapsed, waiting=True), stacklevel=4)
