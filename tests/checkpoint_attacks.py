@@ -58,16 +58,6 @@ def forge(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
     manifest_path.write_text(json.dumps(body))
 
 
-def relist(path: Path, name: str) -> None:
-    """Make the manifest's size and sha256 of file ``name`` match its current bytes."""
-    data = (Path(path) / name).read_bytes()
-
-    def change(body: dict[str, Any]) -> None:
-        body["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-    forge(path, change)
-
-
 def load_state(
     path: str, strategy: str = "single", guard: bool = True, **engine_options: Any
 ) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchplug as tp
-from checkpoint_attacks import forge, load_state, no_unpickling, relist, same
+from checkpoint_attacks import forge, load_state, no_unpickling, same
 from reference import make_model, train
 
 KEY = "k" * 32
