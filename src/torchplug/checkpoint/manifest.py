@@ -215,8 +215,17 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
             f"Checkpoint manifest {where} is not valid JSON ({str(exc)[:200]}); the checkpoint is "
             f"damaged. Load an earlier checkpoint."
         ) from None
+    recorded = body.get("digest") if isinstance(body, dict) else None
+    if isinstance(recorded, str):  # corruption first: a flipped byte is not a newer format
+        digest = hashlib.sha256(canonical(body)).hexdigest()
+        if digest != recorded:
+            raise CheckpointError(
+                f"Checkpoint manifest {where} fails its digest check (sha256 {digest[:12]}..., "
+                f"recorded {recorded[:12]}...): it was altered or corrupted after saving. "
+                f"Load an earlier checkpoint."
+            )
     try:
-        validate(body)
+        validate(body, where)
     except _Invalid as exc:
         raise CheckpointError(
             f"Checkpoint manifest {where} is invalid: {exc}. The checkpoint is damaged or was not "
@@ -224,13 +233,6 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
         ) from None
     except RecursionError:
         raise CheckpointError(f"Checkpoint manifest {where} is nested too deeply.") from None
-    digest = hashlib.sha256(canonical(body)).hexdigest()
-    if digest != body["digest"]:
-        raise CheckpointError(
-            f"Checkpoint manifest {where} fails its digest check (sha256 {digest[:12]}..., "
-            f"recorded {body['digest'][:12]}...): it was altered or corrupted after saving. "
-            f"Load an earlier checkpoint."
-        )
     return body
 
 
@@ -251,14 +253,15 @@ def _is_ints(value: Any, minimum: int = 0) -> bool:
     return isinstance(value, list) and all(_is_int(v) and v >= minimum for v in value)
 
 
-def validate(body: Any) -> None:
+def validate(body: Any, where: str = MANIFEST) -> None:
     """Check every key torchplug reads; raise ``_Invalid`` naming the first bad one."""
     _expect(isinstance(body, dict), "the manifest", "a JSON object")
     _expect(body.get("format") == FORMAT, "'format'", repr(FORMAT))
     version = body.get("format_version")
     if _is_int(version) and version > FORMAT_VERSION:
         raise CheckpointError(
-            f"Checkpoint has format version {version}; this torchplug reads versions "
+            f"Checkpoint manifest {where} has format version {version}; this torchplug reads "
+            f"versions "
             f"{MIN_FORMAT_VERSION} to {FORMAT_VERSION}. Upgrade torchplug to load it."
         )
     _expect(
