@@ -401,8 +401,20 @@ class DeepSpeedStrategy(DistributedStrategy):
                 f"checkpoints of the same stage and world size ({stage} on {engine.world_size}). "
                 f"Load its model into another strategy, or resume with the original settings."
             )
+        native_dir = checkpoint.files.confined(root, native["dir"], "the DeepSpeed directory")
+        unlisted = [
+            p.relative_to(root).as_posix()
+            for p in native_dir.rglob("*")
+            if not p.is_dir() and p.relative_to(root).as_posix() not in manifest["files"]
+        ]
+        if unlisted:  # DeepSpeed globs its directory and unpickles what it finds
+            raise CheckpointError(
+                f"Checkpoint {root} holds files its manifest does not list: {unlisted[:5]}. "
+                f"DeepSpeed would read them unverified; refusing. Remove them, or load an "
+                f"earlier checkpoint."
+            )
         ds_engine.load_checkpoint(
-            str(checkpoint.files.confined(root, native["dir"], "the DeepSpeed directory")),
+            str(native_dir),
             tag=native["tag"],
             load_optimizer_states=True,
             load_lr_scheduler_states=True,
