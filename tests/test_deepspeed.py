@@ -177,3 +177,22 @@ def test_convert_accepts_a_native_deepspeed_checkpoint(ranks, tmp_path):
         converted = load_file(str(out / "model.safetensors"))
         for key, value in saved["params"].items():
             assert torch.equal(converted[key], value), key
+
+
+def resume_message(path: str) -> str | None:
+    try:
+        train_ds("deepspeed-zero1", steps=1, first_step=1, load_from=path)
+    except tp.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+@needs_deepspeed
+def test_native_files_the_manifest_does_not_list_are_refused(ranks, tmp_path):
+    path = tmp_path / "ckpt"
+    ranks.run(train_ds, "deepspeed-zero1", steps=1, save_to=str(path), timeout=300)
+    planted = path / "deepspeed" / "torchplug" / "zero_pp_rank_9_mp_rank_00_optim_states.pt"
+    planted.write_bytes(b"not listed")
+    for message in ranks.run(resume_message, str(path), timeout=300):
+        assert message is not None and "does not list" in message, message
+        assert "zero_pp_rank_9" in message
