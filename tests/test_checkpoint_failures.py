@@ -157,3 +157,21 @@ def test_each_file_is_hashed_by_one_rank(ranks, tmp_path):
     files = [p for p in Path(path).rglob("*") if p.is_file() and p.name != "manifest.json"]
     assert len(files) == 2  # one shard file per rank
     assert ranks.run(count_hashing, path, "ddp") == [1, 1]
+
+
+def save_under_a_file(path: str) -> dict[str, Any]:
+    with tp.Engine("ddp") as engine:
+        start = time.monotonic()
+        try:
+            engine.save(path, {"step": 1})
+        except tp.CheckpointError as exc:
+            return {"message": str(exc), "elapsed": time.monotonic() - start}
+    return {"message": None}
+
+
+def test_a_real_os_error_on_rank_zero_reaches_every_rank(ranks, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for result in ranks.run(save_under_a_file, str(tmp_path / "a-file" / "ckpt"), timeout=60):
+        assert "failed on rank 0" in result["message"]
+        assert "EEXIST" in result["message"] or "ENOTDIR" in result["message"]
+        assert result["elapsed"] < 10

@@ -26,6 +26,7 @@ from torchplug.core.errors import CheckpointError
 #: The number of saves and loads begun in this process: the same on every rank as long as every
 #: rank calls them (a save that some ranks never called is taken back, see ``_absent``).
 _SEQUENCE = [0]
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)
 #: How often a rank that waits for the others says so.
 NOTICE_EVERY = 30.0
 
@@ -74,13 +75,15 @@ class Coordinator:
         try:
             result = work()
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
-            if isinstance(exc, KeyboardInterrupt) and self.store is None:
+            if isinstance(exc, _INTERRUPTS) and self.store is None:
                 raise
             error = error_text(exc)
             local_exc = exc
         shared = result if share and error is None else None
         records = self.exchange(phase, {"error": error, "result": shared})
         failed = [(r, rec["error"]) for r, rec in enumerate(records) if rec.get("error")]
+        if isinstance(local_exc, _INTERRUPTS):
+            raise local_exc  # the others know now; here, Ctrl-C stays Ctrl-C
         if failed and self.store is None and isinstance(local_exc, CheckpointError):
             raise local_exc  # one process: its own message says it all
         if failed:
