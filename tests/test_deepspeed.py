@@ -28,13 +28,21 @@ def train_ds(
     first_step: int = 0,
     save_to: str | None = None,
     load_from: str | None = None,
+    optimizer_name: str = "AdamW",
+    scheduler: str | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """The reference run (tests/reference.py), through DeepSpeed's engine."""
+    """The reference run (tests/reference.py), through DeepSpeed's engine. ``scheduler`` is
+    ``"before"`` or ``"after"`` setup: a StepLR halving the LR every step."""
     with tp.Engine(strategy, precision=precision, timeout=120.0, **options) as engine:
         model = make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        optimizer = getattr(torch.optim, optimizer_name)(model.parameters(), lr=3e-2)
+        if scheduler == "before":
+            sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
         model, optimizer = engine.setup(model, optimizer)
+        assert isinstance(optimizer, torch.optim.Optimizer)
+        if scheduler == "after":
+            sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
         if load_from is not None:
             state = {"model": model, "optimizer": optimizer, "step": 0}
             engine.load(load_from, state)
@@ -52,6 +60,8 @@ def train_ds(
             engine.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
+            if scheduler is not None:
+                sched.step()
             losses.append(engine.reduce(loss.detach().float(), "mean").item())
         if save_to is not None:
             engine.save(
@@ -79,6 +89,76 @@ def test_zero_matches_single_process_reference_without_compiling(ranks, referenc
         assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
         assert_close_dicts(result["params"], reference["params"], atol=1e-5)
     assert ranks.run(extensions) == [[], []]  # nothing was JIT-compiled
+
+
+def plain_reference(optimizer_name: str, scheduler: bool, steps: int = 10) -> dict[str, Any]:
+    """The same run in plain PyTorch, no torchplug: the full batch in one process."""
+    model = make_model()
+    optimizer = getattr(torch.optim, optimizer_name)(model.parameters(), lr=3e-2)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    losses = []
+    for step, (x, y) in enumerate(DataLoader(make_dataset(320), batch_size=16)):
+        if step >= steps:
+            break
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler:
+            sched.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": dict(model.state_dict())}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("strategy", "optimizer_name", "scheduler"),
+    [
+        ("deepspeed-zero2", "SGD", "before"),
+        ("deepspeed-zero2", "SGD", "after"),
+        ("deepspeed-zero3-offload", "SGD", "after"),
+        ("deepspeed-zero3-offload", "AdamW", "before"),
+    ],
+)
+def test_any_torch_optimizer_and_scheduler_order_match_plain_pytorch(
+    ranks, strategy, optimizer_name, scheduler
+):
+    expected = plain_reference(optimizer_name, scheduler=True)
+    for result in ranks.run(
+        train_ds, strategy, optimizer_name=optimizer_name, scheduler=scheduler, timeout=300
+    ):
+        assert result["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+        assert_close_dicts(result["params"], expected["params"], atol=1e-5)
+    assert ranks.run(extensions) == [[], []]  # offload with a torch optimizer compiles nothing
+
+
+class Output(dict):
+    """A dict subclass with attribute access, like a Hugging Face ModelOutput."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self[name]
+
+
+class DictModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(prediction=self.net(x))
+
+
+def output_type_under_bf16() -> str:
+    with tp.Engine("deepspeed-zero2", precision="bf16") as engine:
+        model = DictModel()
+        model, _ = engine.setup(model, torch.optim.AdamW(model.parameters()))
+        out = model(torch.randn(4, 8))
+        return f"{type(out).__name__} {out.prediction.dtype}"
+
+
+@needs_deepspeed
+def test_bf16_keeps_the_model_output_type(ranks):
+    assert ranks.run(output_type_under_bf16, timeout=300) == ["Output torch.float32"] * 2
 
 
 @needs_deepspeed

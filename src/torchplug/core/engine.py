@@ -264,6 +264,8 @@ class Engine:
             # that call is the real step.
             nonlocal inside
             engine = engine_ref()
+            if inside and getattr(opt, "_torchplug_skip_update", False):
+                return None  # a precision plugin found inf/NaN gradients: no update
             if inside or engine is None or engine._raw_steps:
                 return real_step(closure) if closure is not None else real_step()
             inside = True
@@ -303,6 +305,17 @@ class Engine:
             "engine.setup(model, optimizer) and no model in the state owns its parameters. "
             "Put the model in the same state dict, or set both up together."
         )
+
+    @contextlib.contextmanager
+    def skipping_updates(self, optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
+        """Inside, with ``skip``, the optimizer's real step does nothing (the backend's step
+        around it still runs): how a wrapper skips an update without replacing the backend."""
+        previous = getattr(optimizer, "_torchplug_skip_update", False)
+        optimizer._torchplug_skip_update = skip
+        try:
+            yield
+        finally:
+            optimizer._torchplug_skip_update = previous
 
     @contextlib.contextmanager
     def real_optimizer_steps(self) -> Iterator[None]:

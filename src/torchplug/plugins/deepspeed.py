@@ -15,6 +15,7 @@ when one of these strategies is selected.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -38,6 +39,8 @@ INSTALL = "pip install torchplug[deepspeed]"
 OFFLOAD = ("none", "cpu", "nvme")
 NATIVE = "deepspeed"  # the native checkpoint's directory inside a torchplug checkpoint
 TAG = "torchplug"
+#: Optimizers DeepSpeed's ZeRO accepts without zero_allow_untested_optimizer.
+_ZERO_TESTED = ("Adam", "AdamW", "DeepSpeedCPUAdam", "FusedAdam", "FusedLamb", "Lamb")
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -70,12 +73,18 @@ def _cast_forward(ds_engine: Any, dtype: torch.dtype) -> None:
     forward = ds_engine.forward
 
     def cast(value: Any, to: torch.dtype) -> Any:
+        # Containers keep their type: a Hugging Face ModelOutput stays one (``out.loss``).
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.to(to)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*(cast(v, to) for v in value))
         if isinstance(value, (list, tuple)):
             return type(value)(cast(v, to) for v in value)
         if isinstance(value, dict):
-            return {k: cast(v, to) for k, v in value.items()}
+            out = copy.copy(value)
+            for k, v in value.items():
+                out[k] = cast(v, to)
+            return out
         return value
 
     @functools.wraps(forward)
@@ -140,6 +149,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         self.config_arg = config
         self.stage_fixed_by_name = _named
         self.ds_engine: Any = None
+        self.optimizers: list[Any] = []
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -222,10 +232,16 @@ class DeepSpeedStrategy(DistributedStrategy):
         for part, device in (("optimizer", self.offload_optimizer), ("param", self.offload_params)):
             if device != "none":
                 zero[f"offload_{part}"] = {"device": device, "nvme_path": self.nvme_path}
-        if config.get("zero_optimization", {}).get("offload_optimizer"):
+        # The user's torch optimizer is what steps, offloaded or not (DeepSpeed would otherwise
+        # insist on its compiled DeepSpeedCPUAdam for offload, and refuse untested optimizers
+        # such as SGD under ZeRO); set these keys in your DeepSpeed config to get its defaults.
+        config.setdefault("zero_force_ds_cpu_optimizer", False)
+        config.setdefault("zero_allow_untested_optimizer", True)
+        if "optimizer" in config and config.get("zero_optimization", {}).get("offload_optimizer"):
             warnings.warn(
-                "DeepSpeed CPU/NVMe optimizer offload uses DeepSpeedCPUAdam, which DeepSpeed "
-                "compiles with g++ on first use (minutes on few cores; needs a compiler).",
+                "Your DeepSpeed config builds its own optimizer with CPU/NVMe offload: DeepSpeed "
+                "compiles DeepSpeedCPUAdam with g++ on first use (minutes on few cores; needs a "
+                "compiler). Pass a torch optimizer to engine.setup instead to avoid it.",
                 stacklevel=2,
             )
         return config, source or "defaults"
@@ -247,6 +263,21 @@ class DeepSpeedStrategy(DistributedStrategy):
                 "This deepspeed Engine already set up a model; create one torchplug Engine per "
                 "model with DeepSpeed."
             )
+        untested = optimizers and type(optimizers[0]).__name__ not in _ZERO_TESTED
+        if untested and self.config["zero_optimization"]["stage"] > 0:
+            if self.config.get("zero_allow_untested_optimizer"):
+                warnings.warn(
+                    f"DeepSpeed has not tested ZeRO with {type(optimizers[0]).__name__}; "
+                    f"torchplug lets it run (as Lightning Fabric does). Set "
+                    f'"zero_allow_untested_optimizer": false in the DeepSpeed config to refuse.',
+                    stacklevel=4,
+                )
+            else:
+                raise ConfigurationError(
+                    f"DeepSpeed ZeRO refuses the untested optimizer "
+                    f"{type(optimizers[0]).__name__} because your DeepSpeed config sets "
+                    f'"zero_allow_untested_optimizer": false. Remove that key, or use Adam/AdamW.'
+                )
         ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizers[0] if optimizers else None,
@@ -258,7 +289,10 @@ class DeepSpeedStrategy(DistributedStrategy):
             _cast_forward(
                 ds_engine, torch.bfloat16 if engine.precision == "bf16" else torch.float16
             )
-        return ds_engine, [ds_optimizer] if optimizers else []
+        # The user's own optimizer is returned (DeepSpeed steps it inside its wrapper): it is a
+        # torch Optimizer, so LR schedulers made before or after setup drive the real one.
+        self.optimizers = [*optimizers, ds_optimizer]
+        return ds_engine, list(optimizers)
 
     @hookimpl
     def torchplug_backward(
@@ -368,7 +402,7 @@ class DeepSpeedStrategy(DistributedStrategy):
                     else {}
                 )
                 entries[key] = {"kind": "module", "data": checkpoint.encode(full, key, tensors)}
-            elif obj is getattr(self.ds_engine, "optimizer", None):
+            elif any(obj is o for o in self.optimizers):
                 entries[key] = {"kind": "deepspeed-optimizer", "data": NATIVE}
             else:
                 kind = checkpoint.kind_of(obj)

@@ -48,7 +48,11 @@ def to_oss(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     accepted = inspect.signature(type(optimizer).__init__).parameters
     # defaults can hold keys the constructor does not take (AdamW: decoupled_weight_decay)
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return OSS(groups, optim=type(optimizer), **defaults)
+    oss = OSS(groups, optim=type(optimizer), **defaults)
+    # An LR scheduler made before setup holds the user's optimizer: let it change the groups OSS
+    # reads (OSS copies lr & co. from its global groups into its shard's at every step).
+    optimizer.param_groups = oss.param_groups
+    return oss
 
 
 def _names(model: torch.nn.Module) -> dict[int, str]:
@@ -152,6 +156,23 @@ class SDPStrategy(OSSCheckpointing, DistributedStrategy):
         self, engine: Engine, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
         return model.no_sync()
+
+    @hookimpl
+    def torchplug_clip_grad_norm(
+        self,
+        engine: Engine,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> torch.Tensor:
+        # Each rank holds reduced gradients only for the parameters it owns: OSS computes the
+        # norm over its shard and all-reduces it, so every rank clips by the same global norm.
+        optimizers = [optimizer] if optimizer is not None else engine.optimizers
+        norms = [o.clip_grad_norm(max_norm, norm_type=norm_type) for o in optimizers]
+        if len(norms) == 1:
+            return norms[0]
+        return torch.linalg.vector_norm(torch.stack(norms), ord=norm_type)
 
     @hookimpl
     def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
