@@ -27,6 +27,7 @@ import torch
 
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
+from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import StrategyInfo
 from torchplug.core.spec import hookimpl
 from torchplug.core.strategy import Strategy, rebind_optimizer
@@ -111,6 +112,13 @@ class XLAStrategy(Strategy):
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
+        if xr.process_count() > 1:
+            raise ConfigurationError(
+                f"Strategy 'xla' runs on one host; this is host {xr.process_index()} of "
+                f"{xr.process_count()}. Multi-host XLA is not supported yet: engine.reduce, "
+                f"gather and checkpoints would see only this host's values. Run on one host (one "
+                f"process, all its devices), or use a torch.distributed strategy."
+            )
         xr.use_spmd()
         devices = xr.global_runtime_device_count()
         self.mesh = xs.Mesh(np.arange(devices), (devices, 1), ("data", "model"))
