@@ -15,6 +15,7 @@ import torchplug as tp
 from checkpoint_attacks import no_unpickling
 from reference import make_dataset, make_model, train
 from test_parity import assert_close_dicts
+from torchplug.testing.conformance import Conformance
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed"
@@ -276,3 +277,24 @@ def test_native_files_the_manifest_does_not_list_are_refused(ranks, tmp_path):
     for message in ranks.run(resume_message, str(path), timeout=300):
         assert message is not None and "does not list" in message, message
         assert "zero_pp_rank_9" in message
+
+
+@needs_deepspeed
+class TestZero1Conformance(Conformance):
+    strategy = "deepspeed-zero1"
+
+
+@needs_deepspeed
+class TestZero2BF16Conformance(Conformance):
+    strategy = "deepspeed-zero2"
+    precision = "bf16"
+
+
+@needs_deepspeed
+class TestZero3Conformance(Conformance):
+    strategy = "deepspeed-zero3"
+
+
+@needs_deepspeed
+class TestZero3OffloadConformance(Conformance):
+    strategy = "deepspeed-zero3-offload"

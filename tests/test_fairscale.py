@@ -91,5 +91,25 @@ class TestFairScaleOSSConformance(Conformance):
     strategy = "fairscale-oss"
 
 
+class TestFairScaleOSSBF16Conformance(Conformance):
+    strategy = "fairscale-oss"
+    precision = "bf16"
+
+
+class TestFairScaleOSSFP16Conformance(Conformance):
+    strategy = "fairscale-oss"
+    precision = "fp16"
+
+
 class TestFairScaleSDPConformance(Conformance):
     strategy = "fairscale-sdp"
+
+
+class TestFairScaleSDPBF16Conformance(Conformance):
+    strategy = "fairscale-sdp"
+    precision = "bf16"
+
+
+class TestFairScaleSDPFP16Conformance(Conformance):
+    strategy = "fairscale-sdp"
+    precision = "fp16"
