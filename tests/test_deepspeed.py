@@ -298,3 +298,9 @@ class TestZero3Conformance(Conformance):
 @needs_deepspeed
 class TestZero3OffloadConformance(Conformance):
     strategy = "deepspeed-zero3-offload"
+
+
+@needs_deepspeed
+class TestZero2FP16Conformance(Conformance):
+    strategy = "deepspeed-zero2"
+    precision = "fp16"

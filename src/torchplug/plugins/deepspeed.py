@@ -19,6 +19,7 @@ import copy
 import functools
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -208,6 +209,25 @@ class DeepSpeedStrategy(DistributedStrategy):
                 )
 
         precision_from = engine.settings.precision.source
+        scaling = {k: v for k, v in engine.precision_options.items() if v is not None}
+        if scaling and engine.precision == "fp16":
+            # GradScaler's meaning: start at init_scale, halve on every overflow, double after
+            # growth_interval clean steps; the same options as the AMP plugin's.
+            fp16 = dict(user.get("fp16", {})) if isinstance(user.get("fp16"), dict) else {}
+            wanted: dict[str, Any] = {"hysteresis": 1}
+            if "init_scale" in scaling:
+                power = math.log2(scaling["init_scale"])
+                if power != int(power):
+                    raise ConfigurationError(
+                        f"precision_options init_scale={scaling['init_scale']} is not a power of "
+                        f"two, which DeepSpeed needs (initial_scale_power). Use e.g. 65536.0."
+                    )
+                wanted["initial_scale_power"] = int(power)
+            if "growth_interval" in scaling:
+                wanted["loss_scale_window"] = scaling["growth_interval"]
+            for key, value in wanted.items():
+                agree(f"fp16.{key}", value, "precision_options", fp16.get(key))
+                config.setdefault("fp16", {})[key] = value
         for name in ("bf16", "fp16"):
             enabled = (
                 user.get(name, {}).get("enabled") if isinstance(user.get(name), dict) else None
@@ -490,6 +510,10 @@ def _options(with_stage: bool, with_offload: bool = True) -> tuple[Option, ...]:
 @hookimpl
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     common: dict[str, Any] = {
+        "precision_options": (
+            Option("init_scale", (float, type(None)), None, "fp16: the first loss scale (2**k)"),
+            Option("growth_interval", (int, type(None)), None, "fp16: clean steps before doubling"),
+        ),
         "requires": ("deepspeed",),
         "install_hint": INSTALL,
         "owns_precision": True,
