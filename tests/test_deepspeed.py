@@ -15,6 +15,7 @@ import torchplug as tp
 from checkpoint_attacks import no_unpickling
 from reference import make_dataset, make_model, train
 from test_parity import assert_close_dicts
+from test_ported import check_strategy
 from torchplug.testing.conformance import Conformance
 
 needs_deepspeed = pytest.mark.skipif(
@@ -304,3 +305,18 @@ class TestZero3OffloadConformance(Conformance):
 class TestZero2FP16Conformance(Conformance):
     strategy = "deepspeed-zero2"
     precision = "fp16"
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("strategy", "precision"),
+    [
+        ("deepspeed-zero1", None),
+        ("deepspeed-zero2", "bf16"),
+        ("deepspeed-zero2", "fp16"),
+        ("deepspeed-zero3", None),
+        ("deepspeed-zero3-offload", None),
+    ],
+)
+def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precision):
+    check_strategy(ranks, strategy, precision, tmp_path)
