@@ -18,6 +18,7 @@ import torch
 from torchplug.core import cluster as cluster_mod
 from torchplug.core import config, manager
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
+from torchplug.core.nested import map_tensors
 from torchplug.core.registry import StrategyInfo, normalize_precision, resolve_options
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -148,6 +149,8 @@ class Engine:
             manager.register_checked(self._pm, plugin)
         self.plugins = tuple(active)
         self.hook = self._pm.hook
+        self._undo: list[Callable[[], None]] = []
+        self._check_contract()
 
         try:
             runtime = self.hook.torchplug_setup(engine=self, cluster=self.cluster)
@@ -179,6 +182,51 @@ class Engine:
                 f"Use a multi-process strategy such as 'ddp', or launch a single process."
             )
         return info
+
+    def _check_contract(self) -> None:
+        """Refuse to start when an action hook has no answer in the active set (a backend that
+        forgot one would otherwise do nothing, silently, when that hook is called)."""
+        unanswered = [
+            name
+            for name in sorted(manager.ACTION_HOOKS)
+            if not any(
+                not (impl.wrapper or impl.hookwrapper)
+                for impl in getattr(self.hook, name).get_hookimpls()
+            )
+        ]
+        if unanswered:
+            raise PluginError(
+                f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
+                f"{type(self.backend).__name__}) leaves {len(unanswered)} hook(s) unanswered: "
+                f"{', '.join(unanswered)}. Every action hook needs an answer: subclass "
+                f"torchplug.Strategy (or torchplug.core.strategy.DistributedStrategy) to inherit "
+                f"the defaults, or implement them."
+            )
+
+    def _answer(self, hook: str, result: Any, expected: Any, what: str) -> Any:
+        """``result`` if it is what ``hook`` must return, else an error naming the hook."""
+        if not isinstance(result, expected):
+            shown = repr(result)
+            shown = shown if len(shown) < 60 else shown[:57] + "..."
+            raise PluginError(
+                f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}') answered "
+                f"{hook} with {shown}; it must return {what}. Fix that hook in the plugin."
+            )
+        return result
+
+    def restore_on_close(self, obj: Any, name: str) -> None:
+        """Remember ``obj.name`` as it is now; :meth:`close` puts it back (what setup patches on
+        user objects is undone, so a model pickles again after close)."""
+        had = name in getattr(obj, "__dict__", {})
+        previous = obj.__dict__.get(name) if had else None
+
+        def undo() -> None:
+            if had:
+                setattr(obj, name, previous)
+            else:
+                obj.__dict__.pop(name, None)
+
+        self._undo.append(undo)
 
     def _check_precision(self) -> None:
         if self.precision not in self.info.precisions:
@@ -248,9 +296,9 @@ class Engine:
                     f"Engine.setup expects optimizers after the model, got {type(opt).__name__}."
                 )
         result = self.hook.torchplug_wrap(engine=self, model=model, optimizers=list(optimizers))
-        if result is None:
-            raise PluginError(f"Strategy '{self.strategy}' did not answer torchplug_wrap.")
+        self._answer("torchplug_wrap", result, tuple, "(model, [optimizers])")
         wrapped, wrapped_optimizers = result
+        self._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
         self._originals[wrapped] = self.unwrap(model)
         for opt in wrapped_optimizers:
             self._attach(opt)
@@ -270,6 +318,7 @@ class Engine:
             # that call is the real step.
             nonlocal inside
             engine = engine_ref()
+            opt._opt_called = True  # what torch's LR schedulers look for (see below)
             if inside and getattr(opt, "_torchplug_skip_update", False):
                 return None  # a precision plugin found inf/NaN gradients: no update
             if inside or engine is None or engine._raw_steps:
@@ -281,9 +330,15 @@ class Engine:
                 )
             finally:
                 inside = False
+            engine._answer("torchplug_optimizer_step", stepped, bool, "True (stepped) or False")
             opt.step_was_skipped = stepped is False
             return None
 
+        # LR schedulers wrap optimizer.step to notice a scheduler stepped before the optimizer;
+        # this step does their bookkeeping itself, for schedulers made before setup and after.
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        for name in ("step", "step_was_skipped", "_torchplug_engine"):
+            self.restore_on_close(optimizer, name)
         # A bound method, as torch's LR schedulers expect to find on an optimizer.
         optimizer.step = types.MethodType(step, optimizer)
         optimizer.step_was_skipped = False
@@ -376,8 +431,8 @@ class Engine:
 
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
         """``loss.backward()`` as the backend and precision need it (scaling, sharding)."""
-        if self.hook.torchplug_backward(engine=self, loss=loss, model=model) is None:
-            raise PluginError(f"No plugin of strategy '{self.strategy}' answered backward.")
+        done = self.hook.torchplug_backward(engine=self, loss=loss, model=model)
+        self._answer("torchplug_backward", done, bool, "True")
 
     def clip_grad_norm_(
         self,
@@ -387,9 +442,10 @@ class Engine:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
         """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm."""
-        return self.hook.torchplug_clip_grad_norm(
+        norm = self.hook.torchplug_clip_grad_norm(
             engine=self, model=model, optimizer=optimizer, max_norm=max_norm, norm_type=norm_type
         )
+        return self._answer("torchplug_clip_grad_norm", norm, torch.Tensor, "the total norm")
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
@@ -397,12 +453,19 @@ class Engine:
         if not enabled:
             yield
             return
-        with self.hook.torchplug_no_sync(engine=self, model=model):
+        context = self.hook.torchplug_no_sync(engine=self, model=model)
+        self._answer(
+            "torchplug_no_sync", context, contextlib.AbstractContextManager, "a context manager"
+        )
+        with context:
             yield
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Apply the active precision to code outside the model's forward (e.g. the loss)."""
-        return self.hook.torchplug_autocast(engine=self)
+        context = self.hook.torchplug_autocast(engine=self)
+        return self._answer(
+            "torchplug_autocast", context, contextlib.AbstractContextManager, "a context manager"
+        )
 
     # -- collectives ------------------------------------------------------------------------------
 
@@ -417,14 +480,16 @@ class Engine:
             raise ConfigurationError(
                 f"Unknown reduce op {op!r}. Expected one of {', '.join(REDUCE_OPS)}."
             )
-        return self.hook.torchplug_reduce(engine=self, tensor=self._as_tensor(tensor), op=op)
+        result = self.hook.torchplug_reduce(engine=self, tensor=self._as_tensor(tensor), op=op)
+        return self._answer("torchplug_reduce", result, torch.Tensor, "a tensor")
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
         """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``."""
-        return self.hook.torchplug_gather(engine=self, tensor=self._as_tensor(tensor))
+        result = self.hook.torchplug_gather(engine=self, tensor=self._as_tensor(tensor))
+        return self._answer("torchplug_gather", result, torch.Tensor, "a tensor")
 
     def barrier(self) -> None:
-        self.hook.torchplug_barrier(engine=self)
+        self._answer("torchplug_barrier", self.hook.torchplug_barrier(engine=self), bool, "True")
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
@@ -464,21 +529,18 @@ class Engine:
         """
         from torch.distributed.tensor import DTensor
 
-        def full(value: Any) -> Any:
+        def full(value: torch.Tensor) -> torch.Tensor:
             if isinstance(value, DTensor):
                 value = value.full_tensor()
-            if isinstance(value, torch.Tensor):
-                return value.detach().cpu().clone()
-            if isinstance(value, dict):
-                return {k: full(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(full(v) for v in value)
-            return value
+            return value.detach().cpu().clone()
 
-        result = {"model": full(self.hook.torchplug_model_state(engine=self, model=model))}
+        result = {
+            "model": map_tensors(self.hook.torchplug_model_state(engine=self, model=model), full)
+        }
         if optimizer is not None:
-            result["optimizer"] = full(
-                self.hook.torchplug_optimizer_state(engine=self, model=model, optimizer=optimizer)
+            result["optimizer"] = map_tensors(
+                self.hook.torchplug_optimizer_state(engine=self, model=model, optimizer=optimizer),
+                full,
             )
         return result
 
@@ -507,7 +569,10 @@ class Engine:
             raise CheckpointError(
                 f"Checkpoint metadata must be JSON values (numbers, strings, lists, dicts): {exc}"
             ) from None
-        self.hook.torchplug_save(engine=self, path=str(Path(path)), state=state, metadata=metadata)
+        done = self.hook.torchplug_save(
+            engine=self, path=str(Path(path)), state=state, metadata=metadata
+        )
+        self._answer("torchplug_save", done, bool, "True")
 
     def load(
         self,
@@ -529,9 +594,10 @@ class Engine:
                 f"engine.load expects a dict of the objects to restore, e.g. {{'model': model, "
                 f"'optimizer': optimizer}}, got {type(state).__name__}."
             )
-        return self.hook.torchplug_load(
+        result = self.hook.torchplug_load(
             engine=self, path=str(Path(path)), state=state, strict=strict
         )
+        return self._answer("torchplug_load", result, dict, "a dict of the values loaded")
 
     @property
     def checkpoint_timeout(self) -> float:
@@ -544,7 +610,11 @@ class Engine:
         """Release the backend (process group and the like). Called by ``with Engine(...)``."""
         if not self._closed:
             self._closed = True
-            self.hook.torchplug_teardown(engine=self)
+            try:
+                self.hook.torchplug_teardown(engine=self)
+            finally:
+                while self._undo:  # what setup patched on user objects, newest first
+                    self._undo.pop()()
 
     def __enter__(self) -> Engine:
         return self

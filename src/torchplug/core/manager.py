@@ -50,6 +50,10 @@ STRATEGY_HOOKS = frozenset(
 )
 
 
+#: Hooks an Engine's active set must answer: every strategy hook but teardown (optional).
+ACTION_HOOKS = STRATEGY_HOOKS - {"torchplug_teardown"}
+
+
 def _env_list(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 

@@ -15,11 +15,16 @@ from typing import Any
 from torchplug.core.errors import ConfigurationError, did_you_mean
 
 #: Canonical precision names and the spellings accepted for each.
+#: Accelerate's ``"no"`` / ``"bf16"`` / ``"fp16"`` and Fabric's ``"32-true"`` / ``"bf16-mixed"`` /
+#: ``"16-mixed"`` are spellings of these; Fabric's ``"*-true"`` low-precision modes (weights held in
+#: bf16/fp16) are a different thing and are not accepted as aliases.
 PRECISIONS: dict[str, tuple[str, ...]] = {
-    "32": ("32", "fp32", "32-true", "float32"),
+    "32": ("32", "fp32", "32-true", "float32", "no", "full"),
     "bf16": ("bf16", "bf16-mixed", "bfloat16"),
     "fp16": ("fp16", "16", "16-mixed", "float16"),
 }
+#: Precisions users ask for that no built-in backend runs (yet).
+UNSUPPORTED_PRECISIONS = ("fp8", "8", "8-mixed", "transformer-engine", "bf16-true", "16-true")
 
 
 def normalize_precision(value: str | int | None) -> str:
@@ -30,6 +35,12 @@ def normalize_precision(value: str | int | None) -> str:
     for canonical, spellings in PRECISIONS.items():
         if text in spellings:
             return canonical
+    if text in UNSUPPORTED_PRECISIONS:
+        raise ConfigurationError(
+            f"Precision {value!r} is not supported by the active backends: torchplug runs 32 "
+            f"(alias 'no', '32-true'), bf16 (mixed, 'bf16-mixed') and fp16 (mixed, '16-mixed'). "
+            f"Use precision='bf16' for the closest supported mode."
+        )
     accepted = ", ".join(repr(s) for spellings in PRECISIONS.values() for s in spellings[:2])
     raise ConfigurationError(
         f"Unknown precision {value!r}."

@@ -18,6 +18,7 @@ import torch
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
+from torchplug.core.nested import cast_floating
 from torchplug.core.registry import Option, PrecisionInfo
 from torchplug.core.spec import hookimpl
 
@@ -25,15 +26,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
-    if isinstance(value, dict):
-        return type(value)({k: _to_fp32(v) for k, v in value.items()})
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_to_fp32(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_fp32(v) for v in value)
-    return value
+    return cast_floating(value, torch.float32, only=(torch.float16, torch.bfloat16))
 
 
 class MixedPrecision:
@@ -81,6 +74,7 @@ class MixedPrecision:
             with self.context():
                 return _to_fp32(forward(*args, **kwargs))
 
+        engine.restore_on_close(wrapped, "forward")
         wrapped.forward = autocast_forward
         return wrapped, optimizers
 

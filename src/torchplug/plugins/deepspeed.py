@@ -15,7 +15,6 @@ when one of these strategies is selected.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import logging
@@ -32,6 +31,7 @@ from torchplug import checkpoint
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import CheckpointError, ConfigurationError
+from torchplug.core.nested import cast_floating
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
 from torchplug.core.strategy import DistributedStrategy, distributed_options
@@ -73,24 +73,10 @@ def _cast_forward(ds_engine: Any, dtype: torch.dtype) -> None:
     to the weights' dtype and floating outputs back to fp32, as the AMP plugin and FSDP do."""
     forward = ds_engine.forward
 
-    def cast(value: Any, to: torch.dtype) -> Any:
-        # Containers keep their type: a Hugging Face ModelOutput stays one (``out.loss``).
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(to)
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-            return type(value)(*(cast(v, to) for v in value))
-        if isinstance(value, (list, tuple)):
-            return type(value)(cast(v, to) for v in value)
-        if isinstance(value, dict):
-            out = copy.copy(value)
-            for k, v in value.items():
-                out[k] = cast(v, to)
-            return out
-        return value
-
     @functools.wraps(forward)
     def cast_forward(*args: Any, **kwargs: Any) -> Any:
-        return cast(forward(*cast(args, dtype), **cast(kwargs, dtype)), torch.float32)
+        args, kwargs = cast_floating((args, kwargs), dtype)
+        return cast_floating(forward(*args, **kwargs), torch.float32)
 
     ds_engine.forward = cast_forward
 

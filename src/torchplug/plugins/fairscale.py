@@ -34,7 +34,7 @@ from torchplug.plugins.ddp import DDPStrategy
 INSTALL = "pip install torchplug[fairscale]"
 
 
-def to_oss(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def to_oss(optimizer: torch.optim.Optimizer, engine: Engine) -> torch.optim.Optimizer:
     """The same optimizer (class, groups, hyper-parameters) with its state sharded by OSS."""
     from fairscale.optim import OSS
 
@@ -53,6 +53,7 @@ def to_oss(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     # An LR scheduler made before setup holds the user's optimizer: let it change the groups OSS
     # reads (OSS copies lr & co. from its global groups into its shard's at every step).
     oss._torchplug_user_optimizer = weakref.ref(optimizer)
+    engine.restore_on_close(optimizer, "param_groups")
     _link(oss)
     return oss
 
@@ -127,7 +128,7 @@ class OSSStrategy(OSSCheckpointing, DDPStrategy):
         self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         ddp_model, _ = DDPStrategy.torchplug_wrap(self, engine, model, optimizers)
-        return ddp_model, [to_oss(o) for o in optimizers]
+        return ddp_model, [to_oss(o, engine) for o in optimizers]
 
 
 class SDPStrategy(OSSCheckpointing, DistributedStrategy):
@@ -151,7 +152,7 @@ class SDPStrategy(OSSCheckpointing, DistributedStrategy):
                 "fairscale-sdp shards gradients by optimizer: pass the optimizer too, "
                 "engine.setup(model, optimizer)."
             )
-        sharded = [to_oss(o) for o in optimizers]
+        sharded = [to_oss(o, engine) for o in optimizers]
         for optimizer in sharded:
             _keep_gradient_buffers(optimizer)
         wrapped = ShardedDataParallel(

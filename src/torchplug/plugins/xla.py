@@ -28,6 +28,7 @@ import torch
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
+from torchplug.core.nested import map_tensors
 from torchplug.core.registry import StrategyInfo
 from torchplug.core.spec import hookimpl
 from torchplug.core.strategy import Strategy, rebind_optimizer
@@ -84,13 +85,7 @@ def _usable() -> str | None:
 
 
 def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
+    return map_tensors(value, lambda t: t.detach().cpu())
 
 
 class XLAStrategy(Strategy):
@@ -154,6 +149,7 @@ class XLAStrategy(Strategy):
                     else out
                 )
 
+            engine.restore_on_close(model, "forward")
             model.forward = bf16_forward
         return model, optimizers
 
@@ -162,19 +158,13 @@ class XLAStrategy(Strategy):
         """Move to the XLA device and shard along the batch dimension over the data axis."""
         import torch_xla.distributed.spmd as xs
 
-        def place(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                value = value.to(engine.device)
-                if value.dim() >= 1 and value.shape[0] % self.devices == 0:
-                    xs.mark_sharding(value, self.mesh, ("data",) + (None,) * (value.dim() - 1))
-                return value
-            if isinstance(value, dict):
-                return type(value)({k: place(v) for k, v in value.items()})
-            if isinstance(value, (list, tuple)):
-                return type(value)(place(v) for v in value)
+        def place(value: torch.Tensor) -> torch.Tensor:
+            value = value.to(engine.device)
+            if value.dim() >= 1 and value.shape[0] % self.devices == 0:
+                xs.mark_sharding(value, self.mesh, ("data",) + (None,) * (value.dim() - 1))
             return value
 
-        return place(batch)
+        return map_tensors(batch, place)
 
     @hookimpl
     def torchplug_optimizer_step(

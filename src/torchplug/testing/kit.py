@@ -200,6 +200,8 @@ class Kit:
                     f"the reference by {off:.2e} (rank 0 {norms[0][:2]}, reference "
                     f"{reference['norms'][:2]})",
                 )
+            if self.tolerance is None:  # lossy: heavy clipping slows it, nothing to compare with
+                return Outcome("clipping", True, "total norm equal on every rank (lossy backend)")
             outcome = self.compare("clipping", results, reference, "SGD clipped to 0.05")
             detail = f"total norm equal on every rank and to the reference; {outcome.detail}"
             return Outcome("clipping", outcome.passed, detail)

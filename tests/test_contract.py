@@ -1,0 +1,155 @@
+"""The hook contract is enforced: a backend that leaves an action hook unanswered refuses to
+start, a hook that answers with the wrong type is named, and close() leaves user objects as
+they were found."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import torchplug as tp
+from torchplug.core.engine import Runtime
+from torchplug.core.strategy import Strategy
+
+
+class OnlyThree:
+    """What a third party might write: setup, wrap and backward, nothing else."""
+
+    @tp.hookimpl
+    def torchplug_setup(self, engine, cluster):
+        return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+    @tp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        return model, optimizers
+
+    @tp.hookimpl
+    def torchplug_backward(self, engine, loss, model):
+        loss.backward()
+        return True
+
+
+def register(name, factory):
+    @tp.hookimpl
+    def torchplug_register_strategies(register):
+        register(tp.StrategyInfo(name=name, factory=factory, description="test", distributed=False))
+
+    class Provider:
+        pass
+
+    Provider.torchplug_register_strategies = staticmethod(torchplug_register_strategies)
+    tp.register(Provider, name=f"provider-{name}")
+
+
+def test_a_backend_with_unanswered_hooks_refuses_to_start_naming_them():
+    register("only-three", OnlyThree)
+    with pytest.raises(tp.PluginError) as info:
+        tp.Engine("only-three")
+    message = str(info.value)
+    assert "only-three" in message and "OnlyThree" in message
+    for hook in (
+        "torchplug_optimizer_step",
+        "torchplug_save",
+        "torchplug_load",
+        "torchplug_reduce",
+    ):
+        assert hook in message
+    assert "subclass torchplug.Strategy" in message
+
+
+def test_a_plain_object_answering_every_hook_works():
+    class Everything(OnlyThree):
+        pass
+
+    defaults = Strategy()
+    for name in dir(Strategy):  # borrow every default, as a hand-written backend would write them
+        if name.startswith("torchplug_") and not hasattr(OnlyThree, name):
+            setattr(Everything, name, tp.hookimpl(staticmethod(getattr(defaults, name))))
+    register("everything", Everything)
+    with tp.Engine("everything") as engine:
+        assert engine.reduce(torch.tensor(2.0), "sum").item() == 2.0
+
+
+class WrongAnswers(Strategy):
+    @tp.hookimpl
+    def torchplug_setup(self, engine, cluster):
+        return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+    @tp.hookimpl
+    def torchplug_reduce(self, engine, tensor, op):
+        return tensor.item()  # a float, not a tensor
+
+    @tp.hookimpl
+    def torchplug_optimizer_step(self, engine, optimizer, closure):
+        optimizer.step()
+        return "done"
+
+
+def test_a_wrong_answer_is_refused_naming_the_hook():
+    register("wrong-answers", WrongAnswers)
+    with tp.Engine("wrong-answers") as engine:
+        with pytest.raises(tp.PluginError, match="answered torchplug_reduce with 2.0; it must"):
+            engine.reduce(torch.tensor(2.0))
+        model = torch.nn.Linear(2, 1)
+        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.ones(1, 2)).sum().backward()
+        with pytest.raises(tp.PluginError, match="torchplug_optimizer_step with 'done'"):
+            optimizer.step()
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_close_leaves_user_objects_as_found(precision):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)  # made before setup: it wraps step
+    found = vars(optimizer)["step"]
+    engine = tp.Engine("single", precision=precision)
+    same_model, same_optimizer = engine.setup(model, optimizer)
+    assert same_model is model and same_optimizer is optimizer  # single wraps nothing
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    engine.close()
+    assert "forward" not in vars(model)
+    assert vars(optimizer)["step"] is found
+    assert not hasattr(optimizer, "step_was_skipped")
+    pickle.dumps(model)  # a patched forward (a closure) would not pickle
+    before = model.weight.detach().clone()
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()  # the optimizer's own step again
+    assert not torch.equal(model.weight, before)
+
+
+def test_lr_scheduler_made_before_setup_does_not_warn(recwarn):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    with tp.Engine("single") as engine:
+        model, optimizer = engine.setup(model, optimizer)
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    assert not [
+        w for w in recwarn if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)
+    ]
+
+
+def test_no_sync_answer_must_be_a_context_manager():
+    class BadNoSync(WrongAnswers):
+        @tp.hookimpl
+        def torchplug_reduce(self, engine, tensor, op):
+            return tensor
+
+        @tp.hookimpl
+        def torchplug_no_sync(self, engine, model):
+            return 42
+
+    register("bad-no-sync", BadNoSync)
+    with (
+        tp.Engine("bad-no-sync") as engine,
+        pytest.raises(tp.PluginError, match="torchplug_no_sync"),
+        engine.no_sync(torch.nn.Linear(1, 1)),
+    ):
+        pass
