@@ -77,7 +77,7 @@ def test_launch_reports_a_failing_script(tmp_path):
 def test_help_is_fast_and_imports_no_torch():
     probe = (
         "import sys\n"
-        "from torchplug.core.cli import main\n"
+        "from torchplug.cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
@@ -93,7 +93,7 @@ def test_no_backend_package_is_imported_by_torchplug(tmp_path):
         (tmp_path / name / "__init__.py").write_text(f"raise SystemExit('{name} was imported')\n")
     code = (
         "import sys, torch, torchplug as tp\n"
-        "from torchplug.core.cli import plugins\n"
+        "from torchplug.cli.plugins import plugins\n"
         "with tp.Engine('single', precision='bf16') as e: pass\n"
         "plugins(verbose=True)\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in "

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from torchplug.core import checkpoint
-from torchplug.core.errors import CheckpointError, ConfigurationError
-from torchplug.core.registry import Option
+from torchplug.core.errors import CheckpointError, ConfigurationError, did_you_mean
+from torchplug.core.registry import Option, positive_number
 from torchplug.core.spec import hookimpl
 
 if TYPE_CHECKING:
@@ -295,6 +295,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+#: The longest collective timeout accepted: one year (torch overflows far above it).
+MAX_TIMEOUT = 365 * 24 * 3600.0
+
+
+def check_process_group_backend(value: str | None) -> str | None:
+    """Why ``value`` is not a torch.distributed backend usable here, or ``None``.
+
+    Accepts a backend name (``gloo``) or the per-device form ``cpu:gloo,cuda:nccl``.
+    """
+    if value is None:
+        return None
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    names = [part.split(":", 1)[-1].strip().lower() for part in value.split(",")]
+    for name in names:
+        if name not in known:
+            return (
+                f"names an unknown torch.distributed backend {name!r}; expected one of "
+                f"{', '.join(known)} (or None: nccl on CUDA, gloo on CPU)"
+                f"{did_you_mean(name, known)}"
+            )
+        available = getattr(dist, f"is_{name}_available", None)
+        if available is not None and not available():
+            return (
+                f"asks for backend {name!r}, which this torch build does not have; expected a "
+                f"backend it has ({', '.join(b for b in known if _has_backend(b)) or 'none'})"
+            )
+    return None
+
+
+def _has_backend(name: str) -> bool:
+    available = getattr(dist, f"is_{name}_available", None)
+    return bool(available()) if available is not None else True
+
+
 def distributed_options() -> tuple[Option, ...]:
     """The options of every :class:`DistributedStrategy`, for its StrategyInfo."""
     return (
@@ -303,8 +337,15 @@ def distributed_options() -> tuple[Option, ...]:
             (str, type(None)),
             None,
             "torch.distributed backend; default nccl on CUDA, gloo on CPU",
+            validate=check_process_group_backend,
         ),
-        Option("timeout", float, 1800.0, "seconds before a collective gives up"),
+        Option(
+            "timeout",
+            float,
+            1800.0,
+            "seconds before a collective gives up",
+            validate=positive_number("seconds", MAX_TIMEOUT),
+        ),
     )
 
 
