@@ -369,12 +369,23 @@ def _one_line(failure: Any) -> str:
 def summary(failures: dict[int, Any]) -> str:
     """The failed job in a few lines: the first failing rank with its traceback, then one line
     for each other rank."""
-    ranked = sorted(failures.items(), key=lambda item: (_when(item[1]), item[0]))
-    recorded = [(r, f) for r, f in ranked if _error_data(f)]
-    first_rank, first = (recorded or ranked)[0]
+
+    def order(item: tuple[int, Any]) -> tuple[int, float, int]:
+        data = _error_data(item[1])
+        kind = 2 if not data else 1 if data.get("extraInfo", {}).get("torchplug_secondary") else 0
+        return kind, _when(item[1]), item[0]
+
+    ranked = sorted(failures.items(), key=order)
+    first_rank, first = ranked[0]
     lines = [
         f"torchplug launch: the job failed. Rank {first_rank} failed first: {_one_line(first)}"
     ]
+    stalled = [r for r, f in ranked if not _error_data(f) and f.exitcode < 0]
+    if stalled and _error_data(first).get("extraInfo", {}).get("torchplug_secondary"):
+        lines.append(
+            f"Rank(s) {stalled} raised nothing and were still running when it failed: the "
+            f"likely stalled rank(s). Look at what they were doing (their output above)."
+        )
     trace = _error_data(first).get("extraInfo", {}).get("py_callstack")
     if trace:
         lines += ["", f"rank {first_rank}'s traceback:", str(trace).rstrip(), ""]

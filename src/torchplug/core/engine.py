@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from torchplug.core import cluster as cluster_mod
-from torchplug.core import config, manager
+from torchplug.core import config, faults, manager
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.registry import StrategyInfo, normalize_precision, resolve_options
 
@@ -52,8 +52,12 @@ class Engine:
         plugins: Iterable[object] = (),
         precision_options: Mapping[str, Any] | None = None,
         seed: int = 0,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        resume: str | None = None,
+        keep_last: int | None = None,
         **strategy_options: Any,
     ) -> None:
+        faults.install_error_recorder()
         registry = manager.get_registry()
         self.settings = config.resolve(
             strategy,
@@ -77,6 +81,12 @@ class Engine:
         self._optimizer_models: dict[int, weakref.ref[torch.nn.Module]] = {}
         self._raw_steps = False
         self._closed = False
+        #: Set when the Engine is left by an exception: teardown then skips its barrier.
+        self.failing = False
+        from torchplug.core.resume import CheckpointPolicy
+
+        self.checkpoints = CheckpointPolicy.checked(checkpoint_dir, resume, keep_last)
+        self._checker: faults.CollectiveChecker | None = None
 
         self.backend = self.info.factory(**self.options)
         active: list[object] = [self.backend]
@@ -124,6 +134,13 @@ class Engine:
                 f"{runtime!r} from torchplug_setup; it must return a torchplug Runtime."
             )
         self.runtime = runtime
+        if faults.debug_enabled() and self.world_size > 1 and torch.distributed.is_initialized():
+            self._checker = faults.CollectiveChecker(
+                torch.distributed.distributed_c10d._get_default_store(),
+                self.rank,
+                self.world_size,
+                float(self.options.get("timeout") or 1800.0),
+            )
 
     # -- selection --------------------------------------------------------------------------------
 
@@ -135,7 +152,12 @@ class Engine:
             self.settings.strategy = config.Setting(
                 name, f"auto ({'world size ' + str(self.cluster.world_size)})"
             )
-        info = registry.strategy(name)
+        try:
+            info = registry.strategy(name)
+        except ConfigurationError as exc:
+            if setting.source == "code argument":
+                raise
+            raise ConfigurationError(f"{exc} (The name came from {setting.source}.)") from None
         if self.cluster.world_size > 1 and not info.distributed:
             raise ConfigurationError(
                 f"Strategy '{info.name}' runs in one process, but this process is rank "
@@ -329,6 +351,7 @@ class Engine:
             rank=self.rank,
             seed=self.seed,
             use_distributed_sampler=use_distributed_sampler,
+            gather=self.gather if self.world_size > 1 else None,
         )
 
     def place_batch(self, batch: Any) -> Any:
@@ -380,14 +403,38 @@ class Engine:
             raise ConfigurationError(
                 f"Unknown reduce op {op!r}. Expected one of {', '.join(REDUCE_OPS)}."
             )
-        return self.hook.torchplug_reduce(engine=self, tensor=self._as_tensor(tensor), op=op)
+        tensor = self._as_tensor(tensor)
+        self._check_collective(f"reduce({op})", tensor)
+        return self._guarded(
+            "reduce", lambda: self.hook.torchplug_reduce(engine=self, tensor=tensor, op=op)
+        )
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
         """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``."""
-        return self.hook.torchplug_gather(engine=self, tensor=self._as_tensor(tensor))
+        tensor = self._as_tensor(tensor)
+        self._check_collective("gather", tensor)
+        return self._guarded(
+            "gather", lambda: self.hook.torchplug_gather(engine=self, tensor=tensor)
+        )
 
     def barrier(self) -> None:
-        self.hook.torchplug_barrier(engine=self)
+        """Wait until every rank arrives here."""
+        self._check_collective("barrier", None)
+        self._guarded("barrier", lambda: self.hook.torchplug_barrier(engine=self))
+
+    def _check_collective(self, op: str, tensor: torch.Tensor | None) -> None:
+        """Debug mode: every rank must call the same collective with the same shape/dtype."""
+        if self._checker is not None:
+            if tensor is None:
+                self._checker.check(op)
+            else:
+                self._checker.check(
+                    op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+                )
+
+    def _guarded(self, op: str, call: Callable[[], Any]) -> Any:
+        timeout = self.options.get("timeout")
+        return faults.guarded(op, self.rank, timeout, call)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
@@ -469,6 +516,30 @@ class Engine:
         """Load a checkpoint into ``state``'s objects in place; return the entries not restored."""
         return self.hook.torchplug_load(engine=self, path=str(Path(path)), state=state)
 
+    # -- fault tolerance --------------------------------------------------------------------------
+
+    def save_checkpoint(self, state: dict[str, Any], step: int | None = None) -> Path:
+        """Save ``state`` and every rank's RNG state as ``checkpoint_dir/step-N``.
+
+        ``N`` is ``step`` or ``state["step"]``. With ``keep_last`` the oldest numbered
+        checkpoints beyond that count are deleted, never the newest complete one. Put the
+        loader from :meth:`setup_dataloader` in ``state`` to resume mid-epoch.
+        """
+        from torchplug.core import resume
+
+        return resume.save_checkpoint(self, state, step)
+
+    def resume(self, state: dict[str, Any]) -> int | None:
+        """With ``resume="latest"``: load the newest complete checkpoint in ``checkpoint_dir``
+        into ``state`` (RNG states included); return its step, or ``None`` if there is none.
+
+        Call it once after setup; a job restarted by ``torchplug launch --max-restarts`` then
+        carries on where its last checkpoint left it.
+        """
+        from torchplug.core import resume
+
+        return resume.resume(self, state)
+
     # -- lifetime ---------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -480,5 +551,9 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None:
+            self.failing = True  # other ranks may sit in a collective: no teardown barrier
+            if isinstance(exc[0], BaseException):
+                faults.note(exc[0])
         self.close()

@@ -7,6 +7,7 @@ that answers a hook takes precedence over them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import shutil
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torchplug.core import checkpoint
+from torchplug.core import faults as faults
 from torchplug.core.errors import CheckpointError, ConfigurationError, did_you_mean
 from torchplug.core.registry import Option, positive_number
 from torchplug.core.spec import hookimpl
@@ -383,6 +385,7 @@ class DistributedStrategy(Strategy):
                 timeout=datetime.timedelta(seconds=self.timeout),
             )
             self.owns_process_group = True
+            atexit.register(self._release_at_exit)
         return Runtime(
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
@@ -393,16 +396,29 @@ class DistributedStrategy(Strategy):
 
     @hookimpl
     def torchplug_teardown(self, engine: Engine) -> None:
+        self._release(failing=engine.failing or faults.failing)
+
+    def _release(self, failing: bool = False) -> None:
+        """Destroy the process group this strategy created (at close, or at interpreter exit)."""
+        atexit.unregister(self._release_at_exit)
         if self.owns_process_group and dist.is_initialized():
             # The process group's C++ destructor runs later, when the wrapped module is freed,
             # and joins gloo's worker threads while holding the GIL. A worker still releasing the
             # last collective's work needs the GIL too: a deadlock (seen with torch 2.13). So:
             # the barrier keeps rank 0's store up until every rank is done, and the sleep gives
-            # up the GIL long enough for the workers to drop their finished work.
-            dist.barrier()
+            # up the GIL long enough for the workers to drop their finished work. Leaving on an
+            # exception, the other ranks may be inside a collective that never completes: no
+            # barrier then, or this rank would wait for the whole timeout.
+            if not failing:
+                dist.barrier()
             dist.destroy_process_group()
             time.sleep(0.05)
         self.owns_process_group = False
+
+    def _release_at_exit(self) -> None:
+        """atexit: a script that never calls close() still destroys its process group, before
+        the interpreter tears down gloo's threads (which aborts: 'terminate called ...')."""
+        self._release(failing=faults.failing)
 
 
 def rebind_optimizer(
