@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import os
 import shutil
 import socket
 import time
@@ -377,12 +378,16 @@ class DistributedStrategy(Strategy):
                     )
                 port = free_port()  # a world of one, e.g. in a notebook
             host = f"[{cluster.master_addr}]" if ":" in cluster.master_addr else cluster.master_addr
+            timeout = datetime.timedelta(seconds=self.timeout)
+            where: dict[str, Any] = {"init_method": f"tcp://{host}:{port}"}
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                where = {"store": _attempt_store(cluster.master_addr, port, cluster, timeout)}
             dist.init_process_group(
                 backend=self.process_group_backend or ("nccl" if device.type == "cuda" else "gloo"),
-                init_method=f"tcp://{host}:{port}",
                 rank=cluster.rank,
                 world_size=cluster.world_size,
-                timeout=datetime.timedelta(seconds=self.timeout),
+                timeout=timeout,
+                **where,
             )
             self.owns_process_group = True
             atexit.register(self._release_at_exit)
@@ -419,6 +424,19 @@ class DistributedStrategy(Strategy):
         """atexit: a script that never calls close() still destroys its process group, before
         the interpreter tears down gloo's threads (which aborts: 'terminate called ...')."""
         self._release(failing=faults.failing)
+
+
+def _attempt_store(
+    host: str, port: int, cluster: ClusterInfo, timeout: datetime.timedelta
+) -> dist.Store:
+    """The torchrun agent's store, with a prefix per restart attempt.
+
+    The agent keeps one store across restarts (``--max-restarts``); without a prefix a restarted
+    rank would read the addresses the previous attempt's ranks left there and fail to connect.
+    """
+    store = dist.TCPStore(host, port, cluster.world_size, is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"torchplug/attempt-{attempt}/", store)
 
 
 def rebind_optimizer(
