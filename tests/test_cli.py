@@ -31,7 +31,7 @@ def epoch_losses(output: str) -> list[float]:
 
 @pytest.mark.slow
 def test_launch_two_processes_trains_the_example_with_decreasing_loss():
-    run = torchplug("launch", "-n", "2", str(EXAMPLE), "--strategy", "ddp", "--epochs", "4")
+    run = torchplug("launch", "-n", "2", "--strategy", "ddp", str(EXAMPLE), "--epochs", "4")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "strategy='ddp'" in run.stdout and "world_size=2" in run.stdout
     losses = epoch_losses(run.stdout)

@@ -52,8 +52,9 @@ def test_a_rank_that_raises_ends_the_job_and_is_named_first_with_one_traceback(t
     run, elapsed = launch_failing(tmp_path, "raise", timeout=60.0)
     assert run.returncode == 1
     assert elapsed < 10, f"took {elapsed:.1f} s: something waited for the 60 s timeout"
-    summary = run.stderr[run.stderr.index("torchplug launch: the job failed.") :]
-    assert summary.startswith("torchplug launch: the job failed. Rank 1 failed first: ValueError")
+    summary = run.stderr[run.stderr.index("torchplug launch: the job failed") :]
+    assert summary.startswith(f"torchplug launch: the job failed ({tmp_path / 'failing.py'}).")
+    assert "Rank 1 failed first: ValueError: boom on rank 1\n" in summary
     assert "rank 1's traceback:" in summary and 'raise ValueError("boom on rank 1")' in summary
     assert run.stderr.count("Traceback (most recent call last)") == 1
     assert "\n  rank 0: " in summary  # the secondary error, in one line

@@ -118,6 +118,7 @@ def test_master_port_is_honoured_and_flags_after_the_script_warn(tmp_path, scrip
     assert port_seen == str(port)
     assert strategy_seen == ""  # the flag went to the script, and torchplug said so:
     assert "warning: '--strategy single' comes after the script" in run.stderr
+    assert "so it goes to the script, not to torchplug launch" in run.stderr
     assert f"torchplug launch ... --strategy single {script}" in run.stderr
 
     other = free_port()

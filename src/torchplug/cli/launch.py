@@ -205,8 +205,8 @@ def warn_flags_after_script(args: Any) -> None:
             continue  # also given before the script: torchplug uses that one
         print(
             f"torchplug launch: warning: '{shown}' comes after the script "
-            f"{args.training_script}, so it is passed to the script and torchplug does not use "
-            f"it. Put torchplug's flags before the script: torchplug launch ... {shown} "
+            f"{args.training_script}, so it goes to the script, not to torchplug launch. If it "
+            f"was meant for torchplug, put it before the script: torchplug launch ... {shown} "
             f"{args.training_script} ...",
             file=sys.stderr,
         )
@@ -330,7 +330,7 @@ def _run(args: Any) -> int:
     try:
         run(args)
     except ChildFailedError as exc:
-        print(summary(exc.failures), file=sys.stderr)
+        print(summary(exc.failures, args.training_script), file=sys.stderr)
         return 1
     return 0
 
@@ -366,7 +366,7 @@ def _one_line(failure: Any) -> str:
     return f"exit code {failure.exitcode} (no error recorded: its own output is above)"
 
 
-def summary(failures: dict[int, Any]) -> str:
+def summary(failures: dict[int, Any], script: str = "the script") -> str:
     """The failed job in a few lines: the first failing rank with its traceback, then one line
     for each other rank."""
 
@@ -378,7 +378,8 @@ def summary(failures: dict[int, Any]) -> str:
     ranked = sorted(failures.items(), key=order)
     first_rank, first = ranked[0]
     lines = [
-        f"torchplug launch: the job failed. Rank {first_rank} failed first: {_one_line(first)}"
+        f"torchplug launch: the job failed ({script}). Rank {first_rank} failed first: "
+        f"{_one_line(first)}"
     ]
     stalled = [r for r, f in ranked if not _error_data(f) and f.exitcode < 0]
     if stalled and _error_data(first).get("extraInfo", {}).get("torchplug_secondary"):
