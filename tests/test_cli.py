@@ -125,3 +125,24 @@ def test_plugins_table_lists_built_ins_with_package_and_status():
     assert "torchplug 0.1.0 (ddp)" in rows["ddp"] and rows["ddp"].endswith("usable")
     assert "single-device" in rows["single"]
     assert "amp" in rows["bf16"] and "amp" in rows["fp16"]
+
+
+def test_core_imports_neither_the_command_line_nor_the_testing_kit():
+    """Imports point downward: cli/ and testing/ sit above core/, never below it."""
+    import ast
+
+    offenders = []
+    for path in (ROOT / "src" / "torchplug" / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [
+                f"{path.name}: {n}"
+                for n in names
+                if n.startswith(("torchplug.cli", "torchplug.testing"))
+            ]
+    assert not offenders
+    assert not (ROOT / "src" / "torchplug" / "core" / "cli.py").exists()

@@ -47,9 +47,10 @@ def test_bad_process_count(tmp_path, script, value):
     assert "Fix: e.g. -n 2." in line
 
 
-def test_missing_script(tmp_path):
+def test_missing_script(tmp_path, script):
     line = refused(torchplug("launch", "-n", "2", str(tmp_path / "trian.py")), tmp_path)
     assert "Training script" in line and "trian.py' does not exist" in line
+    assert "Did you mean 'train.py'? Give the path of a Python file" in line
 
 
 def test_missing_module(tmp_path):

@@ -157,3 +157,22 @@ def test_doctor_checks_file_options_against_the_strategy(tmp_path):
     run = doctor_run({}, tmp_path)
     assert run.returncode == 1
     assert "Option 'timeout' of strategy 'ddp' must be a number of seconds above 0" in run.stdout
+
+
+def test_every_row_of_docs_errors_is_backed_by_a_test():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "errors.md").read_text()
+    cited = set(re.findall(r"`(tests/\w+\.py)::(\w+)`", doc))
+    assert len(cited) >= 30
+    missing = [
+        f"{path}::{name}"
+        for path, name in sorted(cited)
+        if not re.search(rf"^def {name}\(", (root / path).read_text(), re.MULTILINE)
+    ]
+    assert not missing
+    rows = [line for line in doc.splitlines() if line.startswith("| ") and "---" not in line]
+    unbacked = [r for r in rows if not r.startswith("| input") and not r.startswith("| fault")]
+    assert all("`tests/" in r for r in unbacked), [r for r in unbacked if "`tests/" not in r]

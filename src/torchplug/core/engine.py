@@ -126,6 +126,7 @@ class Engine:
         try:
             runtime = self.hook.torchplug_setup(engine=self, cluster=self.cluster)
         except BaseException:
+            self.failing = True  # no teardown barrier: the other ranks may not be there
             self.hook.torchplug_teardown(engine=self)  # release what setup got before failing
             raise
         if not isinstance(runtime, Runtime):
