@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torchplug.core.errors import ConfigurationError, TorchplugError
+from torchplug.core.errors import TorchplugError
 
 #: torchplug's own launcher flags; written after the script they would reach the script instead.
 OWN_FLAGS = ("--strategy", "--precision", "--plugin", "--debug")
@@ -284,10 +284,13 @@ def launch(argv: Sequence[str]) -> int:
     except SystemExit as exc:  # argparse already printed its message (or the help)
         return int(exc.code or 0)
     try:
+        from torchplug.core import cluster
+
         import_plugins(args.plugin)
         args.nproc_per_node = nproc(args.nproc_per_node)
         check_script(args)
         check_rendezvous(args, argv)
+        apply_cluster(args, parser, cluster.detect())
         warn_flags_after_script(args)
         info = check_settings(args, args.nproc_per_node)
         if args.strategy:
@@ -303,19 +306,12 @@ def launch(argv: Sequence[str]) -> int:
                 f"Strategy '{info.name}' needs the '{info.launcher}' launcher, which this "
                 f"torchplug cannot start. Run the script directly as its docs describe."
             )
-    except (TorchplugError, ConfigurationError) as exc:
+    except TorchplugError as exc:
         print(f"torchplug launch: {exc}", file=sys.stderr)
         return 2
     if args.debug:
         os.environ[DEBUG_ENV] = "1"
     os.environ[LAUNCHED_ENV] = "1"
-    from torchplug.core import cluster
-
-    try:
-        apply_cluster(args, parser, cluster.detect())
-    except TorchplugError as exc:
-        print(f"torchplug launch: {exc}", file=sys.stderr)
-        return 2
     return _run(args)
 
 
