@@ -171,3 +171,16 @@ def test_runs_that_never_call_close_exit_cleanly():
     finally:
         script.unlink()
     assert all(clean for clean, _ in outcomes), [why for _, why in outcomes]
+
+
+@pytest.mark.slow
+def test_a_configuration_error_on_every_rank_is_reported_once_and_short(tmp_path):
+    script = tmp_path / "cfg.py"
+    script.write_text('import torchplug as tp\nwith tp.Engine("ddp", timeout=-1):\n    pass\n')
+    run = torchplug("launch", "-n", "2", str(script))
+    assert run.returncode == 1
+    ours = [x for x in run.stderr.splitlines() if x.strip() and not x.startswith("W1")]
+    assert run.stderr.count("Traceback") == 1 and len(ours) <= 12, run.stderr
+    assert "Rank 0 failed first: ConfigurationError: Option 'timeout'" in run.stderr
+    assert "torchplug's own frames left out" in run.stderr
+    assert "  rank 1: the same error as rank 0" in run.stderr

@@ -391,5 +391,10 @@ def summary(failures: dict[int, Any], script: str = "the script") -> str:
     others = [(r, f) for r, f in ranked if r != first_rank]
     if others:
         lines.append("then:")
-        lines += [f"  rank {r}: {_one_line(f)}" for r, f in others]
+        headline = _one_line(first)
+        lines += [
+            f"  rank {r}: "
+            + (f"the same error as rank {first_rank}" if _one_line(f) == headline else _one_line(f))
+            for r, f in others
+        ]
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from torchplug.core.errors import TorchplugError
+from torchplug.core.errors import ConfigurationError, TorchplugError
 
 DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
 LAUNCHED_ENV = "TORCHPLUG_LAUNCHED"
@@ -88,7 +88,7 @@ def record(exc: BaseException, tb: TracebackType | None) -> bool:
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
             "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
+                "py_callstack": _format(exc, tb),
                 "timestamp": str(int(now)),
                 "torchplug_time": repr(now),
                 "torchplug_secondary": is_secondary(exc),
@@ -101,6 +101,21 @@ def record(exc: BaseException, tb: TracebackType | None) -> bool:
     except OSError:
         return False
     return True
+
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent)
+
+
+def _format(exc: BaseException, tb: TracebackType | None) -> str:
+    """The traceback; for a configuration error only the user's frames (ours are noise there)."""
+    if not isinstance(exc, ConfigurationError):
+        return "".join(traceback.format_exception(type(exc), exc, tb))
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(_PACKAGE)]
+    return (
+        "Traceback (most recent call last, torchplug's own frames left out):\n"
+        + "".join(traceback.format_list(frames))
+        + "".join(traceback.format_exception_only(type(exc), exc))
+    )
 
 
 def _restarts_left() -> bool:
