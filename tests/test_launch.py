@@ -84,6 +84,25 @@ def test_bad_option_in_the_config_file(tmp_path, script):
     assert "Option 'bucket_cap_mb' of strategy 'ddp' must be a number of MiB above 0" in line
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ("--strategy", "ddp", "--option", "timeout=-1"),
+            "Option 'timeout' of strategy 'ddp' must be a number of seconds above 0",
+        ),
+        (
+            ("--strategy", "ddp", "--option", "bucket_cap=5"),
+            "Unknown option 'bucket_cap' for strategy 'ddp'. Did you mean 'bucket_cap_mb'?",
+        ),
+        (("--option", "bucket_cap=5"), "option 'bucket_cap' (from torchplug launch --option "),
+        (("--option", "timeout"), "--option 'timeout' is not NAME=VALUE; expected e.g."),
+    ],
+)
+def test_bad_launcher_option(tmp_path, script, args, expected):
+    assert expected in refused(torchplug("launch", *args, str(script)), tmp_path)
+
+
 def test_master_port_that_is_no_port(tmp_path, script):
     run = torchplug("launch", str(script), env={"MASTER_PORT": "notaport"})
     assert "MASTER_PORT='notaport' is not a TCP port" in refused(run, tmp_path)
@@ -131,11 +150,13 @@ def test_master_port_is_honoured_and_flags_after_the_script_warn(tmp_path, scrip
 INHOUSE = textwrap.dedent(
     """
     import torchplug as tp
+    from torchplug.core.strategy import distributed_options
     from torchplug.plugins.ddp import DDPStrategy
 
     @tp.hookimpl
     def torchplug_register_strategies(register):
-        register(tp.StrategyInfo(name="my-inhouse", factory=DDPStrategy, description="ours"))
+        register(tp.StrategyInfo(name="my-inhouse", factory=DDPStrategy, description="ours",
+                                 options=distributed_options()))
     """
 )
 
@@ -146,7 +167,7 @@ def test_plugin_module_from_the_current_directory_reaches_every_rank(tmp_path):
     (tmp_path / "train.py").write_text(
         "import torchplug as tp\n"
         "with tp.Engine() as engine:\n"
-        "    print('strategy', engine.rank, engine.strategy, flush=True)\n"
+        "    print('strategy', engine.rank, engine.strategy, engine.options['timeout'])\n"
     )
     run = torchplug(
         "launch",
@@ -156,13 +177,15 @@ def test_plugin_module_from_the_current_directory_reaches_every_rank(tmp_path):
         "my_plugin",
         "--strategy",
         "my-inhouse",
+        "--option",
+        "timeout=42",
         "train.py",
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr
     assert sorted(line for line in run.stdout.splitlines() if line.startswith("strategy")) == [
-        "strategy 0 my-inhouse",
-        "strategy 1 my-inhouse",
+        "strategy 0 my-inhouse 42.0",
+        "strategy 1 my-inhouse 42.0",
     ]
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from torchplug.core.errors import TorchplugError
 
 #: torchplug's own launcher flags; written after the script they would reach the script instead.
-OWN_FLAGS = ("--strategy", "--precision", "--plugin", "--debug")
+OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug")
 #: Variables the launcher hands to the processes it starts.
 PLUGIN_ENV = "TORCHPLUG_PLUGIN_MODULES"
 DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
@@ -73,6 +73,14 @@ def launch_parser() -> argparse.ArgumentParser:
         f"{_installed_strategies()}",
     )
     own.add_argument("--precision", default=None, metavar="P", help="32, bf16 or fp16")
+    own.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a strategy option for Engine() in the script, e.g. --option timeout=60 "
+        "(repeatable; the code's own keyword arguments win)",
+    )
     own.add_argument(
         "--plugin",
         action="append",
@@ -237,6 +245,10 @@ def check_settings(args: Any, nprocs: str) -> Any:
         env[config.LAUNCH_ENV["strategy"]] = args.strategy
     if args.precision:
         env[config.LAUNCH_ENV["precision"]] = args.precision
+    if args.option:
+        options = dict(config.parse_option(text) for text in args.option)
+        env[config.LAUNCH_OPTIONS_ENV] = json.dumps(options)
+        os.environ[config.LAUNCH_OPTIONS_ENV] = env[config.LAUNCH_OPTIONS_ENV]
     settings = config.resolve(env=env, canonical=lambda n: registry.canonical(n) or n)
     nodes = str(args.nnodes).split(":")[-1]
     world = int(nprocs) * int(nodes) if nprocs.isdigit() and nodes.isdigit() else 2

@@ -11,6 +11,7 @@ the code and the launcher name different strategies, that is an error naming bot
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from torchplug.core.registry import normalize_precision
 CONFIG_KEYS = ("strategy", "precision", "options")
 
 LAUNCH_ENV = {"strategy": "TORCHPLUG_LAUNCH_STRATEGY", "precision": "TORCHPLUG_LAUNCH_PRECISION"}
+#: ``torchplug launch --option NAME=VALUE`` as a JSON object, for the processes it starts.
+LAUNCH_OPTIONS_ENV = "TORCHPLUG_LAUNCH_OPTIONS"
 USER_ENV = {"strategy": "TORCHPLUG_STRATEGY", "precision": "TORCHPLUG_PRECISION"}
 
 
@@ -182,6 +185,12 @@ def resolve(
         for name, value in file_settings.get("options", {}).items()
     }
     resolved_options.update(
+        {
+            name: Setting(value, f"torchplug launch --option {name}")
+            for name, value in launch_options(env).items()
+        }
+    )
+    resolved_options.update(
         {name: Setting(value, "code argument") for name, value in (options or {}).items()}
     )
     return Settings(
@@ -190,6 +199,39 @@ def resolve(
         options=resolved_options,
         config_file=file_path,
     )
+
+
+def launch_options(env: Mapping[str, str]) -> dict[str, Any]:
+    """The strategy options ``torchplug launch --option NAME=VALUE`` handed to its processes."""
+    text = env.get(LAUNCH_OPTIONS_ENV, "").strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigurationError(
+            f"{LAUNCH_OPTIONS_ENV}={text!r} is not a JSON object of strategy options; "
+            f"`torchplug launch --option NAME=VALUE` sets it. Unset it, or relaunch."
+        )
+    return value
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` from the command line; VALUE as JSON if it parses (``true``, ``25``,
+    ``1.5``, ``null``), else as a string (``gloo``)."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip():
+        raise ConfigurationError(
+            f"--option {text!r} is not NAME=VALUE; expected e.g. --option timeout=60 or "
+            f"--option find_unused_parameters=true."
+        )
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return name.strip(), value
 
 
 def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str]:
@@ -233,4 +275,13 @@ def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str
         except ConfigurationError as exc:
             sources = sorted({s.source for s in settings.options.values()})
             found.append(f"options (from {', '.join(sources)}): {exc}")
+    elif settings.options:  # the code may name the strategy: only names no strategy has are wrong
+        known = {o.name for i in registry.strategies.values() for o in i.options}
+        for name, setting in sorted(settings.options.items()):
+            if name not in known:
+                found.append(
+                    f"option {name!r} (from {setting.source}) is an option of no installed "
+                    f"strategy.{did_you_mean(name, known)} Fix or remove it; "
+                    f"`torchplug plugins --verbose` lists every strategy's options."
+                )
     return found
