@@ -163,11 +163,13 @@ def install_error_recorder() -> None:
 
 
 def debug_enabled(env: Any = None) -> bool:
+    """Whether the collective debug mode is on (read once per Engine, at its start)."""
     value = (os.environ if env is None else env).get(DEBUG_ENV, "")
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
 def describe(op: str, shape: Sequence[int] | None, dtype: str | None) -> str:
+    """``reduce(sum) on shape (3,) float32``: how a collective call is named in errors."""
     if shape is None:
         return op
     return f"{op} on shape {tuple(shape)} {dtype}"
@@ -220,6 +222,7 @@ class CollectiveChecker:
 
 
 def is_timeout(exc: BaseException) -> bool:
+    """Whether a backend error means a collective gave up waiting (torch has no type for it)."""
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
 
@@ -235,6 +238,7 @@ _PEER_GONE = (
 
 
 def is_peer_gone(exc: BaseException) -> bool:
+    """Whether a backend error means another rank closed its connection (it failed first)."""
     text = str(exc).lower()
     return any(marker in text for marker in _PEER_GONE)
 

@@ -76,6 +76,7 @@ class RNGState:
         self.engine = engine
 
     def state_dict(self) -> dict[str, Any]:
+        """Every rank's states, gathered (a collective: called on every rank by save)."""
         version, internal, gauss = random.getstate()
         local = {
             "torch": torch.get_rng_state(),
@@ -93,6 +94,7 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set this rank's generators from its row of ``state``."""
         row = self.engine.rank % len(state["torch"])
         torch.set_rng_state(state["torch"][row].clone())
         gauss = state["python_gauss"][0][row % len(state["python_gauss"][0])]
@@ -112,6 +114,7 @@ def _gather_json(engine: Engine, value: float | None) -> list[float | None]:
 
 
 def step_of(state: dict[str, Any], step: int | None) -> int:
+    """The step that names the checkpoint: ``step``, else ``state["step"]``; checked."""
     if step is None:
         step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
