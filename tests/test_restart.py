@@ -67,23 +67,29 @@ def batches(loader, n=None):
     return out
 
 
-def make_loader(engine):
+def make_loader(engine, generator=None):
     data = TensorDataset(torch.arange(40.0).reshape(20, 2), torch.zeros(20))
-    return engine.setup_dataloader(DataLoader(data, batch_size=3, shuffle=True))
+    loader = DataLoader(data, batch_size=3, shuffle=True, generator=generator)
+    return engine.setup_dataloader(loader)
 
 
-def test_loader_resumes_mid_epoch_with_the_same_order_and_rng(tmp_path):
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_loader_resumes_mid_epoch_with_the_same_order_and_rng(tmp_path, own_generator):
+    def make(engine):
+        g = torch.Generator().manual_seed(5) if own_generator else None
+        return make_loader(engine, g)
+
     with tp.Engine("single", checkpoint_dir=tmp_path, resume="latest") as engine:
         torch.manual_seed(0)
         random.seed(0)
-        loader = make_loader(engine)
+        loader = make(engine)
         first = batches(loader)  # epoch 0
         expected = batches(loader)  # epoch 1, all of it
         after = torch.rand(3)  # the RNG after epoch 1 started and ran
 
         torch.manual_seed(0)
         random.seed(0)
-        loader = make_loader(engine)
+        loader = make(engine)
         assert all(torch.equal(a, b) for a, b in zip(batches(loader), first, strict=True))
         seen = batches(loader, 3)  # epoch 1, 3 of its 7 batches, then a checkpoint
         state = {"loader": loader, "step": 10}
@@ -91,7 +97,7 @@ def test_loader_resumes_mid_epoch_with_the_same_order_and_rng(tmp_path):
         torch.rand(100)  # lose the RNG state
         random.random()
 
-        fresh = {"loader": make_loader(engine), "step": 0}
+        fresh = {"loader": make(engine), "step": 0}
         assert engine.resume(fresh) == 10 and fresh["step"] == 10
         rest = batches(fresh["loader"])
         assert len(seen) + len(rest) == len(expected)
