@@ -161,7 +161,7 @@ def nproc(value: str | None) -> str:
         count = int(text)
     except ValueError:
         count = 0
-    if count < 1 or str(count) != text.lstrip("+"):
+    if count < 1 or not text.lstrip("+").isdigit():
         raise LaunchError(
             f"-n/--nproc-per-node {value!r} is not a number of processes; expected a whole "
             f"number of 1 or more (or auto, cpu, gpu). Fix: e.g. -n 2."
