@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 
 from torchplug.core import checkpoint
-from torchplug.core import faults as faults
-from torchplug.core.errors import CheckpointError, ConfigurationError, did_you_mean
-from torchplug.core.registry import Option, positive_number
+from torchplug.core.errors import CheckpointError, ConfigurationError
+from torchplug.core.registry import Option
 from torchplug.core.spec import hookimpl
 
 if TYPE_CHECKING:
@@ -307,6 +306,8 @@ def check_process_group_backend(value: str | None) -> str | None:
 
     Accepts a backend name (``gloo``) or the per-device form ``cpu:gloo,cuda:nccl``.
     """
+    from torchplug.core.errors import did_you_mean
+
     if value is None:
         return None
     known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
@@ -334,6 +335,8 @@ def _has_backend(name: str) -> bool:
 
 def distributed_options() -> tuple[Option, ...]:
     """The options of every :class:`DistributedStrategy`, for its StrategyInfo."""
+    from torchplug.core.registry import positive_number
+
     return (
         Option(
             "process_group_backend",
@@ -401,6 +404,8 @@ class DistributedStrategy(Strategy):
 
     @hookimpl
     def torchplug_teardown(self, engine: Engine) -> None:
+        from torchplug.core import faults
+
         self._release(failing=engine.failing or faults.failing)
 
     def _release(self, failing: bool = False) -> None:
@@ -423,6 +428,8 @@ class DistributedStrategy(Strategy):
     def _release_at_exit(self) -> None:
         """atexit: a script that never calls close() still destroys its process group, before
         the interpreter tears down gloo's threads (which aborts: 'terminate called ...')."""
+        from torchplug.core import faults
+
         self._release(failing=faults.failing)
 
 
