@@ -1,22 +1,20 @@
-"""A deliberately broken backend: it sums gradients across ranks but forgets to average them."""
+"""Backends broken on purpose, each in one way users have been bitten by; the conformance kit must
+catch every one by the property it breaks (tests/test_conformance.py)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 import torchplug as tp
 from torchplug.core.strategy import DistributedStrategy
+from torchplug.plugins.ddp import DDPStrategy
 
 
 class NoAverage(DistributedStrategy):
-    @tp.hookimpl
-    def torchplug_backward(self, engine, loss, model):
-        loss.backward()
-        for p in model.parameters() if model is not None else []:
-            if p.grad is not None:
-                dist.all_reduce(p.grad)  # SUM, and no division by the world size: the bug
-        return True
+    """Sums gradients across ranks but forgets to divide by the world size."""
 
     @tp.hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
@@ -26,7 +24,69 @@ class NoAverage(DistributedStrategy):
                 dist.broadcast(p, 0)
         return self.model, optimizers
 
+    @tp.hookimpl
+    def torchplug_backward(self, engine, loss, model):
+        loss.backward()
+        for p in self.model.parameters():  # the model from wrap: this code really runs
+            if p.grad is not None:
+                dist.all_reduce(p.grad)  # SUM, and no division by the world size: the bug
+        return True
+
+
+class LocalClip(DDPStrategy):
+    """Clips by the norm of this rank's share of the parameters only (a sharded backend that
+    forgets to all-reduce the norm)."""
+
+    @tp.hookimpl
+    def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
+        params = list(model.parameters())[engine.rank :: engine.world_size]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+class IgnoresNoSync(DDPStrategy):
+    """Synchronizes gradients inside engine.no_sync() anyway."""
+
+    @tp.hookimpl
+    def torchplug_no_sync(self, engine, model):
+        return contextlib.nullcontext()
+
+
+class IgnoresSkip(DDPStrategy):
+    """Steps the optimizer's class directly, around what torchplug asked (a skipped step)."""
+
+    @tp.hookimpl
+    def torchplug_optimizer_step(self, engine, optimizer, closure):
+        type(optimizer).step(optimizer)
+        return True
+
+
+class DropsScheduler(DDPStrategy):
+    """Re-creates the optimizer in setup: a scheduler made before setup drives the old one."""
+
+    @tp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        wrapped, _ = super().torchplug_wrap(engine, model, optimizers)
+        fresh = [type(o)([dict(g) for g in o.param_groups]) for o in optimizers]
+        return wrapped, fresh
+
+
+BROKEN = {
+    "no-average": (NoAverage, "sgd"),
+    "local-clip": (LocalClip, "clipping"),
+    "ignores-no-sync": (IgnoresNoSync, "accumulation"),
+    "ignores-skip": (IgnoresSkip, "fp16_skip"),
+    "drops-scheduler": (DropsScheduler, "schedulers"),
+}
+
 
 @tp.hookimpl
 def torchplug_register_strategies(register):
-    register(tp.StrategyInfo(name="no-average", factory=NoAverage, description="broken on purpose"))
+    for name, (factory, _) in BROKEN.items():
+        register(
+            tp.StrategyInfo(
+                name=name,
+                factory=factory,
+                description="broken on purpose",
+                precisions=("32", "bf16", "fp16"),
+            )
+        )

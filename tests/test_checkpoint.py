@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import pickle
 from pathlib import Path
 
 import pytest
@@ -41,12 +39,13 @@ def test_manifest_records_run_and_files(saved_on_two_ranks):
     path, _ = saved_on_two_ranks
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     assert manifest["format"] == "torchplug-checkpoint"
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
     assert manifest["strategy"]["name"] == "ddp"
     assert manifest["world_size"] == 2
     assert manifest["step"] == 3
     assert manifest["layout"] == "dcp"
-    assert {"tensors/.metadata", "tensors/__0_0.distcp"} <= set(manifest["files"])
+    assert set(manifest["files"]) == {"tensors/rank-0/__0_0.distcp"}  # no pickled .metadata
+    assert manifest["tensors"]["model/0.weight"]["shape"] == [16, 8]
     assert manifest["entries"]["step"] == {"kind": "value", "data": 3}
     assert manifest["entries"]["model"]["kind"] == "module"
     assert manifest["entries"]["model"]["data"]["0.weight"] == {"__tensor__": "model/0.weight"}
@@ -79,7 +78,7 @@ def saved(tmp_path) -> Path:
     return path
 
 
-SHARD = "tensors/__0_0.distcp"
+SHARD = "tensors/rank-0/__0_0.distcp"
 
 
 def test_truncated_file_is_rejected_naming_it(saved):
@@ -98,8 +97,8 @@ def test_altered_file_is_rejected_naming_it(saved):
 
 
 def test_missing_file_and_missing_checkpoint_are_named(saved, tmp_path):
-    (saved / "tensors" / ".metadata").unlink()
-    with pytest.raises(tp.CheckpointError, match=r"\.metadata is missing"):
+    (saved / SHARD).unlink()
+    with pytest.raises(tp.CheckpointError, match=r"__0_0\.distcp is missing"):
         load_and_snapshot(str(saved), "single")
     with pytest.raises(tp.CheckpointError, match="No torchplug checkpoint"):
         load_and_snapshot(str(tmp_path / "nowhere"), "single")
@@ -117,29 +116,10 @@ def test_state_key_absent_from_checkpoint_is_an_error(saved):
         )
 
 
-def test_loading_never_unpickles_code(saved, tmp_path):
-    class Evil:
-        def __reduce__(self):
-            return (Path(tmp_path / "pwned").touch, ())
-
-    metadata = saved / "tensors" / ".metadata"
-    metadata.write_bytes(pickle.dumps(Evil()))  # then make the manifest agree, as an attacker would
-    manifest = json.loads((saved / "manifest.json").read_text())
-    data = metadata.read_bytes()
-    manifest["files"]["tensors/.metadata"] = {
-        "size": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-    }
-    (saved / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(tp.CheckpointError, match="refusing to load it"):
-        load_and_snapshot(str(saved), "single")
-    assert not (tmp_path / "pwned").exists()
-
-
 def test_architecture_mismatch_names_the_differences(saved):
     with tp.Engine("single") as engine:
         other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
-        with pytest.raises(tp.CheckpointError, match=r"in the checkpoint only: \['2\.bias'"):
+        with pytest.raises(tp.CheckpointError, match=r"in the checkpoint only\): \['2\.bias'"):
             engine.load(saved, {"model": other, "optimizer": None, "step": 0})
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from broken_strategy import BROKEN
 from torchplug.testing.conformance import Conformance
 from torchplug.testing.kit import check
 
@@ -17,21 +18,51 @@ class TestSingle(Conformance):
     strategy = "single"
 
 
+class TestSingleFP16(Conformance):
+    strategy = "single"
+    precision = "fp16"
+
+
 class TestDDP(Conformance):
     strategy = "ddp"
+
+
+class TestDDPBF16(Conformance):
+    strategy = "ddp"
+    precision = "bf16"
+
+
+class TestDDPFP16(Conformance):
+    strategy = "ddp"
+    precision = "fp16"
 
 
 class TestFSDP(Conformance):
     strategy = "fsdp"
 
 
-def test_a_strategy_that_forgets_to_average_fails_parity_by_a_measured_amount(ranks):
-    [outcome] = check("no-average", plugins=["broken_strategy"], pool=ranks, only=["parity"])
-    assert not outcome.passed
-    assert outcome.name == "parity"
-    assert "max |param diff|" in outcome.detail and "> tolerance 1e-05" in outcome.detail
-    worst = float(outcome.detail.split("max |param diff| ")[1].split()[0])
-    assert worst > 1e-3
+class TestFSDPBF16(Conformance):
+    strategy = "fsdp"
+    precision = "bf16"
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_each_broken_strategy_is_caught_by_the_property_it_breaks(ranks, name):
+    prop = BROKEN[name][1]
+    precision = "fp16" if prop == "fp16_skip" else "32"
+    outcomes = check(name, plugins=["broken_strategy"], pool=ranks, precision=precision)
+    failed = [o.name for o in outcomes if not o.passed]
+    assert prop in failed, [str(o) for o in outcomes]
+    assert "parity" not in failed or name == "no-average", failed  # the others train right
+
+
+def test_summing_instead_of_averaging_is_caught_by_sgd_where_adamw_hides_it(ranks):
+    parity, sgd = check(
+        "no-average", plugins=["broken_strategy"], pool=ranks, only=["parity", "sgd"]
+    )
+    # AdamW normalises the gradient scale away (the old kit's blind spot); SGD cannot.
+    assert not sgd.passed
+    assert float(sgd.detail.split("max |param diff| ")[1].split()[0]) > 1e-2, sgd
 
 
 @pytest.mark.slow

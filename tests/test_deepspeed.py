@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchplug as tp
+from checkpoint_attacks import no_unpickling
 from reference import make_dataset, make_model, train
 from test_parity import assert_close_dicts
 
@@ -27,13 +28,21 @@ def train_ds(
     first_step: int = 0,
     save_to: str | None = None,
     load_from: str | None = None,
+    optimizer_name: str = "AdamW",
+    scheduler: str | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """The reference run (tests/reference.py), through DeepSpeed's engine."""
+    """The reference run (tests/reference.py), through DeepSpeed's engine. ``scheduler`` is
+    ``"before"`` or ``"after"`` setup: a StepLR halving the LR every step."""
     with tp.Engine(strategy, precision=precision, timeout=120.0, **options) as engine:
         model = make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        optimizer = getattr(torch.optim, optimizer_name)(model.parameters(), lr=3e-2)
+        if scheduler == "before":
+            sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
         model, optimizer = engine.setup(model, optimizer)
+        assert isinstance(optimizer, torch.optim.Optimizer)
+        if scheduler == "after":
+            sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
         if load_from is not None:
             state = {"model": model, "optimizer": optimizer, "step": 0}
             engine.load(load_from, state)
@@ -51,6 +60,8 @@ def train_ds(
             engine.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
+            if scheduler is not None:
+                sched.step()
             losses.append(engine.reduce(loss.detach().float(), "mean").item())
         if save_to is not None:
             engine.save(
@@ -80,6 +91,76 @@ def test_zero_matches_single_process_reference_without_compiling(ranks, referenc
     assert ranks.run(extensions) == [[], []]  # nothing was JIT-compiled
 
 
+def plain_reference(optimizer_name: str, scheduler: bool, steps: int = 10) -> dict[str, Any]:
+    """The same run in plain PyTorch, no torchplug: the full batch in one process."""
+    model = make_model()
+    optimizer = getattr(torch.optim, optimizer_name)(model.parameters(), lr=3e-2)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    losses = []
+    for step, (x, y) in enumerate(DataLoader(make_dataset(320), batch_size=16)):
+        if step >= steps:
+            break
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler:
+            sched.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": dict(model.state_dict())}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("strategy", "optimizer_name", "scheduler"),
+    [
+        ("deepspeed-zero2", "SGD", "before"),
+        ("deepspeed-zero2", "SGD", "after"),
+        ("deepspeed-zero3-offload", "SGD", "after"),
+        ("deepspeed-zero3-offload", "AdamW", "before"),
+    ],
+)
+def test_any_torch_optimizer_and_scheduler_order_match_plain_pytorch(
+    ranks, strategy, optimizer_name, scheduler
+):
+    expected = plain_reference(optimizer_name, scheduler=True)
+    for result in ranks.run(
+        train_ds, strategy, optimizer_name=optimizer_name, scheduler=scheduler, timeout=300
+    ):
+        assert result["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+        assert_close_dicts(result["params"], expected["params"], atol=1e-5)
+    assert ranks.run(extensions) == [[], []]  # offload with a torch optimizer compiles nothing
+
+
+class Output(dict):
+    """A dict subclass with attribute access, like a Hugging Face ModelOutput."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self[name]
+
+
+class DictModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(prediction=self.net(x))
+
+
+def output_type_under_bf16() -> str:
+    with tp.Engine("deepspeed-zero2", precision="bf16") as engine:
+        model = DictModel()
+        model, _ = engine.setup(model, torch.optim.AdamW(model.parameters()))
+        out = model(torch.randn(4, 8))
+        return f"{type(out).__name__} {out.prediction.dtype}"
+
+
+@needs_deepspeed
+def test_bf16_keeps_the_model_output_type(ranks):
+    assert ranks.run(output_type_under_bf16, timeout=300) == ["Output torch.float32"] * 2
+
+
 @needs_deepspeed
 def test_zero_bf16_is_deepspeed_bf16_within_tolerance(ranks, reference):
     for result in ranks.run(train_ds, "deepspeed-zero2", "bf16", timeout=300):
@@ -100,7 +181,7 @@ def test_save_resume_is_bit_exact(ranks, tmp_path, stage):
 
 
 def load_model(path: str, strategy: str) -> dict[str, torch.Tensor]:
-    with tp.Engine(strategy) as engine:
+    with no_unpickling(), tp.Engine(strategy) as engine:  # the portable part holds no pickle
         model = engine.setup(make_model(seed=7))
         state = {"model": model, "step": 0}
         engine.load(path, state)
@@ -114,6 +195,18 @@ def test_zero3_checkpoint_loads_into_ddp_and_single(ranks, tmp_path):
     for loaded in [*ranks.run(load_model, path, "ddp"), load_model(path, "single")]:
         for key, value in saved["params"].items():
             assert torch.equal(loaded[key], value), key
+    # DeepSpeed's optimizer state cannot go into another strategy: an error, not an empty optimizer
+    with tp.Engine("single") as engine:
+        model = make_model(seed=7)
+        model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters()))
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        with pytest.raises(tp.CheckpointError, match="entry 'optimizer' is of kind 'deepspeed-"):
+            engine.load(path, state)
+        engine.load(path, state, strict=False)  # the explicit escape: the model and the step
+        assert state["step"] == 3
+        assert torch.equal(
+            engine.full_state(model)["model"]["0.weight"], saved["params"]["0.weight"]
+        )
 
 
 @needs_deepspeed
@@ -164,3 +257,22 @@ def test_convert_accepts_a_native_deepspeed_checkpoint(ranks, tmp_path):
         converted = load_file(str(out / "model.safetensors"))
         for key, value in saved["params"].items():
             assert torch.equal(converted[key], value), key
+
+
+def resume_message(path: str) -> str | None:
+    try:
+        train_ds("deepspeed-zero1", steps=1, first_step=1, load_from=path)
+    except tp.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+@needs_deepspeed
+def test_native_files_the_manifest_does_not_list_are_refused(ranks, tmp_path):
+    path = tmp_path / "ckpt"
+    ranks.run(train_ds, "deepspeed-zero1", steps=1, save_to=str(path), timeout=300)
+    planted = path / "deepspeed" / "torchplug" / "zero_pp_rank_9_mp_rank_00_optim_states.pt"
+    planted.write_bytes(b"not listed")
+    for message in ranks.run(resume_message, str(path), timeout=300):
+        assert message is not None and "does not list" in message, message
+        assert "zero_pp_rank_9" in message

@@ -135,3 +135,21 @@ def test_torch_and_torch_xla_release_mismatch_is_explained():
     message = version_mismatch("1.99.0", "cbe1a35dbdfdc9b7")
     assert "torch_xla 1.99.0 was built against torch 1.99" in message
     assert "cbe1a35dbdfd" in message and "pip install torch==1.99.0 torch_xla==1.99.0" in message
+
+
+MULTI_HOST = """
+import torch_xla.runtime as xr
+import torchplug as tp
+xr.process_count = lambda: 2  # as on the first of two hosts
+try:
+    tp.Engine("xla")
+    result = {"error": None}
+except tp.ConfigurationError as exc:
+    result = {"error": str(exc)}
+"""
+
+
+@needs_xla
+def test_multi_host_is_refused_not_silently_local():
+    error = in_xla_process(MULTI_HOST, 1)["error"]
+    assert error is not None and "Multi-host XLA is not supported" in error

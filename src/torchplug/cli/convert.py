@@ -7,7 +7,7 @@ from typing import Any
 
 
 def convert(args: Any) -> int:
-    from torchplug.core.convert import convert as run_convert
+    from torchplug.checkpoint.convert import convert as run_convert
     from torchplug.core.errors import TorchplugError
 
     try:

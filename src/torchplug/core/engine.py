@@ -34,6 +34,29 @@ class Runtime:
     node_rank: int = 0
 
 
+#: Seconds a rank waits for the others to call engine.save/load before naming the absent ones.
+DEFAULT_CHECKPOINT_TIMEOUT = 300.0
+
+
+def _checkpoint_timeout(value: float | None) -> float:
+    source = "checkpoint_timeout"
+    if value is None:
+        raw = os.environ.get("TORCHPLUG_CHECKPOINT_TIMEOUT")
+        if raw is None:
+            return DEFAULT_CHECKPOINT_TIMEOUT
+        source = "TORCHPLUG_CHECKPOINT_TIMEOUT"
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1e7:
+        raise ConfigurationError(
+            f"{source}={value!r} is not a usable number of seconds: expected a positive number "
+            f"below 1e7 (the default is {DEFAULT_CHECKPOINT_TIMEOUT:.0f}). Fix the value."
+        )
+    return float(value)
+
+
 class Engine:
     """Runs a plain PyTorch training loop on the backend chosen by name.
 
@@ -52,12 +75,19 @@ class Engine:
         plugins: Iterable[object] = (),
         precision_options: Mapping[str, Any] | None = None,
         seed: int = 0,
+        checkpoint_key: str | bytes | None = None,
+        checkpoint_timeout: float | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         resume: str | None = None,
         keep_last: int | None = None,
         **strategy_options: Any,
     ) -> None:
+        from torchplug.checkpoint.verify import key_from
+
         faults.install_error_recorder()
+        #: HMAC key: checkpoints are signed on save and must carry a valid signature on load.
+        self.checkpoint_key = key_from(checkpoint_key)
+        self._checkpoint_timeout = _checkpoint_timeout(checkpoint_timeout)
         registry = manager.get_registry()
         self.settings = config.resolve(
             strategy,
@@ -257,6 +287,8 @@ class Engine:
             # that call is the real step.
             nonlocal inside
             engine = engine_ref()
+            if inside and getattr(opt, "_torchplug_skip_update", False):
+                return None  # a precision plugin found inf/NaN gradients: no update
             if inside or engine is None or engine._raw_steps:
                 return real_step(closure) if closure is not None else real_step()
             inside = True
@@ -298,6 +330,17 @@ class Engine:
         )
 
     @contextlib.contextmanager
+    def skipping_updates(self, optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
+        """Inside, with ``skip``, the optimizer's real step does nothing (the backend's step
+        around it still runs): how a wrapper skips an update without replacing the backend."""
+        previous = getattr(optimizer, "_torchplug_skip_update", False)
+        optimizer._torchplug_skip_update = skip
+        try:
+            yield
+        finally:
+            optimizer._torchplug_skip_update = previous
+
+    @contextlib.contextmanager
     def real_optimizer_steps(self) -> Iterator[None]:
         """Inside, ``optimizer.step()`` bypasses the hook (zero steps that create state)."""
         previous, self._raw_steps = self._raw_steps, True
@@ -313,18 +356,6 @@ class Engine:
         box = [obj]
         torch.distributed.broadcast_object_list(box, src=src)
         return box[0]
-
-    def agree(self, error: BaseException | None, what: str) -> None:
-        """Raise on every rank if ``what`` failed on any rank (so none waits for the others)."""
-        flag = torch.tensor(0.0 if error is None else 1.0, device=self.device)
-        failed = self.reduce(flag, "max").item() > 0
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(
-                f"Another rank failed to {what}; its error is in that rank's output. "
-                f"The previous checkpoint at that path, if any, is intact."
-            )
 
     def unwrap(self, obj: Any) -> Any:
         """The user's original module behind a module this Engine returned (else ``obj``)."""
@@ -486,9 +517,11 @@ class Engine:
                 return type(value)(full(v) for v in value)
             return value
 
-        result = {"model": full(self.backend.model_state(self, model))}
+        result = {"model": full(self.hook.torchplug_model_state(engine=self, model=model))}
         if optimizer is not None:
-            result["optimizer"] = full(self.backend.optimizer_state(self, model, optimizer))
+            result["optimizer"] = full(
+                self.hook.torchplug_optimizer_state(engine=self, model=model, optimizer=optimizer)
+            )
         return result
 
     def save(
@@ -501,7 +534,14 @@ class Engine:
 
         Call it on every rank. The previous checkpoint at ``path`` stays intact until the new one
         is complete. ``metadata`` (JSON values) is recorded in the manifest for your own use.
+        A failure on any rank raises a CheckpointError on every rank naming the rank and the
+        error; a save that some ranks never call fails after ``checkpoint_timeout`` seconds.
         """
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"engine.save expects a dict of what to save, e.g. {{'model': model, "
+                f"'optimizer': optimizer, 'step': step}}, got {type(state).__name__}."
+            )
         metadata = dict(metadata or {})
         try:
             json.dumps(metadata, allow_nan=True)
@@ -512,10 +552,33 @@ class Engine:
         self.hook.torchplug_save(engine=self, path=str(Path(path)), state=state, metadata=metadata)
 
     def load(
-        self, path: str | os.PathLike[str], state: dict[str, Any] | None = None
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any] | None = None,
+        *,
+        strict: bool = True,
     ) -> dict[str, Any]:
-        """Load a checkpoint into ``state``'s objects in place; return the entries not restored."""
-        return self.hook.torchplug_load(engine=self, path=str(Path(path)), state=state)
+        """Load a checkpoint into ``state``'s objects in place; call it on every rank.
+
+        Returns the plain values of entries not restored into an object (and replaces them in
+        ``state``). Without ``state``: every plain value, and a summary of modules and
+        optimizers. An entry that cannot be restored into the object given for it (a module's
+        state into a dict, another backend's optimizer format) is an error unless
+        ``strict=False``, which also loads the common part of a module whose keys differ.
+        """
+        if state is not None and not isinstance(state, dict):
+            raise TypeError(
+                f"engine.load expects a dict of the objects to restore, e.g. {{'model': model, "
+                f"'optimizer': optimizer}}, got {type(state).__name__}."
+            )
+        return self.hook.torchplug_load(
+            engine=self, path=str(Path(path)), state=state, strict=strict
+        )
+
+    @property
+    def checkpoint_timeout(self) -> float:
+        """Seconds a save or load waits for every rank to arrive before naming the absent ones."""
+        return self._checkpoint_timeout
 
     # -- fault tolerance --------------------------------------------------------------------------
 

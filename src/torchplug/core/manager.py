@@ -49,6 +49,7 @@ STRATEGY_HOOKS = frozenset(
         "torchplug_register_strategies",
         "torchplug_register_precisions",
         "torchplug_cluster_environment",
+        "torchplug_convert_checkpoint",
     }
 )
 

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from torchplug.core.cluster import ClusterInfo
@@ -188,20 +190,75 @@ def torchplug_save(
 ) -> bool | None:
     """Write ``state`` as a torchplug checkpoint directory at ``path``; return ``True``.
 
-    ``metadata`` is the user's JSON-serializable dict, recorded in the manifest as is.
-
-    Every rank calls it. The backend decides who writes what (rank 0 writes a full state dict;
-    sharded backends write shards) through :mod:`torchplug.core.checkpoint`, which writes
-    atomically and records sizes and hashes in ``manifest.json``.
+    ``metadata`` is the user's JSON-serializable dict, recorded in the manifest as is. Every rank
+    calls it. The default (:func:`torchplug.checkpoint.save`) takes each module's and optimizer's
+    state through the four state hooks below and writes the portable format; a backend with a
+    format of its own (DeepSpeed) answers this hook and still writes through
+    :mod:`torchplug.checkpoint`, so atomicity, hashing and failure agreement are the same.
     """
 
 
 @hookspec(firstresult=True)
-def torchplug_load(engine: Engine, path: str, state: dict[str, Any]) -> dict[str, Any] | None:
+def torchplug_load(
+    engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
+) -> dict[str, Any] | None:
     """Load the checkpoint at ``path`` into the objects of ``state``, in place.
 
-    Returns the loaded plain values (step counters, user dicts). Implementations verify the
-    manifest and never unpickle arbitrary objects.
+    Returns the plain values of the entries not restored into an object (step counters, user
+    dicts); with ``state=None``, every plain value and a summary of the rest. With ``strict`` an
+    entry that cannot be restored into the object given for it is an error. Implementations read
+    through :mod:`torchplug.checkpoint`, which validates the manifest and never unpickles.
+    """
+
+
+# -- the state protocol between the Engine, strategies and checkpoints ----------------------------
+
+
+@hookspec(firstresult=True)
+def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, Any] | None:
+    """The model's state by parameter name (no wrapper prefixes), as the backend holds it.
+
+    Sharded backends return DTensor shards; checkpoints store them by their global shape, so any
+    strategy can load them. Also used by :meth:`Engine.full_state`.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_load_model_state(
+    engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+) -> bool | None:
+    """Put ``state`` (as :func:`torchplug_model_state` returns it) into ``model``; return True."""
+
+
+@hookspec(firstresult=True)
+def torchplug_optimizer_state(
+    engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any] | None:
+    """The optimizer's state keyed by parameter name (``{"state": ..., "param_groups": ...}``)."""
+
+
+@hookspec(firstresult=True)
+def torchplug_load_optimizer_state(
+    engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> bool | None:
+    """Put ``state`` (as :func:`torchplug_optimizer_state` returns it) into ``optimizer``."""
+
+
+@hookspec(firstresult=True)
+def torchplug_reads_in_place(engine: Engine, kind: str) -> bool | None:
+    """Whether loading reads a ``kind`` (``"module"``/``"optimizer"``) entry straight into the
+    tensors the state hook returns (resharding in place), or into fresh CPU tensors handed to the
+    load hook. A backend whose tensors DCP cannot write (XLA), or whose optimizer holds only part
+    of the state (FairScale OSS), answers ``False``."""
+
+
+@hookspec(firstresult=True)
+def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] | None:
+    """Convert a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) to
+    ``destination/model.safetensors``; return the files written, or ``None`` if it is not yours.
+
+    Called on every installed plugin by ``torchplug convert``; import nothing heavy unless the
+    directory is yours.
     """
 
 

@@ -11,18 +11,15 @@ import atexit
 import contextlib
 import datetime
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from torchplug.core import checkpoint
-from torchplug.core.errors import CheckpointError, ConfigurationError
+from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option
 from torchplug.core.spec import hookimpl
 
@@ -122,34 +119,35 @@ class Strategy:
         return True
 
     # -- checkpoints ------------------------------------------------------------------------------
-    # The four methods below say how a backend reads and writes module and optimizer state; the
-    # defaults use torch.distributed.checkpoint's state-dict API, which names state by parameter
-    # name and returns DTensor shards for sharded modules. Backends with their own optimizer
-    # sharding (FairScale OSS) override them.
+    # The state hooks say how a backend reads and writes module and optimizer state; the defaults
+    # use torch.distributed.checkpoint's state-dict API, which names state by parameter name and
+    # returns DTensor shards for sharded modules. Backends with their own optimizer sharding
+    # (FairScale OSS) or tensors DCP cannot write into (XLA) override them.
 
-    #: Load model tensors into the live module's own (possibly sharded) tensors. A backend whose
-    #: tensors torch.distributed.checkpoint cannot write into (XLA) sets this False: the state is
-    #: then read into fresh CPU tensors and handed to ``load_model_state``.
-    live_model_targets = True
+    @hookimpl(trylast=True)
+    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+        return True
 
-    #: Load optimizer tensors into the live optimizer's own (possibly sharded) state tensors.
-    #: A backend whose optimizer holds only part of the state sets this False: the full state is
-    #: then read into fresh tensors and handed to ``load_optimizer_state``.
-    live_optimizer_targets = True
-
-    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+    @hookimpl(trylast=True)
+    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(model)
 
-    def load_model_state(
-        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any]
-    ) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    @hookimpl(trylast=True)
+    def torchplug_load_model_state(
+        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+    ) -> bool:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
 
-        set_model_state_dict(model, state)
+        set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
+        return True
 
-    def optimizer_state(
+    @hookimpl(trylast=True)
+    def torchplug_optimizer_state(
         self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -157,131 +155,36 @@ class Strategy:
         with engine.real_optimizer_steps():  # it may take a zero step to create the state
             return get_optimizer_state_dict(model, optimizer)
 
-    def load_optimizer_state(
+    @hookimpl(trylast=True)
+    def torchplug_load_optimizer_state(
         self,
         engine: Engine,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
-    ) -> None:
+    ) -> bool:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         with engine.real_optimizer_steps():  # it may take a zero step to create the state
             set_optimizer_state_dict(model, optimizer, state)
-
-    def capture(self, engine: Engine, obj: Any, state: dict[str, Any]) -> tuple[str, Any]:
-        """``(kind, payload)`` for one live state entry."""
-        kind = checkpoint.kind_of(obj)
-        if kind == "module":
-            return kind, self.model_state(engine, obj)
-        if kind == "optimizer":
-            return kind, self.optimizer_state(engine, engine.model_of(obj, state), obj)
-        if kind == "stateful":
-            return kind, obj.state_dict()
-        return kind, obj
+        return True
 
     @hookimpl(trylast=True)
     def torchplug_save(
         self, engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
     ) -> bool:
-        """Every rank writes its tensors (DCP); rank 0 writes the manifest and swaps it in."""
-        final = Path(path).absolute()
-        tmp: Path | None = None
-        error: BaseException | None = None
-        try:
-            name = checkpoint.temporary_dir(final).name if engine.is_main else None
-            tmp = final.parent / engine.broadcast_object(name)
-            entries: dict[str, Any] = {}
-            tensors: dict[str, torch.Tensor] = {}
-            for key, obj in state.items():
-                kind, payload = self.capture(engine, obj, state)
-                entries[key] = {"kind": kind, "data": checkpoint.encode(payload, key, tensors)}
-        except BaseException as exc:  # every rank must learn of it, or the others would hang
-            error = exc
-        engine.agree(error, f"prepare checkpoint {final}")
-        assert tmp is not None
-        try:
-            if tensors:
-                checkpoint.save_tensors(tmp / checkpoint.TENSORS, tensors)
-            engine.barrier()
-            if engine.is_main:
-                header = {**engine.checkpoint_header(state), "metadata": metadata}
-                checkpoint.write_manifest(tmp, header, entries)
-                checkpoint.swap_into_place(tmp, final)
-        except BaseException as exc:
-            error = exc
-            if engine.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-        engine.agree(error, f"write checkpoint {final}")
+        from torchplug import checkpoint
+
+        checkpoint.save(engine, path, state, metadata)
         return True
 
     @hookimpl(trylast=True)
-    def torchplug_load(self, engine: Engine, path: str, state: dict[str, Any]) -> dict[str, Any]:
-        root = Path(path)
-        manifest = checkpoint.read_manifest(root)
-        checkpoint.verify_files(root, manifest)
-        entries = manifest["entries"]
-        missing = [k for k in state if k not in entries]
-        if missing:
-            raise CheckpointError(
-                f"Checkpoint {root} has no entries {missing}; it holds {sorted(entries)}. "
-                f"Remove those keys from the state you load into."
-            )
-        store = root / checkpoint.TENSORS
-        shapes = checkpoint.tensor_shapes(store) if store.is_dir() else {}
-        targets: dict[str, torch.Tensor] = {}
-        live: dict[str, Any] = {}
-        for key, entry in entries.items():
-            names = list(checkpoint.tensor_paths(entry["data"]))
-            kind = entry["kind"]
-            from_live = (kind == "module" and self.live_model_targets) or (
-                kind == "optimizer" and self.live_optimizer_targets
-            )
-            if key in state and from_live:
-                obj = state[key]
-                if kind == "module":
-                    live[key] = self.model_state(engine, obj)
-                else:
-                    live[key] = self.optimizer_state(engine, engine.model_of(obj, state), obj)
-                found: dict[str, torch.Tensor] = {}
-                checkpoint.encode(live[key], key, found)
-                _check_same_tensors(root, key, set(names), set(found))
-                targets.update(found)
-            else:
-                targets.update(checkpoint.allocate(shapes, names))
-        try:
-            checkpoint.load_tensors(store, targets)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(
-                f"Reading the tensors of checkpoint {root} failed: {exc}. Check that the model "
-                f"has the same architecture as the one that was saved."
-            ) from exc
-        remainder: dict[str, Any] = {}
-        for key, entry in entries.items():
-            payload = checkpoint.decode(entry["data"], targets)
-            kind, target = entry["kind"], state.get(key)
-            if key in state and kind == "module":
-                self.load_model_state(engine, target, payload)
-            elif key in state and kind == "optimizer":
-                self.load_optimizer_state(engine, engine.model_of(target, state), target, payload)
-            else:
-                checkpoint.restore_entry(state, key, kind, payload, remainder)
-        return remainder
+    def torchplug_load(
+        self, engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
+    ) -> dict[str, Any]:
+        from torchplug import checkpoint
 
-
-def _check_same_tensors(root: Path, key: str, saved: set[str], live: set[str]) -> None:
-    if saved == live:
-        return
-    strip = len(key) + 1
-    only_saved = sorted(n[strip:] for n in saved - live)[:5]
-    only_live = sorted(n[strip:] for n in live - saved)[:5]
-    raise CheckpointError(
-        f"Checkpoint {root} entry '{key}' does not match the object you load it into: "
-        f"in the checkpoint only: {only_saved or 'none'}; in your object only: "
-        f"{only_live or 'none'}. Load into the same architecture that was saved."
-    )
+        return checkpoint.load(engine, path, state, strict)
 
 
 def default_device(local_rank: int = 0) -> torch.device:

@@ -102,30 +102,35 @@ class MixedPrecision:
             self.scaler.update()
             self._stepped.clear()
 
-    @hookimpl(tryfirst=True)
+    @hookimpl(wrapper=True)
     def torchplug_optimizer_step(
         self,
         engine: Engine,
         optimizer: torch.optim.Optimizer,
         closure: Callable[[], Any] | None,
-    ) -> bool | None:
+    ) -> Generator[None, Any, Any]:
+        """Wraps the backend's step: gradients are unscaled first, and a step with inf/NaN
+        gradients still runs the backend's step (its syncs and flushes) but not the update."""
         if self.scaler is None:
-            return None
+            return (yield)
         if closure is not None:
             raise ConfigurationError(
                 "optimizer.step(closure) is not supported with precision='fp16': gradient "
                 "scaling needs the backward outside the step. Compute the loss and call "
                 "engine.backward(loss) before optimizer.step(), or use precision='bf16'."
             )
-        self.scaler.step(optimizer)
+        with contextlib.suppress(RuntimeError):  # already unscaled for clipping this step
+            self.scaler.unscale_(optimizer)
         state = self.scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
         skipped = any(v.item() for v in state["found_inf_per_device"].values())
+        with engine.skipping_updates(optimizer, skipped):
+            stepped = yield
         self._stepped.add(id(optimizer))
         # Update the scale once every optimizer of this engine has stepped; a partial set is
         # updated at the next backward, so all optimizers unscale with the same scale.
         if self._stepped >= {id(o) for o in engine.optimizers}:
             self._update_scale()
-        return not skipped
+        return not skipped and stepped is not False
 
     @hookimpl(wrapper=True)
     def torchplug_clip_grad_norm(

@@ -15,6 +15,7 @@ when one of these strategies is selected.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from torchplug.core import checkpoint
+from torchplug import checkpoint
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import CheckpointError, ConfigurationError
@@ -38,6 +39,8 @@ INSTALL = "pip install torchplug[deepspeed]"
 OFFLOAD = ("none", "cpu", "nvme")
 NATIVE = "deepspeed"  # the native checkpoint's directory inside a torchplug checkpoint
 TAG = "torchplug"
+#: Optimizers DeepSpeed's ZeRO accepts without zero_allow_untested_optimizer.
+_ZERO_TESTED = ("Adam", "AdamW", "DeepSpeedCPUAdam", "FusedAdam", "FusedLamb", "Lamb")
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -70,12 +73,18 @@ def _cast_forward(ds_engine: Any, dtype: torch.dtype) -> None:
     forward = ds_engine.forward
 
     def cast(value: Any, to: torch.dtype) -> Any:
+        # Containers keep their type: a Hugging Face ModelOutput stays one (``out.loss``).
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.to(to)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*(cast(v, to) for v in value))
         if isinstance(value, (list, tuple)):
             return type(value)(cast(v, to) for v in value)
         if isinstance(value, dict):
-            return {k: cast(v, to) for k, v in value.items()}
+            out = copy.copy(value)
+            for k, v in value.items():
+                out[k] = cast(v, to)
+            return out
         return value
 
     @functools.wraps(forward)
@@ -140,6 +149,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         self.config_arg = config
         self.stage_fixed_by_name = _named
         self.ds_engine: Any = None
+        self.optimizers: list[Any] = []
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -222,10 +232,16 @@ class DeepSpeedStrategy(DistributedStrategy):
         for part, device in (("optimizer", self.offload_optimizer), ("param", self.offload_params)):
             if device != "none":
                 zero[f"offload_{part}"] = {"device": device, "nvme_path": self.nvme_path}
-        if config.get("zero_optimization", {}).get("offload_optimizer"):
+        # The user's torch optimizer is what steps, offloaded or not (DeepSpeed would otherwise
+        # insist on its compiled DeepSpeedCPUAdam for offload, and refuse untested optimizers
+        # such as SGD under ZeRO); set these keys in your DeepSpeed config to get its defaults.
+        config.setdefault("zero_force_ds_cpu_optimizer", False)
+        config.setdefault("zero_allow_untested_optimizer", True)
+        if "optimizer" in config and config.get("zero_optimization", {}).get("offload_optimizer"):
             warnings.warn(
-                "DeepSpeed CPU/NVMe optimizer offload uses DeepSpeedCPUAdam, which DeepSpeed "
-                "compiles with g++ on first use (minutes on few cores; needs a compiler).",
+                "Your DeepSpeed config builds its own optimizer with CPU/NVMe offload: DeepSpeed "
+                "compiles DeepSpeedCPUAdam with g++ on first use (minutes on few cores; needs a "
+                "compiler). Pass a torch optimizer to engine.setup instead to avoid it.",
                 stacklevel=2,
             )
         return config, source or "defaults"
@@ -247,6 +263,21 @@ class DeepSpeedStrategy(DistributedStrategy):
                 "This deepspeed Engine already set up a model; create one torchplug Engine per "
                 "model with DeepSpeed."
             )
+        untested = optimizers and type(optimizers[0]).__name__ not in _ZERO_TESTED
+        if untested and self.config["zero_optimization"]["stage"] > 0:
+            if self.config.get("zero_allow_untested_optimizer"):
+                warnings.warn(
+                    f"DeepSpeed has not tested ZeRO with {type(optimizers[0]).__name__}; "
+                    f"torchplug lets it run (as Lightning Fabric does). Set "
+                    f'"zero_allow_untested_optimizer": false in the DeepSpeed config to refuse.',
+                    stacklevel=4,
+                )
+            else:
+                raise ConfigurationError(
+                    f"DeepSpeed ZeRO refuses the untested optimizer "
+                    f"{type(optimizers[0]).__name__} because your DeepSpeed config sets "
+                    f'"zero_allow_untested_optimizer": false. Remove that key, or use Adam/AdamW.'
+                )
         ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizers[0] if optimizers else None,
@@ -258,7 +289,10 @@ class DeepSpeedStrategy(DistributedStrategy):
             _cast_forward(
                 ds_engine, torch.bfloat16 if engine.precision == "bf16" else torch.float16
             )
-        return ds_engine, [ds_optimizer] if optimizers else []
+        # The user's own optimizer is returned (DeepSpeed steps it inside its wrapper): it is a
+        # torch Optimizer, so LR schedulers made before or after setup drive the real one.
+        self.optimizers = [*optimizers, ds_optimizer]
+        return ds_engine, list(optimizers)
 
     @hookimpl
     def torchplug_backward(
@@ -310,7 +344,8 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+    @hookimpl
+    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
         """Full fp32 model state (ZeRO-3 gathers its partitions)."""
         import deepspeed
 
@@ -319,7 +354,10 @@ class DeepSpeedStrategy(DistributedStrategy):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
-    def optimizer_state(self, engine: Engine, model: torch.nn.Module, optimizer: Any) -> Any:
+    @hookimpl
+    def torchplug_optimizer_state(
+        self, engine: Engine, model: torch.nn.Module, optimizer: Any
+    ) -> Any:
         raise CheckpointError(
             "DeepSpeed's optimizer state is partitioned its own way; it is saved in DeepSpeed's "
             "native checkpoint by engine.save and restored by engine.load with deepspeed."
@@ -330,97 +368,95 @@ class DeepSpeedStrategy(DistributedStrategy):
         self, engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
     ) -> bool:
         ds_engine = self._engine_for("engine.save")
-        final = Path(path).absolute()
-        name = checkpoint.temporary_dir(final).name if engine.is_main else None
-        tmp = final.parent / engine.broadcast_object(name)
-        error: BaseException | None = None
-        try:
-            ds_engine.save_checkpoint(str(tmp / NATIVE), tag=TAG)
-        except BaseException as exc:
-            error = exc
-        engine.agree(error, f"write DeepSpeed checkpoint {final}")
-        try:
-            if engine.is_main:
-                self._write_portable(engine, tmp, state, metadata)
-                checkpoint.swap_into_place(tmp, final)
-        except BaseException as exc:
-            error = exc
-        engine.agree(error, f"write checkpoint {final}")
+        header = {
+            "deepspeed": {
+                "dir": NATIVE,
+                "tag": TAG,
+                "stage": self.config["zero_optimization"]["stage"],
+            }
+        }
+        checkpoint.save(
+            engine,
+            path,
+            state,
+            metadata,
+            native=lambda tmp: ds_engine.save_checkpoint(str(tmp / NATIVE), tag=TAG),
+            entries_of=lambda tmp: self._portable(engine, tmp, state),
+            header=header,
+        )
         return True
 
-    def _write_portable(
-        self, engine: Engine, tmp: Path, state: dict[str, Any], metadata: dict[str, Any]
-    ) -> None:
-        """On rank 0: the consolidated fp32 model (zero_to_fp32), values, and the manifest."""
+    def _portable(
+        self, engine: Engine, tmp: Path, state: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The consolidated fp32 model (zero_to_fp32, on rank 0), and the other entries."""
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         entries: dict[str, Any] = {}
         tensors: dict[str, torch.Tensor] = {}
         for key, obj in state.items():
             if obj is self.ds_engine:
-                full = get_fp32_state_dict_from_zero_checkpoint(str(tmp / NATIVE), tag=TAG)
+                full = (
+                    get_fp32_state_dict_from_zero_checkpoint(str(tmp / NATIVE), tag=TAG)
+                    if engine.is_main
+                    else {}
+                )
                 entries[key] = {"kind": "module", "data": checkpoint.encode(full, key, tensors)}
-            elif obj is getattr(self.ds_engine, "optimizer", None):
+            elif any(obj is o for o in self.optimizers):
                 entries[key] = {"kind": "deepspeed-optimizer", "data": NATIVE}
             else:
                 kind = checkpoint.kind_of(obj)
                 payload = obj.state_dict() if kind == "stateful" else obj
                 entries[key] = {"kind": kind, "data": checkpoint.encode(payload, key, tensors)}
-        if tensors:
-            checkpoint.save_tensors(tmp / checkpoint.TENSORS, tensors, no_dist=True)
-        header = {
-            **engine.checkpoint_header(state),
-            "metadata": metadata,
-            "deepspeed": {
-                "dir": NATIVE,
-                "tag": TAG,
-                "stage": self.config["zero_optimization"]["stage"],
-            },
-        }
-        checkpoint.write_manifest(tmp, header, entries)
+        return entries, tensors
 
     @hookimpl
-    def torchplug_load(self, engine: Engine, path: str, state: dict[str, Any]) -> dict[str, Any]:
+    def torchplug_load(
+        self, engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
+    ) -> dict[str, Any]:
         ds_engine = self._engine_for("engine.load")
-        root = Path(path)
-        manifest = checkpoint.read_manifest(root)
-        checkpoint.verify_files(root, manifest)
+        root, manifest = checkpoint.open_checkpoint(path, engine.checkpoint_key)
         native = manifest.get("deepspeed")
         stage = self.config["zero_optimization"]["stage"]
-        if (
-            native is None
-            or manifest.get("world_size") != engine.world_size
-            or native["stage"] != stage
-        ):
+        valid = (
+            isinstance(native, dict)
+            and native.get("dir") == NATIVE
+            and isinstance(native.get("tag"), str)
+            and native.get("stage") in (0, 1, 2, 3)
+        )
+        if not valid or manifest["world_size"] != engine.world_size or native["stage"] != stage:
             saved = (
-                f"stage {native['stage']} on {manifest.get('world_size')} ranks"
-                if native
-                else (f"strategy {manifest.get('strategy', {}).get('name')}")
+                f"stage {native['stage']} on {manifest['world_size']} ranks"
+                if valid
+                else f"strategy {manifest['strategy']['name']}"
             )
             raise CheckpointError(
                 f"Checkpoint {root} was written by {saved}; deepspeed resumes only its own native "
                 f"checkpoints of the same stage and world size ({stage} on {engine.world_size}). "
                 f"Load its model into another strategy, or resume with the original settings."
             )
+        native_dir = checkpoint.files.confined(root, native["dir"], "the DeepSpeed directory")
+        unlisted = [
+            p.relative_to(root).as_posix()
+            for p in native_dir.rglob("*")
+            if not p.is_dir() and p.relative_to(root).as_posix() not in manifest["files"]
+        ]
+        if unlisted:  # DeepSpeed globs its directory and unpickles what it finds
+            raise CheckpointError(
+                f"Checkpoint {root} holds files its manifest does not list: {unlisted[:5]}. "
+                f"DeepSpeed would read them unverified; refusing. Remove them, or load an "
+                f"earlier checkpoint."
+            )
         ds_engine.load_checkpoint(
-            str(root / native["dir"]),
+            str(native_dir),
             tag=native["tag"],
             load_optimizer_states=True,
             load_lr_scheduler_states=True,
         )
-        remainder: dict[str, Any] = {}
-        for key, entry in manifest["entries"].items():
-            if entry["kind"] in ("module", "deepspeed-optimizer"):
-                continue
-            names = list(checkpoint.tensor_paths(entry["data"]))
-            tensors = {}
-            if names:
-                store = root / checkpoint.TENSORS
-                tensors = checkpoint.allocate(checkpoint.tensor_shapes(store), names)
-                checkpoint.load_tensors(store, tensors, no_dist=True)
-            payload = checkpoint.decode(entry["data"], tensors)
-            checkpoint.restore_entry(state, key, entry["kind"], payload, remainder)
-        return remainder
+        restored = ("module", "deepspeed-optimizer")
+        return checkpoint.load(
+            engine, path, state, strict, skip=lambda key, entry: entry["kind"] in restored
+        )
 
 
 def _named(stage: int, **preset: Any) -> Callable[..., DeepSpeedStrategy]:
@@ -490,3 +526,21 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             **common,
         )
     )
+
+
+@hookimpl
+def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] | None:
+    """A native DeepSpeed checkpoint directory (with its ``latest`` file), consolidated by
+    DeepSpeed's own zero_to_fp32."""
+    if not (source / "latest").is_file():
+        return None
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ModuleNotFoundError:
+        raise CheckpointError(
+            f"{source} is a native DeepSpeed checkpoint; converting it needs deepspeed: {INSTALL}."
+        ) from None
+    from torchplug.checkpoint.convert import write_safetensors
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(source))
+    return [write_safetensors(state, destination, source, "deepspeed")]

@@ -48,7 +48,11 @@ def to_oss(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     accepted = inspect.signature(type(optimizer).__init__).parameters
     # defaults can hold keys the constructor does not take (AdamW: decoupled_weight_decay)
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return OSS(groups, optim=type(optimizer), **defaults)
+    oss = OSS(groups, optim=type(optimizer), **defaults)
+    # An LR scheduler made before setup holds the user's optimizer: let it change the groups OSS
+    # reads (OSS copies lr & co. from its global groups into its shard's at every step).
+    optimizer.param_groups = oss.param_groups
+    return oss
 
 
 def _names(model: torch.nn.Module) -> dict[int, str]:
@@ -59,10 +63,13 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
 class OSSCheckpointing:
     """Optimizer state through OSS consolidation, stored by parameter name (portable)."""
 
-    #: OSS holds only its shard: loading reads the full optimizer state into fresh tensors.
-    live_optimizer_targets = False
+    @hookimpl
+    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+        # OSS holds only its shard: loading reads the full optimizer state into fresh tensors.
+        return kind != "optimizer"
 
-    def optimizer_state(
+    @hookimpl
+    def torchplug_optimizer_state(
         self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         optimizer.consolidate_state_dict(recipient_rank=0)  # a collective
@@ -75,13 +82,14 @@ class OSSCheckpointing:
             groups.append({**group, "params": [order[i] for i in group["params"]]})
         return {"state": state, "param_groups": groups}
 
-    def load_optimizer_state(
+    @hookimpl
+    def torchplug_load_optimizer_state(
         self,
         engine: Engine,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
-    ) -> None:
+    ) -> bool:
         names = _names(model)
         index = {
             names[id(p)]: i
@@ -100,6 +108,7 @@ class OSSCheckpointing:
                 f"The checkpoint's optimizer state names parameter {exc}, which this model lacks."
             ) from None
         optimizer.load_state_dict(full)
+        return True
 
 
 class OSSStrategy(OSSCheckpointing, DDPStrategy):
@@ -148,13 +157,34 @@ class SDPStrategy(OSSCheckpointing, DistributedStrategy):
     ) -> contextlib.AbstractContextManager[None]:
         return model.no_sync()
 
-    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
-        return super().model_state(engine, getattr(model, "module", model))
+    @hookimpl
+    def torchplug_clip_grad_norm(
+        self,
+        engine: Engine,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> torch.Tensor:
+        # Each rank holds reduced gradients only for the parameters it owns: OSS computes the
+        # norm over its shard and all-reduces it, so every rank clips by the same global norm.
+        optimizers = [optimizer] if optimizer is not None else engine.optimizers
+        norms = [o.clip_grad_norm(max_norm, norm_type=norm_type) for o in optimizers]
+        if len(norms) == 1:
+            return norms[0]
+        return torch.linalg.vector_norm(torch.stack(norms), ord=norm_type)
 
-    def load_model_state(
-        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any]
-    ) -> None:
-        super().load_model_state(engine, getattr(model, "module", model), state)
+    @hookimpl
+    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+        return super().torchplug_model_state(engine, getattr(model, "module", model))
+
+    @hookimpl
+    def torchplug_load_model_state(
+        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+    ) -> bool:
+        return super().torchplug_load_model_state(
+            engine, getattr(model, "module", model), state, strict
+        )
 
 
 def _keep_gradient_buffers(optimizer: torch.optim.Optimizer) -> None:

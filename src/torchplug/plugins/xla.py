@@ -27,6 +27,7 @@ import torch
 
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
+from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import StrategyInfo
 from torchplug.core.spec import hookimpl
 from torchplug.core.strategy import Strategy, rebind_optimizer
@@ -93,9 +94,10 @@ def _to_cpu(value: Any) -> Any:
 
 
 class XLAStrategy(Strategy):
-    #: torch.distributed.checkpoint cannot write into XLA tensors: state goes through the CPU.
-    live_model_targets = False
-    live_optimizer_targets = False
+    @hookimpl
+    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+        # torch.distributed.checkpoint cannot write into XLA tensors: state goes through the CPU.
+        return False
 
     def __init__(self) -> None:
         self.mesh: Any = None
@@ -110,6 +112,13 @@ class XLAStrategy(Strategy):
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
+        if xr.process_count() > 1:
+            raise ConfigurationError(
+                f"Strategy 'xla' runs on one host; this is host {xr.process_index()} of "
+                f"{xr.process_count()}. Multi-host XLA is not supported yet: engine.reduce, "
+                f"gather and checkpoints would see only this host's values. Run on one host (one "
+                f"process, all its devices), or use a torch.distributed strategy."
+            )
         xr.use_spmd()
         devices = xr.global_runtime_device_count()
         self.mesh = xs.Mesh(np.arange(devices), (devices, 1), ("data", "model"))
@@ -186,16 +195,22 @@ class XLAStrategy(Strategy):
         return True
 
     # checkpoints: through CPU copies, in the portable format
-    def model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+    @hookimpl
+    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
         return _to_cpu(model.state_dict())
 
-    def load_model_state(
-        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any]
-    ) -> None:
-        model.load_state_dict(state)
+    @hookimpl
+    def torchplug_load_model_state(
+        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+    ) -> bool:
+        model.load_state_dict(state, strict=strict)
+        return True
 
-    def optimizer_state(self, engine: Engine, model: torch.nn.Module, optimizer: Any) -> Any:
-        return _to_cpu(super().optimizer_state(engine, model, optimizer))
+    @hookimpl
+    def torchplug_optimizer_state(
+        self, engine: Engine, model: torch.nn.Module, optimizer: Any
+    ) -> Any:
+        return _to_cpu(super().torchplug_optimizer_state(engine, model, optimizer))
 
 
 @hookimpl

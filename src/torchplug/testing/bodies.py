@@ -18,6 +18,10 @@ from torchplug.core import manager
 FEATURES = 8
 MAX_STEPS = 20
 GLOBAL_BATCH = 16
+#: fp16's first loss scale in the kit: small enough that no step overflows on its own (each rank's
+#: smaller batch has larger per-sample gradients, so 2**16 overflows on different steps than one
+#: process would); skipping is checked with an injected inf instead.
+FP16_SCALE = 256.0
 
 
 def make_model(seed: int = 0, width: int = 16) -> torch.nn.Module:
@@ -44,8 +48,12 @@ def register(plugins: Sequence[str]) -> None:
 
 
 def full_state(engine: tp.Engine, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """Gathered parameters and optimizer tensors by name."""
-    state = engine.full_state(model, optimizer)
+    """Gathered parameters and optimizer tensors by name (no optimizer tensors from a backend
+    whose optimizer state has no portable form: DeepSpeed's)."""
+    try:
+        state = engine.full_state(model, optimizer)
+    except tp.CheckpointError:
+        return {"params": engine.full_state(model)["model"], "optimizer": {}}
     optim = {
         f"{name}.{k}": v
         for name, values in state["optimizer"]["state"].items()
@@ -53,6 +61,71 @@ def full_state(engine: tp.Engine, model: torch.nn.Module, optimizer: Any) -> dic
         if isinstance(v, torch.Tensor)
     }
     return {"params": state["model"], "optimizer": optim}
+
+
+def _optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    return getattr(torch.optim, name)(params, lr=lr)
+
+
+def _batches(world_size: int) -> DataLoader:
+    return DataLoader(make_dataset(MAX_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // world_size)
+
+
+def reference(
+    optimizer: str = "AdamW",
+    steps: int = 10,
+    lr: float = 3e-2,
+    precision: str = "32",
+    clip: float | None = None,
+    accumulate: int = 1,
+    scheduler: str | None = None,
+    inf_at_step: int | None = None,
+) -> dict[str, Any]:
+    """The same run as :func:`train` in plain PyTorch: one process, the combined batch, no
+    torchplug at all (no Engine, no optimizer patch, no loader wrapper, no state gathering), so a
+    bug shared by torchplug's code paths cannot hide in the comparison."""
+    model = make_model()
+    opt = _optimizer(optimizer, model.parameters(), lr)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if scheduler else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE) if precision == "fp16" else None
+    losses, norms, skipped, lrs = [], [], [], []
+    for step, (x, y) in enumerate(_batches(1)):
+        if step >= steps:
+            break
+        parts = []
+        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                out = model(xs)
+            part = torch.nn.functional.mse_loss(out.float(), ys) / accumulate
+            if inf_at_step == step:
+                part = part * float("inf")
+            (scaler.scale(part) if scaler else part).backward()
+            parts.append(part.detach())
+        if clip is not None:
+            if scaler:
+                scaler.unscale_(opt)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        if scaler:
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < scale)
+        else:
+            opt.step()
+            skipped.append(False)
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        losses.append(torch.stack(parts).sum().item())
+    return {
+        "losses": losses,
+        "norms": norms,
+        "skipped": skipped,
+        "lrs": lrs,
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 def train(
@@ -64,53 +137,119 @@ def train(
     save_to: str | None = None,
     load_from: str | None = None,
     lr: float = 3e-2,
+    optimizer: str = "AdamW",
+    precision: str | None = None,
+    clip: float | None = None,
+    accumulate: int = 1,
+    scheduler: str | None = None,
+    inf_at_step: int | None = None,
+    probe_sync: bool = False,
 ) -> dict[str, Any]:
-    """``steps`` steps of AdamW on the global batch split over the ranks; optional save/resume."""
+    """``steps`` steps on the global batch split over the ranks, as a user writes them.
+
+    ``scheduler`` is ``"before"`` or ``"after"`` setup (a StepLR halving the LR each step);
+    ``accumulate`` micro-batches are accumulated under ``engine.no_sync``; ``inf_at_step`` makes
+    rank 0's loss infinite at that step. ``probe_sync`` records, for the first micro-batch
+    under no_sync, whether this rank's gradients equal every other rank's (they must not).
+    """
     register(plugins)
-    with tp.Engine(strategy, **(options or {})) as engine:
+    extra: dict[str, Any] = {}
+    if precision == "fp16" and not manager.get_registry().strategy(strategy).owns_precision:
+        extra["precision_options"] = {"init_scale": FP16_SCALE}
+    with tp.Engine(strategy, precision=precision, **extra, **(options or {})) as engine:
         model = make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        model, optimizer = engine.setup(model, optimizer)
+        opt = _optimizer(optimizer, model.parameters(), lr)
+        if scheduler == "before":
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        model, opt = engine.setup(model, opt)
+        if scheduler == "after":
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
         if load_from is not None:
-            state = {"model": model, "optimizer": optimizer, "step": 0}
+            state = {"model": model, "optimizer": opt, "step": 0}
             engine.load(load_from, state)
-        loader = DataLoader(
-            make_dataset(MAX_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // engine.world_size
-        )
-        losses = []
-        for step, (x, y) in enumerate(engine.setup_dataloader(loader)):
+        losses, norms, skipped, lrs, synced = [], [], [], [], []
+        for step, (x, y) in enumerate(engine.setup_dataloader(_batches(engine.world_size))):
             if step < first_step:
                 continue
             if step >= first_step + steps:
                 break
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(engine.reduce(loss.detach(), "mean").item())
+            micro = list(zip(x.chunk(accumulate), y.chunk(accumulate), strict=True))
+            parts = []
+            for i, (xs, ys) in enumerate(micro):
+                last = i == len(micro) - 1
+                with engine.no_sync(model, enabled=not last):
+                    part = torch.nn.functional.mse_loss(model(xs), ys) / len(micro)
+                    if inf_at_step == step and engine.rank == 0:
+                        part = part * float("inf")
+                    engine.backward(part)
+                if probe_sync and not last and step == first_step:
+                    synced.append(_grads_agree(engine, model))
+                parts.append(part.detach())
+            if clip is not None:
+                norms.append(engine.clip_grad_norm_(model, clip).item())
+            opt.step()
+            skipped.append(bool(getattr(opt, "step_was_skipped", False)))
+            opt.zero_grad()
+            if scheduler is not None:
+                sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+            losses.append(engine.reduce(torch.stack(parts).sum(), "mean").item())
         if save_to is not None:
-            engine.save(
-                save_to, {"model": model, "optimizer": optimizer, "step": first_step + steps}
-            )
+            engine.save(save_to, {"model": model, "optimizer": opt, "step": first_step + steps})
         return {
             "losses": losses,
+            "norms": norms,
+            "skipped": skipped,
+            "lrs": lrs,
+            "synced": synced,
+            "rank": engine.rank,
             "world_size": engine.world_size,
-            **full_state(engine, model, optimizer),
+            "is_torch_optimizer": isinstance(opt, torch.optim.Optimizer),
+            **full_state(engine, model, opt),
         }
 
 
+def _grads_agree(engine: tp.Engine, model: torch.nn.Module) -> bool:
+    """Whether this rank's local gradients equal every rank's (i.e. they were synchronized)."""
+    from torch.distributed.tensor import DTensor
+
+    local = []
+    for p in model.parameters():
+        grad = p.grad
+        if grad is None:
+            continue
+        local.append((grad.to_local() if isinstance(grad, DTensor) else grad).detach().float())
+    flat = torch.cat([g.flatten() for g in local]) if local else torch.zeros(1)
+    everyone = engine.gather(flat.cpu())
+    return bool(all(torch.equal(everyone[0], row) for row in everyone))
+
+
 def load(
-    strategy: str, path: str, plugins: Sequence[str] = (), options: dict[str, Any] | None = None
+    strategy: str,
+    path: str,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into a freshly initialised (differently seeded) model and optimizer."""
     register(plugins)
-    with tp.Engine(strategy, **(options or {})) as engine:
+    with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
         model = make_model(seed=123)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
         model, optimizer = engine.setup(model, optimizer)
         state = {"model": model, "optimizer": optimizer, "step": 0}
-        engine.load(path, state)
-        return {"step": state["step"], **full_state(engine, model, optimizer)}
+        try:
+            engine.load(path, state)
+            portable = True
+        except tp.CheckpointError as exc:
+            if "only the strategy that wrote it can restore" not in str(exc):
+                raise
+            engine.load(path, state, strict=False)  # e.g. DeepSpeed's optimizer state
+            portable = False
+        snapshot = full_state(engine, model, optimizer)
+        if not portable:
+            snapshot["optimizer"] = {}
+        return {"step": state["step"], "optimizer_portable": portable, **snapshot}
 
 
 def collectives(

@@ -7,6 +7,7 @@ provides the ranks::
 
     class TestMyBackend(Conformance):
         strategy = "my-backend"        # options = {...}; plugins = ["my_module"]; nprocs = 2
+        precision = "bf16"             # one class per precision the backend supports
 
 Every property of :mod:`torchplug.testing.kit` becomes a test, run on real ranks started once per
 session by torchrun (the ``torchplug_ranks`` fixture).
@@ -34,17 +35,43 @@ class Conformance:
     nprocs: int = 2
     plugins: Sequence[str] = ()
     options: dict[str, Any] = {}  # noqa: RUF012 - read-only class configuration
+    precision: str = "32"
 
     @pytest.fixture(scope="class")
     @classmethod
     def torchplug_kit(cls, torchplug_ranks: RankPool) -> Iterator[Kit]:
         pool = torchplug_ranks if torchplug_ranks.nprocs == cls.nprocs else None
-        kit = Kit(cls.strategy, cls.nprocs, plugins=cls.plugins, options=cls.options, pool=pool)
+        kit = Kit(
+            cls.strategy,
+            cls.nprocs,
+            plugins=cls.plugins,
+            options=cls.options,
+            pool=pool,
+            precision=cls.precision,
+        )
         yield kit
         kit.close()
 
     def test_parity(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.parity())
+
+    def test_sgd(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.sgd())
+
+    def test_clipping(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.clipping())
+
+    def test_accumulation(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.accumulation())
+
+    def test_schedulers(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.schedulers())
+
+    def test_fp16_skip(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.fp16_skip())
+
+    def test_optimizer_type(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.optimizer_type())
 
     def test_collectives(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.collectives())

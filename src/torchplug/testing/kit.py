@@ -27,6 +27,12 @@ from torchplug.testing.processes import RankError, RankPool, default_sys_path
 
 PROPERTIES = (
     "parity",
+    "sgd",
+    "clipping",
+    "accumulation",
+    "schedulers",
+    "fp16_skip",
+    "optimizer_type",
     "collectives",
     "checkpoint",
     "resume",
@@ -44,6 +50,10 @@ class Outcome:
 
     def __str__(self) -> str:
         return f"{'PASS' if self.passed else 'FAIL'}  {self.name:<15} {self.detail}"
+
+
+#: Widened tolerance per precision: the same math reduced in another order rounds differently.
+LOW_PRECISION_TOLERANCE = {"bf16": 5e-2, "fp16": 1e-2}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -70,12 +80,14 @@ class Kit:
         plugins: Sequence[str] = (),
         options: dict[str, Any] | None = None,
         pool: RankPool | None = None,
+        precision: str = "32",
     ) -> None:
         bodies.register(plugins)
         self.info: StrategyInfo = manager.get_registry().strategy(strategy)
         self.strategy = self.info.name
         self.plugins = list(plugins)
         self.options = dict(options or {})
+        self.precision = precision
         self.nprocs = nprocs if self.info.distributed else 1
         self._pool = pool
         self._own_pool = pool is None
@@ -97,6 +109,8 @@ class Kit:
     def run(self, body: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``body`` on every rank of the strategy (or in this process if it runs one)."""
         kwargs.update(plugins=self.plugins, options=self.options)
+        if body in (bodies.train, bodies.load):
+            kwargs.setdefault("precision", self.precision)
         if self.nprocs == 1:
             return [body(self.strategy, *args, **kwargs)]
         return self.pool.run(body, self.strategy, *args, **kwargs)
@@ -107,40 +121,152 @@ class Kit:
         return self._cache[key]
 
     def reference(self, **kwargs: Any) -> dict[str, Any]:
+        """The independent plain-PyTorch run (no torchplug) in this kit's precision."""
+        kwargs.setdefault("precision", self.precision)
         key = f"reference{sorted(kwargs.items())}"
-        return self.cached(key, lambda: bodies.train("single", **kwargs))
+        return self.cached(key, lambda: bodies.reference(**kwargs))
 
     @property
     def tolerance(self) -> float | None:
-        return self.info.tolerance
+        """How far results may stray from the reference: the strategy's own tolerance, widened
+        for low precision (reductions in another order round differently in bf16/fp16)."""
+        if self.info.tolerance is None:
+            return None
+        return max(self.info.tolerance, LOW_PRECISION_TOLERANCE.get(self.precision, 0.0))
 
-    # -- properties -------------------------------------------------------------------------------
-
-    def parity(self) -> Outcome:
-        reference = self.reference()
-        results = self.cached("train10", lambda: self.run(bodies.train))
+    def compare(
+        self, name: str, results: list[dict[str, Any]], reference: dict[str, Any], what: str
+    ) -> Outcome:
+        """Losses and parameters of every rank against the reference, within tolerance."""
         if self.tolerance is None:
             losses = results[0]["losses"]
             ok = losses[-1] < 0.5 * losses[0]
             return Outcome(
-                "parity",
+                name,
                 ok,
                 f"lossy: checked for convergence, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
                 f"({'at least' if ok else 'less than'} halved)",
             )
         worst_loss = max(
-            abs(a - b)
+            0.0 if a == b else abs(a - b)  # the same inf (a skipped step) on both sides
             for r in results
             for a, b in zip(r["losses"], reference["losses"], strict=True)
         )
         worst_param = max(max_diff(r["params"], reference["params"]) for r in results)
         worst = max(worst_loss, worst_param)
         return Outcome(
-            "parity",
+            name,
             worst <= self.tolerance,
-            f"max |loss diff| {worst_loss:.2e}, max |param diff| {worst_param:.2e} "
+            f"{what}: max |loss diff| {worst_loss:.2e}, max |param diff| {worst_param:.2e} "
             f"{'<=' if worst <= self.tolerance else '>'} tolerance {self.tolerance:.0e} "
-            f"({len(results)} ranks vs one process on the combined batch)",
+            f"({len(results)} ranks vs plain PyTorch on the combined batch)",
+        )
+
+    def refused(self, name: str, body: Callable[[], Outcome]) -> Outcome:
+        """``body``'s outcome; a ConfigurationError raised on the ranks is a documented refusal."""
+        try:
+            return body()
+        except RankError as exc:
+            if "ConfigurationError" in str(exc):
+                return Outcome(name, True, f"refused clearly: {_last_line(str(exc))}")
+            raise
+        except ConfigurationError as exc:
+            return Outcome(name, True, f"refused clearly: {exc}")
+
+    # -- properties -------------------------------------------------------------------------------
+
+    def parity(self) -> Outcome:
+        results = self.cached("train10", lambda: self.run(bodies.train))
+        return self.compare("parity", results, self.reference(), "AdamW")
+
+    def sgd(self) -> Outcome:
+        """SGD is scale-sensitive: summing gradients instead of averaging them shows at once."""
+        results = self.run(bodies.train, optimizer="SGD", lr=0.1)
+        return self.compare("sgd", results, self.reference(optimizer="SGD", lr=0.1), "SGD")
+
+    def clipping(self) -> Outcome:
+        def body() -> Outcome:
+            results = self.run(bodies.train, optimizer="SGD", lr=0.1, clip=0.05)
+            reference = self.reference(optimizer="SGD", lr=0.1, clip=0.05)
+            norms = [r["norms"] for r in results]
+            tolerance = self.tolerance if self.tolerance is not None else 1e-1
+            spread = max(abs(a - b) for n in norms for a, b in zip(n, norms[0], strict=True))
+            off = max(abs(a - b) for n in norms for a, b in zip(n, reference["norms"], strict=True))
+            if spread > 1e-6 or off > max(tolerance, 1e-5) * max(reference["norms"]) * 10:
+                return Outcome(
+                    "clipping",
+                    False,
+                    f"clip_grad_norm_ total norms differ: between ranks by {spread:.2e}, from "
+                    f"the reference by {off:.2e} (rank 0 {norms[0][:2]}, reference "
+                    f"{reference['norms'][:2]})",
+                )
+            outcome = self.compare("clipping", results, reference, "SGD clipped to 0.05")
+            detail = f"total norm equal on every rank and to the reference; {outcome.detail}"
+            return Outcome("clipping", outcome.passed, detail)
+
+        return self.refused("clipping", body)
+
+    def accumulation(self) -> Outcome:
+        def body() -> Outcome:
+            probe = self.nprocs > 1 and not self.info.shards_parameters
+            results = self.run(
+                bodies.train, optimizer="SGD", lr=0.1, accumulate=2, probe_sync=probe
+            )
+            if probe and any(all(r["synced"]) for r in results):
+                return Outcome(
+                    "accumulation",
+                    False,
+                    "gradients were synchronized inside engine.no_sync(): every rank had the "
+                    "same gradients after a micro-batch of different data",
+                )
+            reference = self.reference(optimizer="SGD", lr=0.1, accumulate=2)
+            return self.compare("accumulation", results, reference, "2 micro-batches, no_sync")
+
+        return self.refused("accumulation", body)
+
+    def schedulers(self) -> Outcome:
+        reference = self.reference(optimizer="SGD", lr=0.1, scheduler="step")
+        outcomes = []
+        for when in ("before", "after"):
+            results = self.run(bodies.train, optimizer="SGD", lr=0.1, scheduler=when)
+            lrs = results[0]["lrs"]
+            if any(abs(a - b) > 1e-12 for a, b in zip(lrs, reference["lrs"], strict=True)):
+                return Outcome(
+                    "schedulers",
+                    False,
+                    f"an LR scheduler made {when} setup does not drive the optimizer: lr "
+                    f"{lrs[:3]}, expected {reference['lrs'][:3]}",
+                )
+            outcomes.append(self.compare("schedulers", results, reference, f"made {when} setup"))
+        failed = [o for o in outcomes if not o.passed]
+        if failed:
+            return failed[0]
+        return Outcome("schedulers", True, "; ".join(o.detail for o in outcomes))
+
+    def fp16_skip(self) -> Outcome:
+        if self.precision != "fp16":
+            return Outcome("fp16_skip", True, f"n/a in precision {self.precision}")
+        results = self.run(bodies.train, steps=4, inf_at_step=1)
+        reference = self.reference(steps=4, inf_at_step=1)
+        flags = [r["skipped"] for r in results]
+        if any(f != reference["skipped"] for f in flags):
+            return Outcome(
+                "fp16_skip",
+                False,
+                f"step_was_skipped per step {flags[0]}, expected {reference['skipped']} "
+                f"(an inf loss on rank 0 at step 1 must skip that step on every rank)",
+            )
+        return self.compare("fp16_skip", results, reference, "inf at step 1, skipped")
+
+    def optimizer_type(self) -> Outcome:
+        results = self.cached("train10", lambda: self.run(bodies.train))
+        ok = all(r["is_torch_optimizer"] for r in results)
+        return Outcome(
+            "optimizer_type",
+            ok,
+            "engine.setup returns a torch.optim.Optimizer (LR schedulers accept it)"
+            if ok
+            else "engine.setup returned an optimizer that is not a torch.optim.Optimizer",
         )
 
     def collectives(self) -> Outcome:
@@ -212,19 +338,34 @@ class Kit:
 
     def portability(self) -> Outcome:
         path, saved = self._saved()
-        loaded = bodies.load("single", path)
-        differ = bit_exact(loaded["params"], saved["params"])
+        loaded = bodies.load("single", path)  # in fp32: the checkpoint holds fp32 state
+        # A backend that keeps low-precision weights beside fp32 masters (DeepSpeed bf16) saves
+        # the masters: they must round to the weights it trained with.
+        params = {
+            k: v.to(saved["params"][k].dtype) if k in saved["params"] else v
+            for k, v in loaded["params"].items()
+        }
+        differ = bit_exact(params, saved["params"])
         differ += bit_exact(loaded["optimizer"], saved["optimizer"])
+        note = (
+            ""
+            if loaded["optimizer_portable"]
+            else " (model only: this strategy's optimizer state has no portable form, and "
+            "loading it elsewhere is refused unless strict=False)"
+        )
         return Outcome(
             "portability",
             not differ,
             f"checkpoint of {self.nprocs} rank(s) loads bit-exact into 'single' in one process"
+            f"{note}"
             if not differ
             else f"differ after loading into 'single': {differ[:5]}",
         )
 
     def single_process(self) -> Outcome:
-        result = bodies.train(self.strategy, plugins=self.plugins, options=self.options)
+        result = bodies.train(
+            self.strategy, plugins=self.plugins, options=self.options, precision=self.precision
+        )
         reference = self.reference()
         if self.tolerance is None:
             ok = result["losses"][-1] < 0.5 * result["losses"][0]
@@ -296,9 +437,10 @@ def check(
     options: dict[str, Any] | None = None,
     only: Sequence[str] = PROPERTIES,
     pool: RankPool | None = None,
+    precision: str = "32",
 ) -> list[Outcome]:
-    """Run the kit on ``strategy``; every property's outcome, in order."""
-    kit = Kit(strategy, nprocs, plugins=plugins, options=options, pool=pool)
+    """Run the kit on ``strategy`` in ``precision``; every property's outcome, in order."""
+    kit = Kit(strategy, nprocs, plugins=plugins, options=options, pool=pool, precision=precision)
     try:
         return kit.check(only)
     finally:

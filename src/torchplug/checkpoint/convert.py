@@ -15,11 +15,15 @@ from typing import Any
 
 import torch
 
-from torchplug.core import checkpoint
+from torchplug.checkpoint import tensors as store
+from torchplug.checkpoint import verify
+from torchplug.checkpoint.io import open_checkpoint
+from torchplug.checkpoint.manifest import MANIFEST, decode, tensor_paths
 from torchplug.core.errors import CheckpointError
 
 
 def _safetensors() -> Any:
+    """safetensors, or an error naming the install command."""
     try:
         import safetensors.torch
     except ModuleNotFoundError:
@@ -53,6 +57,16 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def write_safetensors(state: dict[str, torch.Tensor], out: Path, source: Path, entry: str) -> Path:
+    """``out/model.safetensors`` from a flat state dict."""
+    st = _safetensors()
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "model.safetensors"
+    flat = {name: tensor.contiguous() for name, tensor in state.items()}
+    st.save_file(flat, str(target), metadata={"torchplug_source": str(source), "entry": entry})
+    return target
+
+
 def _module_entry(entries: dict[str, Any], requested: str | None, root: Path) -> str:
     modules = [k for k, e in entries.items() if e["kind"] == "module"]
     if requested is not None:
@@ -79,15 +93,25 @@ def convert(
     entry: str | None = None,
     optimizer: bool = False,
     progress: bool | None = None,
+    key: str | bytes | None = None,
 ) -> list[Path]:
-    """Write ``destination/model.safetensors`` (and ``optimizer.safetensors``); return the paths."""
+    """Write ``destination/model.safetensors`` (and ``optimizer.safetensors``); return the paths.
+
+    A directory that is not a torchplug checkpoint is offered to the installed plugins (the
+    ``torchplug_convert_checkpoint`` hook), e.g. DeepSpeed's for its native checkpoints.
+    """
     st = _safetensors()
     root = Path(source)
-    if not (root / checkpoint.MANIFEST).is_file() and (root / "latest").is_file():
-        return [_convert_native_deepspeed(root, Path(destination), st)]
-    manifest = checkpoint.read_manifest(root)
-    checkpoint.verify_files(root, manifest)
-    entries = manifest["entries"]
+    if root.is_dir() and not (root / MANIFEST).exists():
+        from torchplug.core import manager
+
+        written = manager.get_registry().pm.hook.torchplug_convert_checkpoint(
+            source=root, destination=Path(destination)
+        )
+        if written is not None:
+            return list(written)
+    root, manifest = open_checkpoint(root, verify.key_from(key))
+    entries, index = manifest["entries"], manifest["tensors"]
     module_key = _module_entry(entries, entry, root)
     wanted = {module_key: entries[module_key]}
     if optimizer:
@@ -95,58 +119,35 @@ def convert(
         if not optimizers:
             raise CheckpointError(f"Checkpoint {root} holds no optimizer; drop --optimizer.")
         wanted[optimizers[0]] = entries[optimizers[0]]
-    store = root / checkpoint.TENSORS
-    shapes = checkpoint.tensor_shapes(store)
-    names = [n for e in wanted.values() for n in checkpoint.tensor_paths(e["data"])]
-    tensors = checkpoint.allocate(shapes, names)
+    names = [n for e in wanted.values() for n in tensor_paths(e["data"])]
+    tensors = store.allocate(index, names)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     bar = Progress(total, sys.stderr.isatty() or total > 2**30 if progress is None else progress)
     for chunk in _chunks(tensors, CHUNK_BYTES):  # read in pieces so the bar moves
-        checkpoint.load_tensors(store, chunk)
+        store.read(root, index, chunk)
         bar.advance(sum(t.numel() * t.element_size() for t in chunk.values()))
     bar.close()
     out = Path(destination)
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
-    model_state = checkpoint.decode(entries[module_key]["data"], tensors)
-    flat = {name: tensor.contiguous() for name, tensor in model_state.items()}
-    target = out / "model.safetensors"
-    st.save_file(flat, str(target), metadata={"torchplug_source": str(root), "entry": module_key})
-    written.append(target)
+    model_state = decode(entries[module_key]["data"], tensors)
+    written.append(write_safetensors(model_state, out, root, module_key))
 
     if optimizer:
-        key = next(k for k in wanted if k != module_key)
-        state = checkpoint.decode(entries[key]["data"], tensors)
+        opt_key = next(k for k in wanted if k != module_key)
+        state = decode(entries[opt_key]["data"], tensors)
         flat = {
             f"state.{param}.{name}": value.contiguous()
             for param, values in state.get("state", {}).items()
             for name, value in values.items()
             if isinstance(value, torch.Tensor)
         }
-        groups = json.dumps(entries[key]["data"].get("param_groups", []))
+        groups = json.dumps(entries[opt_key]["data"].get("param_groups", []))
         target = out / "optimizer.safetensors"
-        st.save_file(flat, str(target), metadata={"param_groups": groups, "entry": key})
+        st.save_file(flat, str(target), metadata={"param_groups": groups, "entry": opt_key})
         written.append(target)
     return written
-
-
-def _convert_native_deepspeed(root: Path, out: Path, st: Any) -> Path:
-    """A DeepSpeed checkpoint directory (with its ``latest`` file), consolidated by DeepSpeed's
-    own zero_to_fp32."""
-    try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    except ModuleNotFoundError:
-        raise CheckpointError(
-            f"{root} is a native DeepSpeed checkpoint; converting it needs deepspeed: "
-            f"pip install torchplug[deepspeed]."
-        ) from None
-    state = get_fp32_state_dict_from_zero_checkpoint(str(root))
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / "model.safetensors"
-    flat = {name: tensor.contiguous() for name, tensor in state.items()}
-    st.save_file(flat, str(target), metadata={"torchplug_source": str(root), "entry": "deepspeed"})
-    return target
 
 
 CHUNK_BYTES = 256 * 2**20

@@ -1,0 +1,36 @@
+"""The portable checkpoint: one on-disk format for every backend.
+
+A checkpoint is a directory::
+
+    ckpt/
+      manifest.json      what the checkpoint holds (entries, tensor index, files with sizes and
+                         sha256), a digest of all of it, and an HMAC signature when a key is set
+      tensors/rank-N/    tensor data written by torch.distributed.checkpoint, each rank its own
+
+Modules: :mod:`~torchplug.checkpoint.manifest` (format, structure, schema),
+:mod:`~torchplug.checkpoint.files` (atomic directory I/O, path confinement),
+:mod:`~torchplug.checkpoint.verify` (hashes and signatures),
+:mod:`~torchplug.checkpoint.tensors` (the DCP tensor store and its JSON index),
+:mod:`~torchplug.checkpoint.coordinate` (how ranks agree), :mod:`~torchplug.checkpoint.io` (the
+save and load phases) and :mod:`~torchplug.checkpoint.convert` (to safetensors). Nothing here has a
+branch for a particular backend: backends take part through the state hooks of
+:mod:`torchplug.core.spec`.
+"""
+
+from torchplug.checkpoint import files
+from torchplug.checkpoint.io import load, open_checkpoint, read_manifest, save
+from torchplug.checkpoint.manifest import MANIFEST, TENSORS, decode, encode, kind_of, tensor_paths
+
+__all__ = [
+    "MANIFEST",
+    "TENSORS",
+    "decode",
+    "files",
+    "encode",
+    "kind_of",
+    "load",
+    "open_checkpoint",
+    "read_manifest",
+    "save",
+    "tensor_paths",
+]

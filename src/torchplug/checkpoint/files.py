@@ -1,0 +1,150 @@
+"""Atomic directory I/O: where a checkpoint is written, how it replaces the last one, and which
+paths inside it may be read.
+
+A checkpoint is written into a hidden ``.NAME.tmp-*`` directory beside its target and swapped into
+place in one ``renameat2(RENAME_EXCHANGE)`` (two renames where that is missing), so a crash never
+leaves a half-written checkpoint under the final name and never destroys the last good one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import hashlib
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+from torchplug.checkpoint.manifest import MANIFEST
+from torchplug.core.errors import CheckpointError
+
+
+def describe_os_error(exc: BaseException) -> str:
+    """``ENOSPC: No space left on device`` style text for an OSError (else the message)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        import errno
+
+        name = errno.errorcode.get(exc.errno, str(exc.errno))
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{name}: {exc.strerror or exc}{where}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def resolve_target(path: str | os.PathLike[str]) -> Path:
+    """The directory a save at ``path`` replaces.
+
+    A symlink is kept and what it points to is replaced (``latest -> step_100`` stays a link). A
+    regular file, or a non-empty directory that is not a checkpoint, is refused untouched.
+    """
+    final = Path(os.path.abspath(path))
+    if final.is_symlink():
+        final = final.resolve()
+    if final.exists() and not final.is_dir():
+        raise CheckpointError(
+            f"Cannot save a checkpoint at {final}: it is a file, not a checkpoint directory. "
+            f"Choose another path, or remove the file."
+        )
+    if final.is_dir() and not (final / MANIFEST).is_file() and any(final.iterdir()):
+        raise CheckpointError(
+            f"Cannot save a checkpoint at {final}: it is a non-empty directory that is not a "
+            f"torchplug checkpoint (no {MANIFEST}), and saving would replace its contents. "
+            f"Choose another path, or empty the directory."
+        )
+    return final
+
+
+def temporary_dir(final: Path) -> Path:
+    """A fresh hidden directory beside ``final``; stale ones from crashed saves are removed."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    return tmp
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p] * 2 + [ctypes.c_uint]
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return result == 0
+
+
+def swap_into_place(tmp: Path, final: Path) -> None:
+    """Make ``tmp`` the checkpoint at ``final`` in one step; the old one is removed after.
+
+    Once the new checkpoint is in place the save has happened: failing to remove the old one is a
+    warning, not an error.
+    """
+    if not final.exists():
+        os.rename(tmp, final)
+        old = None
+    elif _exchange(tmp, final):
+        old = tmp  # now holds the previous checkpoint
+    else:  # no atomic exchange here: keep the old one under a backup name until the new is in
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+    fsync(final.parent)
+    if old is not None:
+        try:
+            shutil.rmtree(old)
+        except OSError as exc:
+            warnings.warn(
+                f"The checkpoint at {final} was saved, but the previous one left at {old} could "
+                f"not be removed ({describe_os_error(exc)}); remove it by hand.",
+                stacklevel=3,
+            )
+
+
+def confined(root: Path, name: object, what: str) -> Path:
+    """``root / name`` for a relative path that stays inside ``root``; anything else is refused."""
+    bad = None
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        bad = "is not a plain relative path"
+    elif name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/")):
+        bad = "is absolute or contains '.', '..' or an empty part"
+    else:
+        path = root / name
+        real_root = root.resolve()
+        if not path.resolve().is_relative_to(real_root):
+            bad = "leads outside the checkpoint directory (through a symlink)"
+    if bad:
+        raise CheckpointError(
+            f"Checkpoint {root}: {what} {name!r} {bad}; refusing to read it. The manifest was "
+            f"altered; load an earlier checkpoint."
+        )
+    return root / name  # type: ignore[operator]

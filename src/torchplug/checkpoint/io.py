@@ -1,0 +1,432 @@
+"""Saving and loading a checkpoint: the phases every rank goes through, and who does what.
+
+A save runs four phases, each ended by an agreement between ranks
+(:class:`~torchplug.checkpoint.coordinate.Coordinator`): *arrive* (every rank is here, for the same
+path; rank 0 makes the temporary directory), *capture* (each entry's state through the strategy's
+state hooks), *write* (each rank writes the tensors it owns and hashes its own files), *commit*
+(rank 0 writes the manifest and swaps the directory into place). A load runs *arrive* (every rank
+reads and checks the same manifest), *verify* (each file hashed by one rank) and *read*. A failure
+in any phase on any rank raises a CheckpointError on every rank at the end of that phase.
+
+Module and optimizer state goes through the strategy hooks ``torchplug_model_state`` /
+``torchplug_optimizer_state`` and their ``load`` counterparts, so this module has no branch for any
+backend.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchplug.checkpoint import files as fs
+from torchplug.checkpoint import manifest as mf
+from torchplug.checkpoint import tensors as store
+from torchplug.checkpoint import verify
+from torchplug.checkpoint.coordinate import Coordinator
+from torchplug.core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torchplug.core.engine import Engine
+
+
+def coordinator(engine: Engine, operation: str, path: str) -> Coordinator:
+    return Coordinator(
+        operation=operation,
+        path=path,
+        rank=engine.rank,
+        world_size=engine.world_size,
+        timeout=float(getattr(engine.backend, "timeout", 1800.0)),
+        arrival_timeout=engine.checkpoint_timeout,
+    )
+
+
+def _same_everywhere(results: list[Any], what: str, operation: str) -> None:
+    differ = [r for r, value in enumerate(results) if value != results[0]]
+    if differ:
+        raise CheckpointError(
+            f"engine.{operation} was called with a different {what} on rank(s) "
+            f"{', '.join(map(str, differ))} than on rank 0 ({results[0]!r} there, "
+            f"{results[differ[0]]!r} on rank {differ[0]}). Call it with the same path and state "
+            f"keys on every rank."
+        )
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+
+def capture(engine: Engine, key: str, obj: Any, state: dict[str, Any]) -> tuple[str, Any]:
+    """``(kind, payload)`` of one live state entry, through the strategy's state hooks."""
+    kind = mf.kind_of(obj)
+    if kind == "module":
+        return kind, engine.hook.torchplug_model_state(engine=engine, model=obj)
+    if kind == "optimizer":
+        model = engine.model_of(obj, state)
+        return kind, engine.hook.torchplug_optimizer_state(
+            engine=engine, model=model, optimizer=obj
+        )
+    if kind == "stateful":
+        return kind, obj.state_dict()
+    return kind, obj
+
+
+def save(
+    engine: Engine,
+    path: str,
+    state: dict[str, Any],
+    metadata: dict[str, Any],
+    *,
+    entries_of: Callable[[Path], tuple[dict[str, Any], dict[str, torch.Tensor]]] | None = None,
+    native: Callable[[Path], None] | None = None,
+    header: dict[str, Any] | None = None,
+) -> None:
+    """Write ``state`` as a checkpoint at ``path`` on every rank.
+
+    A backend with its own format passes ``native`` (writes its files into the temporary
+    directory, on every rank) and ``entries_of`` (the portable entries and tensors, given that
+    directory); ``header`` adds keys to the manifest.
+    """
+    co = coordinator(engine, "save", path)
+    tmp: Path | None = None
+
+    def arrive() -> dict[str, Any]:
+        nonlocal tmp
+        final = fs.resolve_target(path)
+        if engine.is_main:
+            tmp = fs.temporary_dir(final)
+        return {"path": str(final), "keys": sorted(state), "tmp": tmp.name if tmp else None}
+
+    try:
+        arrived = co.run("arrive", arrive, share=True)
+        _same_everywhere([a["path"] for a in arrived], "path", "save")
+        _same_everywhere([a["keys"] for a in arrived], "set of state keys", "save")
+        final = Path(arrived[0]["path"])
+        tmp = final.parent / arrived[0]["tmp"]
+        entries: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
+
+        if native is not None:  # a collective of the backend's: all ranks finish before the rest
+            co.run("writing the backend's own checkpoint", lambda: native(tmp))
+
+        def take() -> None:
+            if entries_of is not None:
+                found = entries_of(tmp)
+            else:
+                found = ({}, {})
+                for key, obj in state.items():
+                    kind, payload = capture(engine, key, obj, state)
+                    found[0][key] = {"kind": kind, "data": mf.encode(payload, key, found[1])}
+            entries.update(found[0])
+            tensors.update(found[1])
+
+        co.run("capturing state", take)
+
+        def write() -> dict[str, Any]:
+            index = store.write(tmp, store.owned(tensors, engine.rank), engine.rank)
+            mine = tmp / mf.TENSORS / f"rank-{engine.rank}"
+            described = _describe(tmp, mine) if mine.is_dir() else {}
+            return {"index": index, "files": described}
+
+        written = co.run("writing tensors", write, share=True)
+
+        def commit() -> None:
+            if not engine.is_main:
+                return
+            described: dict[str, Any] = {}
+            for part in written:
+                described.update(part["files"])
+            described.update(_describe(tmp, tmp, skip=described))
+            body = mf.build(
+                {
+                    **engine.checkpoint_header(state),
+                    **(header or {}),
+                    "metadata": metadata,
+                },
+                entries,
+                store.merge([part["index"] for part in written]),
+                described,
+            )
+            verify.sign(body, engine.checkpoint_key)
+            _write_manifest(tmp, body)
+            fs.swap_into_place(tmp, final)
+
+        co.run("committing", commit)
+    except BaseException:
+        if engine.is_main and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _describe(root: Path, below: Path, skip: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Size and sha256 of every file below ``below`` (fsynced on the way), by path from root."""
+    described = {}
+    for path in sorted(p for p in below.rglob("*") if p.is_file()):
+        name = path.relative_to(root).as_posix()
+        if skip is not None and name in skip:
+            continue
+        fs.fsync(path)
+        described[name] = {"size": path.stat().st_size, "sha256": fs.sha256(path)}
+    for directory in [below, *(p for p in below.rglob("*") if p.is_dir())]:
+        fs.fsync(directory)
+    return described
+
+
+def _write_manifest(directory: Path, body: dict[str, Any]) -> None:
+    import json
+
+    path = directory / mf.MANIFEST
+    with path.open("w") as handle:
+        json.dump(body, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    fs.fsync(directory)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike[str], key: bytes | None = None) -> dict[str, Any]:
+    """The validated manifest of the checkpoint at ``path`` (signature checked when a key is
+    given); files are not hashed here."""
+    root = Path(path)
+    where = root / mf.MANIFEST
+    if not where.is_file():
+        raise CheckpointError(
+            f"No torchplug checkpoint at {root}: {where} does not exist. Check the path; a "
+            f"checkpoint is the directory that engine.save() created (another tool's checkpoint "
+            f"may convert with `torchplug convert`)."
+        )
+    if where.is_symlink() and not where.resolve().is_relative_to(root.resolve()):
+        raise CheckpointError(f"{where} is a symlink leading outside the checkpoint; refusing it.")
+    try:
+        raw = where.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"Cannot read {where}: {fs.describe_os_error(exc)}.") from None
+    body = mf.parse(raw, str(where))
+    verify.check_signature(body, key, str(root))
+    return body
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str], key: bytes | None, co: Coordinator | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """Read, check and verify a checkpoint (each file hashed once, split over the ranks)."""
+    root = Path(path)
+    if co is None:
+        co = Coordinator("load", str(root), 0, 1, 0.0, 0.0)
+    digests = co.run("arrive", lambda: read_manifest(root, key)["digest"], share=True)
+    _same_everywhere(digests, "checkpoint (its manifest differs)", "load")
+    body = read_manifest(root, key)
+    names = verify.share(list(body["files"]), co.rank, co.world_size)
+    co.run("verifying files", lambda: verify.check_files(root, body["files"], names))
+    return root, body
+
+
+def load(
+    engine: Engine,
+    path: str,
+    state: dict[str, Any] | None,
+    strict: bool = True,
+    *,
+    skip: Callable[[str, dict[str, Any]], bool] | None = None,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``state``'s objects in place.
+
+    Returns the plain values (and tensors) of the entries not restored into an object. With
+    ``state=None``: every value entry, and a summary of module/optimizer entries.
+    ``skip(key, entry)`` tells entries a backend restored on its own.
+    """
+    co = coordinator(engine, "load", path)
+    root, body = open_checkpoint(path, engine.checkpoint_key, co)
+    entries, index = body["entries"], body["tensors"]
+    if state is None:
+        return co.run("reading values", lambda: summary(root, body))
+    missing = [k for k in state if k not in entries]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {root} has no entries {missing}; it holds {sorted(entries)}. "
+            f"Remove those keys from the state you load into."
+        )
+    remainder: dict[str, Any] = {}
+
+    def read() -> None:
+        plan = []
+        targets: dict[str, torch.Tensor] = {}
+        for key, entry in entries.items():
+            if skip is not None and skip(key, entry):
+                continue
+            action = _plan(engine, root, body, key, entry, state, strict, targets)
+            if action is not None:
+                plan.append(action)
+        try:
+            store.read(root, index, targets)
+        except CheckpointError:
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            from torchplug.checkpoint.coordinate import error_text
+
+            raise CheckpointError(
+                f"Reading the tensors of checkpoint {root} failed: {error_text(exc)}. Check that "
+                f"the objects you load into have the same architecture as the ones saved."
+            ) from None
+        for action in plan:
+            action(targets, remainder)
+
+    co.run("reading tensors", read)
+    return remainder
+
+
+def _plan(
+    engine: Engine,
+    root: Path,
+    body: dict[str, Any],
+    key: str,
+    entry: dict[str, Any],
+    state: dict[str, Any],
+    strict: bool,
+    targets: dict[str, torch.Tensor],
+) -> Callable[[dict[str, torch.Tensor], dict[str, Any]], None] | None:
+    """Add the tensors one entry needs to ``targets``; return how to restore it afterwards."""
+    kind, data = entry["kind"], entry["data"]
+    index = body["tensors"]
+    names = list(mf.tensor_paths(data))
+    wanted = key in state
+    target = state.get(key)
+    if kind in ("module", "optimizer"):
+        if not wanted:
+            return None  # big state nobody asked for: not read
+        expected = torch.nn.Module if kind == "module" else torch.optim.Optimizer
+        if not isinstance(target, expected):
+            if strict:
+                raise CheckpointError(
+                    f"Checkpoint {root} entry '{key}' holds the state of an "
+                    f"{'nn.Module' if kind == 'module' else 'optimizer'}, but the object given "
+                    f"under '{key}' is a {type(target).__name__}. Pass the "
+                    f"{'model' if kind == 'module' else 'optimizer'} itself (engine.load(path, "
+                    f"{{'{key}': {'model' if kind == 'module' else 'optimizer'}}})), or "
+                    f"strict=False to get the saved state back as plain data."
+                )
+            targets.update(store.allocate(index, names))
+            return lambda t, rest: _replace(state, rest, key, mf.decode(data, t))
+        model = target if kind == "module" else engine.model_of(target, state)
+        if engine.hook.torchplug_reads_in_place(engine=engine, kind=kind):
+            if kind == "module":
+                live = engine.hook.torchplug_model_state(engine=engine, model=target)
+            else:
+                live = engine.hook.torchplug_optimizer_state(
+                    engine=engine, model=model, optimizer=target
+                )
+            found = _names(live, key)
+            common = _compare(root, key, set(names), set(found), strict, kind)
+            targets.update({n: found[n] for n in common})
+            if len(common) != len(names):
+                targets.update(store.allocate(index, [n for n in names if n not in found]))
+        else:
+            if kind == "module":
+                live = engine.hook.torchplug_model_state(engine=engine, model=target)
+                _compare(root, key, set(names), set(_names(live, key)), strict, kind)
+            targets.update(store.allocate(index, names))
+
+        def restore(t: dict[str, torch.Tensor], rest: dict[str, Any]) -> None:
+            payload = mf.decode(data, t)
+            if kind == "module":
+                engine.hook.torchplug_load_model_state(
+                    engine=engine, model=target, state=payload, strict=strict
+                )
+            else:
+                engine.hook.torchplug_load_optimizer_state(
+                    engine=engine, model=model, optimizer=target, state=payload
+                )
+
+        return restore
+    if kind not in mf.KINDS:
+        if wanted and strict:
+            raise CheckpointError(
+                f"Checkpoint {root} entry '{key}' is of kind '{kind}', which only the strategy "
+                f"that wrote it can restore (it was written by '{body['strategy']['name']}'). "
+                f"Load it with that strategy, leave '{key}' out of the state, or pass "
+                f"strict=False to skip it."
+            )
+        return None
+    if wanted and isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
+        raise CheckpointError(
+            f"Checkpoint {root} entry '{key}' holds a {kind}, not the state of a "
+            f"{type(target).__name__}; it cannot be loaded into one. Check the key."
+        )
+    restorable = callable(getattr(target, "load_state_dict", None))
+    if kind == "stateful" and wanted and not restorable and strict:
+        raise CheckpointError(
+            f"Checkpoint {root} entry '{key}' holds the state_dict() of an object, but the "
+            f"object given under '{key}' is a {type(target).__name__} with no "
+            f"load_state_dict(). Pass the object itself, or strict=False to get the state "
+            f"back as plain data."
+        )
+    targets.update(store.allocate(index, names))
+
+    def restore_value(t: dict[str, torch.Tensor], rest: dict[str, Any]) -> None:
+        payload = mf.decode(data, t)
+        if kind == "stateful" and wanted and callable(getattr(target, "load_state_dict", None)):
+            target.load_state_dict(payload)
+        else:
+            _replace(state, rest, key, payload)
+
+    return restore_value
+
+
+def _names(state: Any, key: str) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    mf.encode(state, key, found)
+    return found
+
+
+def _replace(state: dict[str, Any], rest: dict[str, Any], key: str, payload: Any) -> None:
+    rest[key] = payload
+    if key in state:
+        state[key] = payload
+
+
+def _compare(
+    root: Path, key: str, saved: set[str], live: set[str], strict: bool, kind: str
+) -> list[str]:
+    """The tensor names to read; with strict (or for optimizers) any difference is an error."""
+    if saved == live:
+        return sorted(saved)
+    strip = len(key) + 1
+    only_saved = sorted(n[strip:] for n in saved - live)
+    only_live = sorted(n[strip:] for n in live - saved)
+    if strict or kind != "module":
+        raise CheckpointError(
+            f"Checkpoint {root} entry '{key}' does not match the object you load it into: "
+            f"unexpected (in the checkpoint only): {only_saved[:10] or 'none'}"
+            f"{' ...' if len(only_saved) > 10 else ''}; missing (in your object only): "
+            f"{only_live[:10] or 'none'}{' ...' if len(only_live) > 10 else ''}. Load into the "
+            f"same architecture that was saved"
+            + (", or pass strict=False to load the common part." if kind == "module" else ".")
+        )
+    return sorted(saved & live)
+
+
+def summary(root: Path, body: dict[str, Any]) -> dict[str, Any]:
+    """Plain values of a checkpoint, and what its modules and optimizers hold."""
+    index = body["tensors"]
+    result: dict[str, Any] = {}
+    for key, entry in body["entries"].items():
+        names = list(mf.tensor_paths(entry["data"]))
+        if entry["kind"] in ("value", "tensor", "stateful"):
+            tensors = store.allocate(index, names)
+            store.read(root, index, tensors)
+            result[key] = mf.decode(entry["data"], tensors)
+        else:
+            strip = len(key) + 1
+            result[key] = {
+                "kind": entry["kind"],
+                "tensors": {
+                    n[strip:]: {"shape": index[n]["shape"], "dtype": index[n]["dtype"]}
+                    for n in names
+                },
+            }
+    return result

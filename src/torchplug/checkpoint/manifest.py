@@ -1,0 +1,436 @@
+"""The manifest: what a checkpoint holds, validated before any of its values is used.
+
+``manifest.json`` is the only description of a checkpoint that torchplug reads: the entries (their
+structure in JSON, tensors by name), the index of every tensor chunk (which file, which bytes),
+every file's size and sha256, and a sha256 digest of all of that. An HMAC-SHA256 signature over the
+same bytes is added when a checkpoint key is configured (:mod:`torchplug.checkpoint.verify`).
+
+The schema is closed where a value is used: every key torchplug reads has a checked type and
+range, dtypes come from an explicit list, and the structure tags (``__tensor__``, ``__tuple__``,
+...) admit exactly one form each. Keys torchplug does not know are allowed (a newer writer may add
+them) but never read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from torchplug.core.errors import CheckpointError
+
+FORMAT = "torchplug-checkpoint"
+#: Version 2: tensor chunks are indexed in the manifest (no pickled metadata is ever read).
+FORMAT_VERSION = 2
+MIN_FORMAT_VERSION = 2
+LAYOUT = "dcp"
+MANIFEST = "manifest.json"
+TENSORS = "tensors"
+
+#: The kinds of entries the generic loader restores. Plugins may record their own kinds
+#: (``[a-z0-9-]+``); the generic loader refuses to restore those into an object.
+KINDS = ("module", "optimizer", "stateful", "tensor", "value")
+
+#: dtypes a checkpoint may name; anything else is refused.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "complex128",
+        "complex64",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_TAGS = ("__tensor__", "__dtype__", "__tuple__", "__dict__")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_KIND = re.compile(r"[a-z][a-z0-9-]{0,63}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise CheckpointError(
+            f"Cannot checkpoint a tensor of dtype {dtype}: supported dtypes are "
+            f"{', '.join(DTYPES)}. Convert it (tensor.to(torch.float32)) before saving."
+        ) from None
+
+
+# -- structure: JSON skeleton + named tensors ------------------------------------------------------
+
+
+def kind_of(obj: Any) -> str:
+    """Classify a state entry, or raise an error saying what can be saved."""
+    if isinstance(obj, torch.nn.Module):
+        return "module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    ):
+        return "stateful"
+    if isinstance(obj, torch.Tensor):
+        return "tensor"
+    encode(obj, "", {})  # raises a CheckpointError that names what cannot be stored
+    return "value"
+
+
+def encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """A JSON skeleton of ``obj``; its tensors go into ``tensors`` under slash-separated paths.
+
+    Tuples, dicts with non-string keys and tensors are tagged so that :func:`decode` restores
+    them exactly. Anything else that JSON cannot hold is refused: no pickles.
+    """
+    if isinstance(obj, torch.Tensor):
+        if path in tensors:
+            raise CheckpointError(f"Two tensors in the state map to the name {path!r}.")
+        dtype_name(obj.dtype)
+        tensors[path] = obj
+        return {"__tensor__": path}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": dtype_name(obj)}
+    if isinstance(obj, (list, tuple)):
+        items = [encode(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: encode(v, f"{path}/{k}", tensors) for k, v in obj.items()}
+        pairs = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise CheckpointError(
+                    f"State at {path or '/'} has a key of type {type(k).__name__}; checkpoint "
+                    f"keys must be strings or numbers."
+                )
+            pairs.append([k, encode(v, f"{path}/{k}", tensors)])
+        return {"__dict__": pairs}
+    raise CheckpointError(
+        f"Cannot save {type(obj).__name__} at {path or '/'}: expected an nn.Module, an "
+        f"optimizer, an object with state_dict()/load_state_dict(), a tensor, or plain data "
+        f"(numbers, strings, lists, dicts). Convert it to one of those, or give it a state_dict() "
+        f"(a checkpoint stores no pickles)."
+    )
+
+
+def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild what :func:`encode` took apart (from a skeleton :func:`validate` accepted)."""
+    if isinstance(skeleton, list):
+        return [decode(v, tensors) for v in skeleton]
+    if isinstance(skeleton, dict):
+        if "__tensor__" in skeleton:
+            return tensors[skeleton["__tensor__"]]
+        if "__dtype__" in skeleton:
+            return DTYPES[skeleton["__dtype__"]]
+        if "__tuple__" in skeleton:
+            return tuple(decode(v, tensors) for v in skeleton["__tuple__"])
+        if "__dict__" in skeleton:
+            return {k: decode(v, tensors) for k, v in skeleton["__dict__"]}
+        return {k: decode(v, tensors) for k, v in skeleton.items()}
+    return skeleton
+
+
+def tensor_paths(skeleton: Any) -> Iterator[str]:
+    """Every tensor name a skeleton refers to."""
+    if isinstance(skeleton, list):
+        for v in skeleton:
+            yield from tensor_paths(v)
+    elif isinstance(skeleton, dict):
+        if "__tensor__" in skeleton:
+            yield skeleton["__tensor__"]
+            return
+        for v in skeleton.values():
+            yield from tensor_paths(v)
+
+
+# -- digest ----------------------------------------------------------------------------------------
+
+
+def canonical(body: Mapping[str, Any]) -> bytes:
+    """The bytes the digest and the signature cover: the body without them, in one spelling."""
+    rest = {k: v for k, v in body.items() if k not in ("digest", "signature")}
+    return json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def build(
+    header: Mapping[str, Any],
+    entries: Mapping[str, Any],
+    index: Mapping[str, Any],
+    files: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A complete manifest body with its digest (the signature is added by the caller)."""
+    body = {
+        **json.loads(json.dumps(dict(header), default=repr)),
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "layout": LAYOUT,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "torch_version": torch.__version__,
+        "entries": json.loads(json.dumps(dict(entries))),
+        "tensors": json.loads(json.dumps(dict(index))),
+        "files": dict(files),
+    }
+    body["digest"] = hashlib.sha256(canonical(body)).hexdigest()
+    return body
+
+
+# -- reading and validation ------------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise CheckpointError(f"manifest.json repeats the key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def parse(raw: bytes, where: str) -> dict[str, Any]:
+    """Parse and validate manifest bytes; every problem is a CheckpointError naming the key."""
+    try:
+        body = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except CheckpointError as exc:
+        raise CheckpointError(f"Checkpoint manifest {where} is damaged: {exc}.") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(
+            f"Checkpoint manifest {where} is not valid JSON ({str(exc)[:200]}); the checkpoint is "
+            f"damaged. Load an earlier checkpoint."
+        ) from None
+    recorded = body.get("digest") if isinstance(body, dict) else None
+    if isinstance(recorded, str):  # corruption first: a flipped byte is not a newer format
+        digest = hashlib.sha256(canonical(body)).hexdigest()
+        if digest != recorded:
+            raise CheckpointError(
+                f"Checkpoint manifest {where} fails its digest check (sha256 {digest[:12]}..., "
+                f"recorded {recorded[:12]}...): it was altered or corrupted after saving. "
+                f"Load an earlier checkpoint."
+            )
+    try:
+        validate(body, where)
+    except _Invalid as exc:
+        raise CheckpointError(
+            f"Checkpoint manifest {where} is invalid: {exc}. The checkpoint is damaged or was not "
+            f"written by torchplug; load an earlier checkpoint."
+        ) from None
+    except RecursionError:
+        raise CheckpointError(f"Checkpoint manifest {where} is nested too deeply.") from None
+    return body
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _expect(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise _Invalid(f"{where} must be {what}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_ints(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, list) and all(_is_int(v) and v >= minimum for v in value)
+
+
+def validate(body: Any, where: str = MANIFEST) -> None:
+    """Check every key torchplug reads; raise ``_Invalid`` naming the first bad one."""
+    _expect(isinstance(body, dict), "the manifest", "a JSON object")
+    _expect(body.get("format") == FORMAT, "'format'", repr(FORMAT))
+    version = body.get("format_version")
+    if _is_int(version) and version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"Checkpoint manifest {where} has format version {version}; this torchplug reads "
+            f"versions "
+            f"{MIN_FORMAT_VERSION} to {FORMAT_VERSION}. Upgrade torchplug to load it."
+        )
+    _expect(
+        _is_int(version) and MIN_FORMAT_VERSION <= version <= FORMAT_VERSION,
+        "'format_version'",
+        f"an integer from {MIN_FORMAT_VERSION} to {FORMAT_VERSION} (version 1 checkpoints held a "
+        f"pickle and are not read; re-save them with the torchplug that wrote them)",
+    )
+    _expect(body.get("layout") == LAYOUT, "'layout'", repr(LAYOUT))
+    _expect(
+        isinstance(body.get("digest"), str) and bool(_HEX64.fullmatch(body["digest"])),
+        "'digest'",
+        "64 lowercase hex digits",
+    )
+    strategy = body.get("strategy")
+    _expect(
+        isinstance(strategy, dict)
+        and isinstance(strategy.get("name"), str)
+        and isinstance(strategy.get("options", {}), dict),
+        "'strategy'",
+        "an object with a string 'name' and an 'options' object",
+    )
+    _expect(
+        _is_int(body.get("world_size")) and body["world_size"] >= 1,
+        "'world_size'",
+        "a positive integer",
+    )
+    _expect(body.get("step") is None or _is_int(body["step"]), "'step'", "an integer or null")
+    _expect(isinstance(body.get("metadata", {}), dict), "'metadata'", "an object")
+    signature = body.get("signature")
+    if signature is not None:
+        _expect(
+            isinstance(signature, dict)
+            and signature.get("alg") == "hmac-sha256"
+            and isinstance(signature.get("value"), str)
+            and bool(_HEX64.fullmatch(signature["value"])),
+            "'signature'",
+            "an object {alg: 'hmac-sha256', value: 64 hex digits}",
+        )
+    files = body.get("files")
+    _expect(isinstance(files, dict), "'files'", "an object")
+    for name, info in files.items():
+        _expect(
+            isinstance(info, dict)
+            and _is_int(info.get("size"))
+            and info["size"] >= 0
+            and isinstance(info.get("sha256"), str)
+            and bool(_HEX64.fullmatch(info["sha256"])),
+            f"files[{name!r}]",
+            "an object {size: integer >= 0, sha256: 64 hex digits}",
+        )
+    tensors = body.get("tensors")
+    _expect(isinstance(tensors, dict), "'tensors'", "an object")
+    for name, meta in tensors.items():
+        _validate_tensor(name, meta, files)
+    entries = body.get("entries")
+    _expect(isinstance(entries, dict), "'entries'", "an object")
+    for key, entry in entries.items():
+        where = f"entries[{key!r}]"
+        _expect(isinstance(entry, dict) and "data" in entry, where, "an object with 'kind', 'data'")
+        _expect(
+            isinstance(entry.get("kind"), str) and bool(_KIND.fullmatch(entry["kind"])),
+            f"{where}.kind",
+            "a kind name such as 'module'",
+        )
+        _validate_skeleton(entry["data"], f"{where}.data", tensors)
+
+
+def _validate_tensor(name: str, meta: Any, files: Mapping[str, Any]) -> None:
+    where = f"tensors[{name!r}]"
+    _expect(isinstance(meta, dict), where, "an object")
+    _expect(meta.get("dtype") in DTYPES, f"{where}.dtype", f"one of {', '.join(DTYPES)}")
+    shape = meta.get("shape")
+    _expect(_is_ints(shape), f"{where}.shape", "a list of integers >= 0")
+    chunks = meta.get("chunks")
+    _expect(isinstance(chunks, list), f"{where}.chunks", "a list")
+    volume = 0
+    boxes = []
+    for i, chunk in enumerate(chunks):
+        cw = f"{where}.chunks[{i}]"
+        _expect(isinstance(chunk, dict), cw, "an object")
+        offsets, sizes = chunk.get("offsets"), chunk.get("sizes")
+        _expect(
+            _is_ints(offsets) and _is_ints(sizes) and len(offsets) == len(sizes) == len(shape),
+            cw,
+            f"offsets and sizes of {len(shape)} integers >= 0",
+        )
+        _expect(
+            all(o + s <= d for o, s, d in zip(offsets, sizes, shape, strict=True)),
+            cw,
+            f"inside the tensor's shape {shape}",
+        )
+        _expect(
+            isinstance(chunk.get("file"), str) and chunk["file"] in files,
+            f"{cw}.file",
+            "a file listed in 'files'",
+        )
+        _expect(
+            _is_int(chunk.get("offset"))
+            and chunk["offset"] >= 0
+            and _is_int(chunk.get("length"))
+            and chunk["length"] >= 0
+            and chunk["offset"] + chunk["length"] <= files[chunk["file"]]["size"],
+            cw,
+            "a byte range inside its file",
+        )
+        n = 1
+        for s in sizes:
+            n *= s
+        volume += n
+        boxes.append((offsets, sizes))
+    total = 1
+    for d in shape:
+        total *= d
+    _expect(
+        volume == total and not _overlap(boxes),
+        f"{where}.chunks",
+        "pieces that cover the tensor exactly once",
+    )
+
+
+def _overlap(boxes: list[tuple[list[int], list[int]]]) -> bool:
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1 :]:
+            if all(
+                max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, sa, ob, sb, strict=True)
+            ) and all(s > 0 for s in sa + sb):
+                return True
+    return False
+
+
+def _validate_skeleton(node: Any, where: str, tensors: Mapping[str, Any]) -> None:
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _validate_skeleton(item, f"{where}[{i}]", tensors)
+        return
+    _expect(isinstance(node, dict), where, "JSON data")
+    tags = [k for k in node if k.startswith("__")]
+    if not tags:
+        for k, v in node.items():
+            _validate_skeleton(v, f"{where}[{k!r}]", tensors)
+        return
+    _expect(
+        len(node) == 1 and tags[0] in _TAGS,
+        where,
+        f"a plain object or exactly one of {', '.join(_TAGS)}",
+    )
+    tag, value = tags[0], node[tags[0]]
+    if tag == "__tensor__":
+        _expect(
+            isinstance(value, str) and value in tensors,
+            where,
+            "a reference to a tensor listed in 'tensors'",
+        )
+    elif tag == "__dtype__":
+        _expect(value in DTYPES, where, f"a dtype among {', '.join(DTYPES)}")
+    elif tag == "__tuple__":
+        _expect(isinstance(value, list), where, "a list")
+        _validate_skeleton(value, where, tensors)
+    else:
+        _expect(isinstance(value, list), where, "a list of [key, value] pairs")
+        for i, pair in enumerate(value):
+            _expect(
+                isinstance(pair, list)
+                and len(pair) == 2
+                and (pair[0] is None or isinstance(pair[0], (str, int, float, bool))),
+                f"{where}[{i}]",
+                "a [key, value] pair with a string or number key",
+            )
+            _validate_skeleton(pair[1], f"{where}[{i}]", tensors)

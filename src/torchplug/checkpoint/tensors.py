@@ -1,0 +1,172 @@
+"""The tensor store: tensors written by torch.distributed.checkpoint (DCP), indexed by torchplug.
+
+Each rank writes the tensors it owns with DCP into ``tensors/rank-N/`` on its own (no collective):
+rank 0 writes plain (replicated) tensors, every rank writes its shards of sharded DTensors. DCP's
+own ``.metadata`` file is a pickle, so it is deleted: the chunk index (each tensor's global shape
+and dtype, each chunk's offsets, file and byte range) goes into the manifest as JSON, where it is
+covered by the digest and the signature. Loading rebuilds DCP's metadata from that index and reads
+chunk data with ``torch.load(weights_only=True)`` only; every referenced file must be listed in the
+manifest and stay inside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchplug.checkpoint.files import confined
+from torchplug.checkpoint.manifest import DTYPES, TENSORS, dtype_name
+from torchplug.core.errors import CheckpointError
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns when it runs in one process; here that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def owned(tensors: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """The tensors this rank writes: its shards of DTensors (one replica of each), and plain
+    tensors on rank 0 only (every rank holds the same)."""
+    from torch.distributed.tensor import DTensor
+
+    mine = {}
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            coordinate = tensor.device_mesh.get_coordinate() or []
+            replica = any(
+                p.is_replicate() and c != 0
+                for p, c in zip(tensor.placements, coordinate, strict=False)
+            )
+            if not replica:
+                mine[name] = tensor
+        elif rank == 0:
+            mine[name] = tensor
+    return mine
+
+
+def write(root: Path, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
+    """Write this rank's ``tensors`` under ``root/tensors/rank-N``; return their JSON index."""
+    if not tensors:
+        return {}
+    import torch.distributed.checkpoint as dcp
+
+    relative = f"{TENSORS}/rank-{rank}"
+    directory = root / relative
+    with _quiet_single_process():
+        metadata = dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
+            no_dist=True,
+        )
+    kept = set()
+    index: dict[str, Any] = {}
+    for name, meta in metadata.state_dict_metadata.items():
+        chunks = []
+        for i, chunk in enumerate(meta.chunks):
+            info = _storage(metadata.storage_data, name, chunk.offsets, i)
+            kept.add(info.relative_path)
+            chunks.append(
+                {
+                    "offsets": list(chunk.offsets),
+                    "sizes": list(chunk.sizes),
+                    "file": f"{relative}/{info.relative_path}",
+                    "offset": info.offset,
+                    "length": info.length,
+                }
+            )
+        index[name] = {
+            "dtype": dtype_name(meta.properties.dtype),
+            "shape": list(meta.size),
+            "chunks": chunks,
+        }
+    for path in directory.iterdir():  # DCP's pickled .metadata: never read, so never kept
+        if path.name not in kept:
+            path.unlink()
+    return index
+
+
+def _storage(storage_data: Mapping[Any, Any], name: str, offsets: Any, index: int) -> Any:
+    for key, info in storage_data.items():
+        if key.fqn == name and tuple(key.offset) == tuple(offsets):
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(f"DCP wrote {name} with transforms torchplug cannot index.")
+            return info
+    raise CheckpointError(f"DCP wrote no storage record for chunk {index} of {name}.")
+
+
+def merge(indexes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One index from every rank's: chunks of the same tensor together, each place once."""
+    merged: dict[str, Any] = {}
+    for index in indexes:
+        for name, meta in index.items():
+            into = merged.setdefault(name, {**meta, "chunks": []})
+            places = {(tuple(c["offsets"]), tuple(c["sizes"])) for c in into["chunks"]}
+            for chunk in meta["chunks"]:
+                if (tuple(chunk["offsets"]), tuple(chunk["sizes"])) not in places:
+                    into["chunks"].append(chunk)
+    return merged
+
+
+def reader(root: Path, index: Mapping[str, Any]) -> Any:
+    """A DCP storage reader whose metadata comes from the manifest's index, never from a file."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    state_dict_metadata = {}
+    storage_data = {}
+    for name, meta in index.items():
+        chunks = []
+        for i, chunk in enumerate(meta["chunks"]):
+            confined(root, chunk["file"], f"tensor {name!r} refers to file")
+            offsets = torch.Size(chunk["offsets"])
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk["sizes"])))
+            storage_data[MetadataIndex(name, offsets, i)] = _StorageInfo(
+                relative_path=chunk["file"], offset=chunk["offset"], length=chunk["length"]
+            )
+        state_dict_metadata[name] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=DTYPES[meta["dtype"]]),
+            size=torch.Size(meta["shape"]),
+            chunks=chunks,
+        )
+
+    class IndexedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return Metadata(
+                state_dict_metadata=state_dict_metadata,
+                storage_data=storage_data,
+                storage_meta=StorageMeta(load_id=self.load_id),
+            )
+
+    return IndexedReader(root)
+
+
+def read(root: Path, index: Mapping[str, Any], targets: dict[str, torch.Tensor]) -> None:
+    """Fill ``targets`` in place from the store (resharding as needed); no collective."""
+    if not targets:
+        return
+    import torch.distributed.checkpoint as dcp
+
+    wanted = {name: index[name] for name in targets}
+    with _quiet_single_process():
+        dcp.load(targets, storage_reader=reader(root, wanted), no_dist=True)
+
+
+def allocate(index: Mapping[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
+    """Empty CPU tensors to read the named tensors into."""
+    return {n: torch.empty(index[n]["shape"], dtype=DTYPES[index[n]["dtype"]]) for n in names}

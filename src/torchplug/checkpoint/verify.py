@@ -1,0 +1,97 @@
+"""Verification and signing.
+
+Threat model, in short (docs/checkpoints.md has it in full): the manifest digest and the per-file
+sha256 catch *corruption* (truncation, flipped bits, a partial copy); they do not stop someone who
+can write the checkpoint from rewriting a file and the manifest together. A signature (HMAC-SHA256
+over the manifest, which holds every file's sha256) does: without the key no one can produce a
+checkpoint that loads where a key is configured. Neither hides a checkpoint's contents, and a
+signature proves only that someone holding the key wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torchplug.checkpoint.files import confined, sha256
+from torchplug.checkpoint.manifest import canonical
+from torchplug.core.errors import CheckpointError
+
+KEY_ENV = "TORCHPLUG_CHECKPOINT_KEY"
+
+
+def key_from(explicit: str | bytes | None) -> bytes | None:
+    """The signing key: the explicit one, else ``TORCHPLUG_CHECKPOINT_KEY``, else none."""
+    key = explicit if explicit is not None else os.environ.get(KEY_ENV) or None
+    if key is None:
+        return None
+    key = key.encode() if isinstance(key, str) else bytes(key)
+    if len(key) < 16:
+        raise CheckpointError(
+            f"The checkpoint key is {len(key)} bytes long; use at least 16 random bytes (e.g. "
+            f"`python -c 'import secrets; print(secrets.token_hex(32))'`) in {KEY_ENV} or "
+            f"Engine(checkpoint_key=...)."
+        )
+    return key
+
+
+def sign(body: dict[str, Any], key: bytes | None) -> None:
+    """Add ``signature`` to a manifest body when a key is configured."""
+    if key is not None:
+        value = hmac.new(key, canonical(body), hashlib.sha256).hexdigest()
+        body["signature"] = {"alg": "hmac-sha256", "value": value}
+
+
+def check_signature(body: Mapping[str, Any], key: bytes | None, where: str) -> None:
+    """With a key: refuse an unsigned or mis-signed manifest. Without one: nothing to check."""
+    if key is None:
+        return
+    signature = body.get("signature")
+    if signature is None:
+        raise CheckpointError(
+            f"Checkpoint {where} is not signed, but a checkpoint key is configured ({KEY_ENV} or "
+            f"Engine(checkpoint_key=...)): refusing it. Load it without a key only if you trust "
+            f"where it came from, then save it again to sign it."
+        )
+    expected = hmac.new(key, canonical(body), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected, signature["value"]):
+        raise CheckpointError(
+            f"Checkpoint {where} has a signature that does not match the configured key: it was "
+            f"altered, or signed with another key. Refusing it; check the key, or load an earlier "
+            f"checkpoint."
+        )
+
+
+def check_files(root: Path, files: Mapping[str, Any], names: list[str]) -> None:
+    """Check that each named file is inside ``root`` with the size and sha256 the manifest lists."""
+    for name in names:
+        expected = files[name]
+        path = confined(root, name, "the manifest lists file")
+        if not path.is_file():
+            raise CheckpointError(
+                f"Checkpoint file {path} is missing (the manifest lists it). The checkpoint is "
+                f"incomplete; restore the file or load an earlier checkpoint."
+            )
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointError(
+                f"Checkpoint file {path} has {size} bytes, the manifest says {expected['size']}: "
+                f"it was truncated or changed after saving. Restore it or load an earlier "
+                f"checkpoint."
+            )
+        digest = sha256(path)
+        if digest != expected["sha256"]:
+            raise CheckpointError(
+                f"Checkpoint file {path} fails its sha256 check ({digest[:12]}..., the manifest "
+                f"says {expected['sha256'][:12]}...): it was altered or corrupted after saving. "
+                f"Restore it or load an earlier checkpoint."
+            )
+
+
+def share(names: list[str], rank: int, world_size: int) -> list[str]:
+    """This rank's part of the files to verify: each file is hashed by one rank only."""
+    return sorted(names)[rank::world_size]
