@@ -78,7 +78,7 @@ def test_check_command_reports_pass_and_fail_per_property():
             "--plugin",
             "broken_strategy",
             "--only",
-            "parity",
+            "sgd",
             "--only",
             "collectives",
         ],
@@ -88,5 +88,5 @@ def test_check_command_reports_pass_and_fail_per_property():
         env=env,
     )
     assert run.returncode == 1, run.stderr[-2000:]
-    assert "FAIL  parity" in run.stdout and "PASS  collectives" in run.stdout
+    assert "FAIL  sgd" in run.stdout and "PASS  collectives" in run.stdout
     assert "1 passed, 1 failed" in run.stdout

@@ -15,6 +15,8 @@ import torchplug as tp
 from checkpoint_attacks import no_unpickling
 from reference import make_dataset, make_model, train
 from test_parity import assert_close_dicts
+from test_ported import check_strategy
+from torchplug.testing.conformance import Conformance
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed"
@@ -276,3 +278,45 @@ def test_native_files_the_manifest_does_not_list_are_refused(ranks, tmp_path):
     for message in ranks.run(resume_message, str(path), timeout=300):
         assert message is not None and "does not list" in message, message
         assert "zero_pp_rank_9" in message
+
+
+@needs_deepspeed
+class TestZero1Conformance(Conformance):
+    strategy = "deepspeed-zero1"
+
+
+@needs_deepspeed
+class TestZero2BF16Conformance(Conformance):
+    strategy = "deepspeed-zero2"
+    precision = "bf16"
+
+
+@needs_deepspeed
+class TestZero3Conformance(Conformance):
+    strategy = "deepspeed-zero3"
+
+
+@needs_deepspeed
+class TestZero3OffloadConformance(Conformance):
+    strategy = "deepspeed-zero3-offload"
+
+
+@needs_deepspeed
+class TestZero2FP16Conformance(Conformance):
+    strategy = "deepspeed-zero2"
+    precision = "fp16"
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("strategy", "precision"),
+    [
+        ("deepspeed-zero1", None),
+        ("deepspeed-zero2", "bf16"),
+        ("deepspeed-zero2", "fp16"),
+        ("deepspeed-zero3", None),
+        ("deepspeed-zero3-offload", None),
+    ],
+)
+def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precision):
+    check_strategy(ranks, strategy, precision, tmp_path)

@@ -8,6 +8,7 @@ import torch
 import torchplug as tp
 from reference import make_dataset, make_model, train
 from test_parity import assert_close_dicts
+from test_ported import check_strategy
 from test_resume import run
 from torchplug.testing.conformance import Conformance
 
@@ -91,5 +92,31 @@ class TestFairScaleOSSConformance(Conformance):
     strategy = "fairscale-oss"
 
 
+class TestFairScaleOSSBF16Conformance(Conformance):
+    strategy = "fairscale-oss"
+    precision = "bf16"
+
+
+class TestFairScaleOSSFP16Conformance(Conformance):
+    strategy = "fairscale-oss"
+    precision = "fp16"
+
+
 class TestFairScaleSDPConformance(Conformance):
     strategy = "fairscale-sdp"
+
+
+class TestFairScaleSDPBF16Conformance(Conformance):
+    strategy = "fairscale-sdp"
+    precision = "bf16"
+
+
+class TestFairScaleSDPFP16Conformance(Conformance):
+    strategy = "fairscale-sdp"
+    precision = "fp16"
+
+
+@pytest.mark.parametrize("strategy", ["fairscale-oss", "fairscale-sdp"])
+@pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
+def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precision):
+    check_strategy(ranks, strategy, precision, tmp_path)

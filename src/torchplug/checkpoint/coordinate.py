@@ -59,7 +59,14 @@ class Coordinator:
 
     def __post_init__(self) -> None:
         self.store = None
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+        if self.world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise CheckpointError(
+                    f"Checkpoint {self.operation} of {self.path} on {self.world_size} processes "
+                    f"needs torch.distributed's process group (its store coordinates the ranks), "
+                    f"and none is initialized. A strategy that runs several processes must "
+                    f"initialize one in torchplug_setup."
+                )
             self.store = dist.distributed_c10d._get_default_store()
         _SEQUENCE[0] += 1
         self.sequence = _SEQUENCE[0]

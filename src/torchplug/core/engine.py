@@ -134,6 +134,12 @@ class Engine:
                 precision_options or {},
             )
             active.append(precision_info.factory(self.precision, **self.precision_options))
+        elif self.info.owns_precision and self.info.precision_options:
+            self.precision_options = resolve_options(
+                f"strategy '{self.info.name}' (precision_options)",
+                self.info.precision_options,
+                precision_options or {},
+            )
         elif precision_options:
             raise ConfigurationError(
                 f"precision_options were given, but strategy '{self.info.name}' "

@@ -144,6 +144,9 @@ class StrategyInfo:
     #: How far results may stray from the single-process reference (lossy communication such
     #: as gradient compression declares more); ``None``: check convergence instead.
     tolerance: float | None = 1e-5
+    #: For a strategy that owns precision: the ``Engine(precision_options=...)`` it understands
+    #: (the backend reads the resolved values from ``engine.precision_options`` in setup).
+    precision_options: tuple[Option, ...] = ()
     #: Extra usability test; returns why the strategy cannot run here, or ``None``.
     check: Callable[[], str | None] | None = None
     #: Filled in by the plugin manager: which plugin and distribution announced it.

@@ -19,6 +19,7 @@ import copy
 import functools
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -208,6 +209,32 @@ class DeepSpeedStrategy(DistributedStrategy):
                 )
 
         precision_from = engine.settings.precision.source
+        scaling = {k: v for k, v in engine.precision_options.items() if v is not None}
+        if engine.precision == "fp16":
+            # GradScaler's behaviour, as the AMP plugin gives every other backend: start at
+            # init_scale, halve on every overflow, double after growth_interval clean steps.
+            # Explicit precision_options must agree with your DeepSpeed config; the defaults
+            # yield to it.
+            fp16 = user.get("fp16") if isinstance(user.get("fp16"), dict) else {}
+            init_scale = scaling.get("init_scale", 2.0**16)
+            power = math.log2(init_scale) if init_scale > 0 else 0.5
+            if power != int(power):
+                raise ConfigurationError(
+                    f"precision_options init_scale={init_scale} is not a power of two, which "
+                    f"DeepSpeed needs (initial_scale_power). Use e.g. 65536.0."
+                )
+            wanted = {
+                "initial_scale_power": (int(power), "init_scale" in scaling),
+                "loss_scale_window": (
+                    scaling.get("growth_interval", 2000),
+                    "growth_interval" in scaling,
+                ),
+                "hysteresis": (1, False),
+            }
+            for key, (value, explicit_value) in wanted.items():
+                if explicit_value:
+                    agree(f"fp16.{key}", value, "precision_options", fp16.get(key))
+                config.setdefault("fp16", {}).setdefault(key, value)
         for name in ("bf16", "fp16"):
             enabled = (
                 user.get(name, {}).get("enabled") if isinstance(user.get(name), dict) else None
@@ -490,6 +517,10 @@ def _options(with_stage: bool, with_offload: bool = True) -> tuple[Option, ...]:
 @hookimpl
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     common: dict[str, Any] = {
+        "precision_options": (
+            Option("init_scale", (float, type(None)), None, "fp16: the first loss scale (2**k)"),
+            Option("growth_interval", (int, type(None)), None, "fp16: clean steps before doubling"),
+        ),
         "requires": ("deepspeed",),
         "install_hint": INSTALL,
         "owns_precision": True,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,8 +52,16 @@ def to_oss(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     oss = OSS(groups, optim=type(optimizer), **defaults)
     # An LR scheduler made before setup holds the user's optimizer: let it change the groups OSS
     # reads (OSS copies lr & co. from its global groups into its shard's at every step).
-    optimizer.param_groups = oss.param_groups
+    oss._torchplug_user_optimizer = weakref.ref(optimizer)
+    _link(oss)
     return oss
+
+
+def _link(oss: torch.optim.Optimizer) -> None:
+    """Point the user's optimizer at the OSS groups (again after a load replaced the list)."""
+    user = getattr(oss, "_torchplug_user_optimizer", lambda: None)()
+    if user is not None:
+        user.param_groups = oss.param_groups
 
 
 def _names(model: torch.nn.Module) -> dict[int, str]:
@@ -108,6 +117,7 @@ class OSSCheckpointing:
                 f"The checkpoint's optimizer state names parameter {exc}, which this model lacks."
             ) from None
         optimizer.load_state_dict(full)
+        _link(optimizer)
         return True
 
 

@@ -154,7 +154,9 @@ def train(
     """
     register(plugins)
     extra: dict[str, Any] = {}
-    if precision == "fp16" and not manager.get_registry().strategy(strategy).owns_precision:
+    info = manager.get_registry().strategy(strategy)
+    takes = not info.owns_precision or any(o.name == "init_scale" for o in info.precision_options)
+    if precision == "fp16" and takes:
         extra["precision_options"] = {"init_scale": FP16_SCALE}
     with tp.Engine(strategy, precision=precision, **extra, **(options or {})) as engine:
         model = make_model()
