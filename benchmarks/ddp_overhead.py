@@ -1,6 +1,6 @@
 """Per-step cost of torchplug's ``ddp`` against hand-written torch DDP, side by side.
 
-    torchplug launch -n 2 benchmarks/ddp_overhead.py [--steps 200] [--rounds 5] [--precision bf16]
+    torchplug launch -n 2 benchmarks/ddp_overhead.py [--steps 200] [--rounds 5] [--amp bf16]
 
 Both loops run in the same processes on the same process group, model and data, in alternating
 rounds so that machine noise hits both alike. Prints the median step time of each and the ratio
@@ -46,12 +46,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--precision", default=None, help="bf16 or fp16 for both loops")
+    parser.add_argument("--amp", default=None, help="bf16 or fp16 autocast for both loops")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
 
     plain = DistributedDataParallel(make_model())
     plain_opt = torch.optim.AdamW(plain.parameters())
@@ -70,7 +70,7 @@ def main() -> None:
             plain_opt.step()
         plain_opt.zero_grad()
 
-    engine = tp.Engine("ddp", precision=args.precision)  # reuses the process group above
+    engine = tp.Engine("ddp", precision=args.amp)  # reuses the process group above
     model = make_model()
     opt = torch.optim.AdamW(model.parameters())
     model, opt = engine.setup(model, opt)

@@ -1,8 +1,12 @@
 """Train a small classifier on two interleaved spirals, on any torchplug strategy.
 
-    torchplug launch -n 2 examples/train.py --strategy ddp
+    torchplug launch -n 2 --strategy ddp examples/train.py
     python examples/train.py                      # one process, strategy "auto" -> single
-    torchplug launch -n 2 --strategy ddp --precision bf16 examples/train.py
+    torchplug launch -n 2 --strategy ddp --precision bf16 examples/train.py --epochs 3
+
+torchplug's flags go before the script; what follows the script is the script's own. The script
+asks for ``Engine()`` ("auto") and leaves the choice to the launcher (or ``TORCHPLUG_STRATEGY``,
+or a config file), so the same file runs everywhere.
 
 The data set is made by the script (no downloads): 4,096 points on two spirals with noise; the
 task is telling the spirals apart. The loop is plain PyTorch; only the lines marked ``engine``
@@ -33,15 +37,13 @@ def spirals(n: int = 4096, noise: float = 0.08, seed: int = 0) -> TensorDataset:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="auto")
-    parser.add_argument("--precision", default=None)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--save", default=None, help="checkpoint directory to write at the end")
     args = parser.parse_args()
 
-    engine = tp.Engine(strategy=args.strategy, precision=args.precision)  # engine
+    engine = tp.Engine()  # engine: strategy and precision from the launcher, env or config
     engine.print(f"{engine}")
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -31,7 +31,7 @@ def epoch_losses(output: str) -> list[float]:
 
 @pytest.mark.slow
 def test_launch_two_processes_trains_the_example_with_decreasing_loss():
-    run = torchplug("launch", "-n", "2", str(EXAMPLE), "--strategy", "ddp", "--epochs", "4")
+    run = torchplug("launch", "-n", "2", "--strategy", "ddp", str(EXAMPLE), "--epochs", "4")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "strategy='ddp'" in run.stdout and "world_size=2" in run.stdout
     losses = epoch_losses(run.stdout)
@@ -77,7 +77,7 @@ def test_launch_reports_a_failing_script(tmp_path):
 def test_help_is_fast_and_imports_no_torch():
     probe = (
         "import sys\n"
-        "from torchplug.core.cli import main\n"
+        "from torchplug.cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
@@ -93,7 +93,7 @@ def test_no_backend_package_is_imported_by_torchplug(tmp_path):
         (tmp_path / name / "__init__.py").write_text(f"raise SystemExit('{name} was imported')\n")
     code = (
         "import sys, torch, torchplug as tp\n"
-        "from torchplug.core.cli import plugins\n"
+        "from torchplug.cli.plugins import plugins\n"
         "with tp.Engine('single', precision='bf16') as e: pass\n"
         "plugins(verbose=True)\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in "
@@ -125,3 +125,24 @@ def test_plugins_table_lists_built_ins_with_package_and_status():
     assert "torchplug 0.1.0 (ddp)" in rows["ddp"] and rows["ddp"].endswith("usable")
     assert "single-device" in rows["single"]
     assert "amp" in rows["bf16"] and "amp" in rows["fp16"]
+
+
+def test_core_imports_neither_the_command_line_nor_the_testing_kit():
+    """Imports point downward: cli/ and testing/ sit above core/, never below it."""
+    import ast
+
+    offenders = []
+    for path in (ROOT / "src" / "torchplug" / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [
+                f"{path.name}: {n}"
+                for n in names
+                if n.startswith(("torchplug.cli", "torchplug.testing"))
+            ]
+    assert not offenders
+    assert not (ROOT / "src" / "torchplug" / "core" / "cli.py").exists()

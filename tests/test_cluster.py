@@ -56,9 +56,9 @@ def test_plain_process_is_rank_zero_of_one():
     assert (info.rank, info.world_size, info.source) == (0, 1, "single process")
 
 
-def doctor(env: dict[str, str], cwd) -> str:
-    """``torchplug doctor``'s output with ``env`` as the whole environment (plus PATH)."""
-    run = subprocess.run(
+def doctor_run(env: dict[str, str], cwd) -> subprocess.CompletedProcess:
+    """``torchplug doctor`` with ``env`` as the whole environment (plus PATH)."""
+    return subprocess.run(
         [sys.executable, "-m", "torchplug", "doctor"],
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env},
         capture_output=True,
@@ -66,7 +66,12 @@ def doctor(env: dict[str, str], cwd) -> str:
         timeout=120,
         cwd=cwd,
     )
-    assert run.returncode == 0, run.stderr
+
+
+def doctor(env: dict[str, str], cwd) -> str:
+    """``torchplug doctor``'s output; the settings must be valid."""
+    run = doctor_run(env, cwd)
+    assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout
 
 

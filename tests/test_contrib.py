@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from test_cluster import doctor, identity
-from torchplug.core.cli import _launch_parser, apply_cluster
+from torchplug.cli.launch import apply_cluster, launch_parser
 from torchplug.core.cluster import ClusterInfo
 from torchplug.testing.kit import check
 
@@ -84,7 +84,7 @@ def test_sagemaker_identity_in_doctor(tmp_path):
 
 
 def test_launch_takes_multi_node_flags_from_the_cluster_environment():
-    parser = _launch_parser()
+    parser = launch_parser()
     info = ClusterInfo(
         rank=4,
         world_size=8,

@@ -1,5 +1,5 @@
 import sys
 
-from torchplug.core.cli import main
+from torchplug.cli import main
 
 sys.exit(main())

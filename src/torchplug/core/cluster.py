@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from torchplug.core.errors import ConfigurationError
 from torchplug.core.spec import hookimpl
 
 
@@ -35,10 +36,49 @@ def _int(env: Mapping[str, str], key: str, default: int) -> int:
     try:
         return int(value) if value.strip() else default
     except ValueError:
-        raise ValueError(
-            f"Environment variable {key}={value!r} is not an integer; the launcher that set it "
-            f"is misconfigured. Unset it or set it to this process's {key.lower()}."
+        raise ConfigurationError(
+            f"Environment variable {key}={value!r} is not an integer; expected this process's "
+            f"{key.lower()} as a whole number. The launcher that set it is misconfigured: unset "
+            f"it, or start the script with `torchplug launch`/torchrun, which set it."
         ) from None
+
+
+def master_port(value: str | None, name: str = "MASTER_PORT") -> int | None:
+    """``value`` as a TCP port (1-65535), or ``None`` when unset; else a ConfigurationError."""
+    if value is None or not value.strip():
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ConfigurationError(
+            f"{name}={value!r} is not a TCP port; expected a whole number from 1 to 65535. "
+            f"Set it to a free port (e.g. {name}=29500) or unset it to let the launcher choose."
+        )
+    return port
+
+
+def checked(info: ClusterInfo) -> ClusterInfo:
+    """``info`` if its numbers are consistent; else an error naming the variable and the fix."""
+    where = f"(from {info.source})"
+    if info.world_size < 1:
+        raise ConfigurationError(
+            f"World size {info.world_size} {where} is not a number of processes; expected 1 or "
+            f"more. Fix WORLD_SIZE, or unset RANK and WORLD_SIZE to run one process."
+        )
+    if not 0 <= info.rank < info.world_size:
+        raise ConfigurationError(
+            f"Rank {info.rank} {where} is outside the world of {info.world_size} processes; "
+            f"expected 0 to {info.world_size - 1}. Fix RANK/WORLD_SIZE (a rank that does not "
+            f"exist would wait for the others forever)."
+        )
+    if info.local_rank < 0 or info.node_rank < 0:
+        raise ConfigurationError(
+            f"Local rank {info.local_rank} / node rank {info.node_rank} {where} is negative; "
+            f"expected 0 or more. Fix LOCAL_RANK/GROUP_RANK."
+        )
+    return info
 
 
 @hookimpl(trylast=True)
@@ -46,7 +86,6 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo:
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE", 1)
         local_world = _int(env, "LOCAL_WORLD_SIZE", world)
-        port = env.get("MASTER_PORT")
         return ClusterInfo(
             rank=_int(env, "RANK", 0),
             world_size=world,
@@ -55,7 +94,7 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo:
             node_rank=_int(env, "GROUP_RANK", 0),
             num_nodes=max(1, world // max(1, local_world)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(port) if port else None,
+            master_port=master_port(env.get("MASTER_PORT")),
             source="torchrun" if "TORCHELASTIC_RUN_ID" in env else "environment (RANK/WORLD_SIZE)",
         )
     return ClusterInfo()
@@ -68,4 +107,4 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterInfo:
     answer = get_registry().pm.hook.torchplug_cluster_environment(
         env=dict(os.environ if env is None else env)
     )
-    return answer if answer is not None else ClusterInfo()
+    return checked(answer) if answer is not None else ClusterInfo()

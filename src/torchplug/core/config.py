@@ -11,6 +11,7 @@ the code and the launcher name different strategies, that is an error naming bot
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,10 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from torchplug.core.errors import ConfigurationError, did_you_mean
+from torchplug.core.registry import normalize_precision
 
 CONFIG_KEYS = ("strategy", "precision", "options")
 
 LAUNCH_ENV = {"strategy": "TORCHPLUG_LAUNCH_STRATEGY", "precision": "TORCHPLUG_LAUNCH_PRECISION"}
+#: ``torchplug launch --option NAME=VALUE`` as a JSON object, for the processes it starts.
+LAUNCH_OPTIONS_ENV = "TORCHPLUG_LAUNCH_OPTIONS"
 USER_ENV = {"strategy": "TORCHPLUG_STRATEGY", "precision": "TORCHPLUG_PRECISION"}
 
 
@@ -96,12 +100,31 @@ def find_config(
     return {}, None
 
 
-def _checked(table: dict[str, Any], path: Path) -> dict[str, Any]:
+def _checked(table: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        where = "[tool.torchplug]" if path.name == "pyproject.toml" else "the file"
+        raise ConfigurationError(
+            f"The torchplug settings in {path} are {type(table).__name__} {table!r}; expected a "
+            f"table. Write {where} as a table of keys, e.g.\n[tool.torchplug]\nstrategy = "
+            f'"ddp"'
+            + (
+                ""
+                if path.name == "pyproject.toml"
+                else ' (in torchplug.toml: strategy = "ddp" at the top level)'
+            )
+        )
     for key in table:
         if key not in CONFIG_KEYS:
             raise ConfigurationError(
                 f"Unknown key '{key}' in {path}.{did_you_mean(key, CONFIG_KEYS)} "
                 f"Valid keys: {', '.join(CONFIG_KEYS)} (options is a table of strategy options)."
+            )
+    for key in ("strategy", "precision"):
+        value = table.get(key, "")
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise ConfigurationError(
+                f"'{key}' in {path} is {type(table[key]).__name__} {table[key]!r}; expected a "
+                f'name, e.g. {key} = "{"ddp" if key == "strategy" else "bf16"}".'
             )
     if "options" in table and not isinstance(table["options"], dict):
         raise ConfigurationError(
@@ -109,6 +132,17 @@ def _checked(table: dict[str, Any], path: Path) -> dict[str, Any]:
             f"find_unused_parameters = true."
         )
     return table
+
+
+def _same_precision(a: str, b: str) -> bool:
+    try:
+        return normalize_precision(a) == normalize_precision(b)
+    except ConfigurationError:
+        return a.strip().lower() == b.strip().lower()
+
+
+def _same_strategy(canonical: Callable[[str], str]) -> Callable[[str, str], bool]:
+    return lambda a, b: canonical(a) == canonical(b)
 
 
 def resolve(
@@ -129,11 +163,13 @@ def resolve(
         launched = env.get(LAUNCH_ENV[key]) or None
         in_code = code_value is not None and not (key == "strategy" and code_value == "auto")
         if in_code:
-            if launched is not None and canonical(str(code_value)) != canonical(launched):
+            same = _same_precision if key == "precision" else _same_strategy(canonical)
+            if launched is not None and not same(str(code_value), launched):
+                unset = "strategy='auto'" if key == "strategy" else "precision=None"
                 raise ConfigurationError(
                     f"Conflicting {key}: the code passes {key}={code_value!r} but "
                     f"`torchplug launch --{key} {launched}` asks for {launched!r}. Remove one of "
-                    f"them: drop the --{key} flag, or pass {key}='auto' (or nothing) in the code."
+                    f"them: drop the --{key} flag, or pass {unset} (or nothing) in the code."
                 )
             return Setting(code_value, "code argument")
         if launched is not None:
@@ -149,6 +185,12 @@ def resolve(
         for name, value in file_settings.get("options", {}).items()
     }
     resolved_options.update(
+        {
+            name: Setting(value, f"torchplug launch --option {name}")
+            for name, value in launch_options(env).items()
+        }
+    )
+    resolved_options.update(
         {name: Setting(value, "code argument") for name, value in (options or {}).items()}
     )
     return Settings(
@@ -157,3 +199,89 @@ def resolve(
         options=resolved_options,
         config_file=file_path,
     )
+
+
+def launch_options(env: Mapping[str, str]) -> dict[str, Any]:
+    """The strategy options ``torchplug launch --option NAME=VALUE`` handed to its processes."""
+    text = env.get(LAUNCH_OPTIONS_ENV, "").strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigurationError(
+            f"{LAUNCH_OPTIONS_ENV}={text!r} is not a JSON object of strategy options; "
+            f"`torchplug launch --option NAME=VALUE` sets it. Unset it, or relaunch."
+        )
+    return value
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` from the command line; VALUE as JSON if it parses (``true``, ``25``,
+    ``1.5``, ``null``), else as a string (``gloo``)."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip():
+        raise ConfigurationError(
+            f"--option {text!r} is not NAME=VALUE; expected e.g. --option timeout=60 or "
+            f"--option find_unused_parameters=true."
+        )
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return name.strip(), value
+
+
+def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str]:
+    """What is wrong with resolved ``settings`` before any process starts (empty: nothing).
+
+    Used by ``torchplug launch`` (before it spawns) and ``torchplug doctor``. A strategy left at
+    ``auto`` may still be chosen by the code, so its options are checked only when a source
+    other than the code named the strategy.
+    """
+    found: list[str] = []
+    value = str(settings.strategy.value)
+    named = value.strip().lower() != "auto"
+    info = None
+    try:
+        info = registry.strategy(value if named else ("ddp" if world_size > 1 else "single"))
+    except ConfigurationError as exc:
+        found.append(f"strategy {value!r} (from {settings.strategy.source}): {exc}")
+    if info is not None and world_size > 1 and not info.distributed:
+        found.append(
+            f"strategy {value!r} (from {settings.strategy.source}) runs in one process, but "
+            f"{world_size} processes are asked for. Choose a multi-process strategy such as "
+            f"'ddp', or run one process."
+        )
+    precision = None
+    try:
+        precision = normalize_precision(settings.precision.value)
+    except ConfigurationError as exc:
+        found.append(
+            f"precision {settings.precision.value!r} (from {settings.precision.source}): {exc}"
+        )
+    if info is not None and precision is not None and precision not in info.precisions:
+        found.append(
+            f"strategy '{info.name}' (from {settings.strategy.source}) cannot run precision "
+            f"'{precision}' (from {settings.precision.source}); it supports "
+            f"{', '.join(info.precisions)}. Choose one of those, or a strategy that supports "
+            f"'{precision}'."
+        )
+    if info is not None and named and settings.options:
+        try:
+            info.resolve_options({n: s.value for n, s in settings.options.items()})
+        except ConfigurationError as exc:
+            sources = sorted({s.source for s in settings.options.values()})
+            found.append(f"options (from {', '.join(sources)}): {exc}")
+    elif settings.options:  # the code may name the strategy: only names no strategy has are wrong
+        known = {o.name for i in registry.strategies.values() for o in i.options}
+        for name, setting in sorted(settings.options.items()):
+            if name not in known:
+                found.append(
+                    f"option {name!r} (from {setting.source}) is an option of no installed "
+                    f"strategy.{did_you_mean(name, known)} Fix or remove it; "
+                    f"`torchplug plugins --verbose` lists every strategy's options."
+                )
+    return found

@@ -75,8 +75,10 @@ class EngineDataLoader:
         rank: int = 0,
         seed: int = 0,
         use_distributed_sampler: bool = True,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self._shard_batches = 1
+        self._gather = gather
         self._rank = rank
         if num_replicas > 1 and use_distributed_sampler:
             if (
@@ -91,6 +93,40 @@ class EngineDataLoader:
         self.loader = loader
         self.place = place
         self.epoch = 0
+        #: Batches handed out in the pass in progress (``None``: no pass in progress).
+        self._consumed: int | None = None
+        #: The torch RNG state (and the loader's own generator's) when the pass in progress
+        #: started: samplers draw their order from them when a pass starts.
+        self._epoch_rng: dict[str, torch.Tensor] | None = None
+        self._skip = 0
+        self._replay_rng: dict[str, torch.Tensor] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: epoch and batches consumed (for resuming mid-epoch).
+
+        Put the loader in the checkpoint state (``{"loader": loader, ...}``); call it on every
+        rank, as saving does: the RNG state the pass started with is gathered from each rank.
+        """
+        in_pass = self._consumed is not None
+        state: dict[str, Any] = {
+            "epoch": self.epoch - 1 if in_pass else self.epoch,
+            "batches": self._consumed if in_pass else 0,
+        }
+        if in_pass and self._epoch_rng is not None:
+            for key, rng in self._epoch_rng.items():
+                state[key] = self._gather(rng) if self._gather is not None else rng[None]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state``: the next pass is that epoch, skipping the batches consumed."""
+        self.epoch = int(state["epoch"])
+        self._skip = int(state.get("batches", 0))
+        self._consumed = None
+        self._replay_rng = {
+            key: state[key][self._rank % len(state[key])].clone()
+            for key in ("epoch_rng", "epoch_generator")
+            if key in state
+        }
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch the next pass shuffles for (it otherwise advances by one per pass)."""
@@ -101,6 +137,24 @@ class EngineDataLoader:
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(self.epoch)
         self.epoch += 1
+        skip, self._skip = self._skip, 0
+        replay, self._replay_rng = self._replay_rng, {}
+        generator = getattr(self.loader, "generator", None)
+        if not isinstance(generator, torch.Generator):
+            generator = None
+        resume_rng = None
+        if skip and replay:
+            # Replay the pass from its start: samplers draw their order from the RNG as it was
+            # then; afterwards the global RNG goes back to where the checkpoint left it.
+            resume_rng = torch.get_rng_state()
+            if "epoch_rng" in replay:
+                torch.set_rng_state(replay["epoch_rng"])
+            if generator is not None and "epoch_generator" in replay:
+                generator.set_state(replay["epoch_generator"])
+        self._epoch_rng = {"epoch_rng": torch.get_rng_state()}
+        if generator is not None:
+            self._epoch_rng["epoch_generator"] = generator.get_state()
+        self._consumed = 0
         n, rank = self._shard_batches, self._rank
         round_: list[Any] = []
         for batch in self.loader:
@@ -109,7 +163,18 @@ class EngineDataLoader:
                 if len(round_) < n:
                     continue
                 batch, round_ = round_[rank], []
+            if skip:
+                skip -= 1
+                self._consumed += 1
+                if not skip and resume_rng is not None:
+                    torch.set_rng_state(resume_rng)
+                    resume_rng = None
+                continue
+            self._consumed += 1
             yield self.place(batch) if self.place is not None else batch
+        if resume_rng is not None:  # the pass was shorter than the batches to skip
+            torch.set_rng_state(resume_rng)
+        self._consumed = None
 
     def __len__(self) -> int:
         return len(self.loader) // self._shard_batches

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from torchplug.core import cluster as cluster_mod
-from torchplug.core import config, manager
+from torchplug.core import config, faults, manager
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.nested import map_tensors
 from torchplug.core.registry import StrategyInfo, normalize_precision, resolve_options
@@ -78,10 +78,14 @@ class Engine:
         seed: int = 0,
         checkpoint_key: str | bytes | None = None,
         checkpoint_timeout: float | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        resume: str | None = None,
+        keep_last: int | None = None,
         **strategy_options: Any,
     ) -> None:
         from torchplug.checkpoint.verify import key_from
 
+        faults.install_error_recorder()
         #: HMAC key: checkpoints are signed on save and must carry a valid signature on load.
         self.checkpoint_key = key_from(checkpoint_key)
         self._checkpoint_timeout = _checkpoint_timeout(checkpoint_timeout)
@@ -108,6 +112,12 @@ class Engine:
         self._optimizer_models: dict[int, weakref.ref[torch.nn.Module]] = {}
         self._raw_steps = False
         self._closed = False
+        #: Set when the Engine is left by an exception: teardown then skips its barrier.
+        self.failing = False
+        from torchplug.core.resume import CheckpointPolicy
+
+        self.checkpoints = CheckpointPolicy.checked(checkpoint_dir, resume, keep_last)
+        self._checker: faults.CollectiveChecker | None = None
 
         self.backend = self.info.factory(**self.options)
         active: list[object] = [self.backend]
@@ -155,6 +165,7 @@ class Engine:
         try:
             runtime = self.hook.torchplug_setup(engine=self, cluster=self.cluster)
         except BaseException:
+            self.failing = True  # no teardown barrier: the other ranks may not be there
             self.hook.torchplug_teardown(engine=self)  # release what setup got before failing
             raise
         if not isinstance(runtime, Runtime):
@@ -163,6 +174,13 @@ class Engine:
                 f"{runtime!r} from torchplug_setup; it must return a torchplug Runtime."
             )
         self.runtime = runtime
+        if faults.debug_enabled() and self.world_size > 1 and torch.distributed.is_initialized():
+            self._checker = faults.CollectiveChecker(
+                torch.distributed.distributed_c10d._get_default_store(),
+                self.rank,
+                self.world_size,
+                float(self.options.get("timeout") or 1800.0),
+            )
 
     # -- selection --------------------------------------------------------------------------------
 
@@ -174,7 +192,12 @@ class Engine:
             self.settings.strategy = config.Setting(
                 name, f"auto ({'world size ' + str(self.cluster.world_size)})"
             )
-        info = registry.strategy(name)
+        try:
+            info = registry.strategy(name)
+        except ConfigurationError as exc:
+            if setting.source == "code argument":
+                raise
+            raise ConfigurationError(f"{exc} (The name came from {setting.source}.)") from None
         if self.cluster.world_size > 1 and not info.distributed:
             raise ConfigurationError(
                 f"Strategy '{info.name}' runs in one process, but this process is rank "
@@ -421,6 +444,7 @@ class Engine:
             rank=self.rank,
             seed=self.seed,
             use_distributed_sampler=use_distributed_sampler,
+            gather=self.gather if self.world_size > 1 else None,
         )
 
     def place_batch(self, batch: Any) -> Any:
@@ -480,16 +504,41 @@ class Engine:
             raise ConfigurationError(
                 f"Unknown reduce op {op!r}. Expected one of {', '.join(REDUCE_OPS)}."
             )
-        result = self.hook.torchplug_reduce(engine=self, tensor=self._as_tensor(tensor), op=op)
+        tensor = self._as_tensor(tensor)
+        self._check_collective(f"reduce({op})", tensor)
+        result = self._guarded(
+            "reduce", lambda: self.hook.torchplug_reduce(engine=self, tensor=tensor, op=op)
+        )
         return self._answer("torchplug_reduce", result, torch.Tensor, "a tensor")
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
         """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``."""
-        result = self.hook.torchplug_gather(engine=self, tensor=self._as_tensor(tensor))
+        tensor = self._as_tensor(tensor)
+        self._check_collective("gather", tensor)
+        result = self._guarded(
+            "gather", lambda: self.hook.torchplug_gather(engine=self, tensor=tensor)
+        )
         return self._answer("torchplug_gather", result, torch.Tensor, "a tensor")
 
     def barrier(self) -> None:
-        self._answer("torchplug_barrier", self.hook.torchplug_barrier(engine=self), bool, "True")
+        """Wait until every rank arrives here."""
+        self._check_collective("barrier", None)
+        done = self._guarded("barrier", lambda: self.hook.torchplug_barrier(engine=self))
+        self._answer("torchplug_barrier", done, bool, "True")
+
+    def _check_collective(self, op: str, tensor: torch.Tensor | None) -> None:
+        """Debug mode: every rank must call the same collective with the same shape/dtype."""
+        if self._checker is not None:
+            if tensor is None:
+                self._checker.check(op)
+            else:
+                self._checker.check(
+                    op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+                )
+
+    def _guarded(self, op: str, call: Callable[[], Any]) -> Any:
+        timeout = self.options.get("timeout")
+        return faults.guarded(op, self.rank, timeout, call)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
@@ -604,6 +653,30 @@ class Engine:
         """Seconds a save or load waits for every rank to arrive before naming the absent ones."""
         return self._checkpoint_timeout
 
+    # -- fault tolerance --------------------------------------------------------------------------
+
+    def save_checkpoint(self, state: dict[str, Any], step: int | None = None) -> Path:
+        """Save ``state`` and every rank's RNG state as ``checkpoint_dir/step-N``.
+
+        ``N`` is ``step`` or ``state["step"]``. With ``keep_last`` the oldest numbered
+        checkpoints beyond that count are deleted, never the newest complete one. Put the
+        loader from :meth:`setup_dataloader` in ``state`` to resume mid-epoch.
+        """
+        from torchplug.core import resume
+
+        return resume.save_checkpoint(self, state, step)
+
+    def resume(self, state: dict[str, Any]) -> int | None:
+        """With ``resume="latest"``: load the newest complete checkpoint in ``checkpoint_dir``
+        into ``state`` (RNG states included); return its step, or ``None`` if there is none.
+
+        Call it once after setup; a job restarted by ``torchplug launch --max-restarts`` then
+        carries on where its last checkpoint left it.
+        """
+        from torchplug.core import resume
+
+        return resume.resume(self, state)
+
     # -- lifetime ---------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -619,5 +692,9 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None:
+            self.failing = True  # other ranks may sit in a collective: no teardown barrier
+            if isinstance(exc[0], BaseException):
+                faults.note(exc[0])
         self.close()

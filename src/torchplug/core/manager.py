@@ -12,6 +12,8 @@ Environment controls, read when the registry is first built:
     allow-list of third-party entry-point plugins to load (built-ins always load).
 ``TORCHPLUG_BLOCK_PLUGINS=a,b``
     never import these plugins (built-ins included), like pytest's ``-p no:name``.
+``TORCHPLUG_PLUGIN_MODULES=a,b``
+    in-house plugin modules to import and register (``torchplug launch --plugin`` sets it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from torchplug.core.errors import ConfigurationError, PluginError, did_you_mean
 from torchplug.core.registry import PrecisionInfo, StrategyInfo
 
 ENTRY_POINT_GROUP = "torchplug"
+#: In-house plugin modules to import into every registry (``torchplug launch --plugin``).
+PLUGIN_MODULES_ENV = "TORCHPLUG_PLUGIN_MODULES"
 OWN_DISTRIBUTION = "torchplug"
 
 #: Hooks that make a plugin part of an Engine's active set when it is registered globally.
@@ -376,7 +380,40 @@ def get_registry() -> Registry:
                 registry.add(cluster, name="torchplug.cluster", origin=(OWN_DISTRIBUTION, ""))
                 registry.load_entry_points()
                 _registry = registry
+            # Outside the lock: an in-house module may call torchplug.register() on import.
+            for module in _env_list(PLUGIN_MODULES_ENV):
+                import_plugin_module(registry, module, strict=False)
     return _registry
+
+
+def import_plugin_module(registry: Registry, module: str, strict: bool = True) -> None:
+    """Import an in-house plugin module by name (the working directory on ``sys.path`` too)
+    and register it unless importing it registered it already.
+
+    ``strict``: raise what went wrong (``torchplug launch --plugin``); else record and warn, as
+    for entry-point plugins (the processes the launcher started).
+    """
+    import importlib
+
+    try:
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())
+        plugin = importlib.import_module(module)
+        if not registry.pm.is_registered(plugin) and registry.pm.get_plugin(module) is None:
+            registry.add(plugin, name=module)
+    except Exception as exc:
+        if strict:
+            raise PluginError(
+                f"Plugin module '{module}' could not be loaded: {type(exc).__name__}: {exc}. "
+                f"Check the module name (it is imported like `import {module}`, from the "
+                f"current directory too) and that it imports cleanly."
+            ) from exc
+        registry.errors[module] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"torchplug plugin module '{module}' ({PLUGIN_MODULES_ENV}) failed to load and is "
+            f"skipped: {type(exc).__name__}: {exc}",
+            stacklevel=2,
+        )
 
 
 def reset_registry() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,10 @@ class Option:
     default: Any
     help: str = ""
     choices: tuple[Any, ...] | None = None
+    #: Checks a value of the right type; returns what is wrong and what is expected (e.g.
+    #: "must be a positive number of seconds, got -1"), or ``None`` when the value is fine.
+    #: Runs wherever options are resolved, so ``torchplug launch`` and ``doctor`` catch it too.
+    validate: Callable[[Any], str | None] | None = None
 
     def type_name(self) -> str:
         types = self.type if isinstance(self.type, tuple) else (self.type,)
@@ -81,7 +86,26 @@ class Option:
                 f"{', '.join(repr(c) for c in self.choices)}, got {value!r}."
                 f"{did_you_mean(str(value), [str(c) for c in self.choices])}"
             )
+        problem = self.validate(value) if self.validate is not None else None
+        if problem:
+            raise ConfigurationError(
+                f"Option '{self.name}' of {owner} {problem}. Pass a valid value, e.g. "
+                f"{self.name}={self.default!r}, or leave it out for the default."
+            )
         return value
+
+
+def positive_number(unit: str, maximum: float) -> Callable[[Any], str | None]:
+    """A validator: a finite number above 0 and at most ``maximum`` (in ``unit``)."""
+
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None
+        if not math.isfinite(value) or not 0 < value <= maximum:
+            return f"must be a number of {unit} above 0 and at most {maximum:g}, got {value!r}"
+        return None
+
+    return check
 
 
 def resolve_options(

@@ -7,8 +7,10 @@ that answers a hook takes precedence over them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -198,16 +200,61 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+#: The longest collective timeout accepted: one year (torch overflows far above it).
+MAX_TIMEOUT = 365 * 24 * 3600.0
+
+
+def check_process_group_backend(value: str | None) -> str | None:
+    """Why ``value`` is not a torch.distributed backend usable here, or ``None``.
+
+    Accepts a backend name (``gloo``) or the per-device form ``cpu:gloo,cuda:nccl``.
+    """
+    from torchplug.core.errors import did_you_mean
+
+    if value is None:
+        return None
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    names = [part.split(":", 1)[-1].strip().lower() for part in value.split(",")]
+    for name in names:
+        if name not in known:
+            return (
+                f"names an unknown torch.distributed backend {name!r}; expected one of "
+                f"{', '.join(known)} (or None: nccl on CUDA, gloo on CPU)"
+                f"{did_you_mean(name, known)}"
+            )
+        available = getattr(dist, f"is_{name}_available", None)
+        if available is not None and not available():
+            return (
+                f"asks for backend {name!r}, which this torch build does not have; expected a "
+                f"backend it has ({', '.join(b for b in known if _has_backend(b)) or 'none'})"
+            )
+    return None
+
+
+def _has_backend(name: str) -> bool:
+    available = getattr(dist, f"is_{name}_available", None)
+    return bool(available()) if available is not None else True
+
+
 def distributed_options() -> tuple[Option, ...]:
     """The options of every :class:`DistributedStrategy`, for its StrategyInfo."""
+    from torchplug.core.registry import positive_number
+
     return (
         Option(
             "process_group_backend",
             (str, type(None)),
             None,
             "torch.distributed backend; default nccl on CUDA, gloo on CPU",
+            validate=check_process_group_backend,
         ),
-        Option("timeout", float, 1800.0, "seconds before a collective gives up"),
+        Option(
+            "timeout",
+            float,
+            1800.0,
+            "seconds before a collective gives up",
+            validate=positive_number("seconds", MAX_TIMEOUT),
+        ),
     )
 
 
@@ -237,14 +284,19 @@ class DistributedStrategy(Strategy):
                     )
                 port = free_port()  # a world of one, e.g. in a notebook
             host = f"[{cluster.master_addr}]" if ":" in cluster.master_addr else cluster.master_addr
+            timeout = datetime.timedelta(seconds=self.timeout)
+            where: dict[str, Any] = {"init_method": f"tcp://{host}:{port}"}
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                where = {"store": _attempt_store(cluster.master_addr, port, cluster, timeout)}
             dist.init_process_group(
                 backend=self.process_group_backend or ("nccl" if device.type == "cuda" else "gloo"),
-                init_method=f"tcp://{host}:{port}",
                 rank=cluster.rank,
                 world_size=cluster.world_size,
-                timeout=datetime.timedelta(seconds=self.timeout),
+                timeout=timeout,
+                **where,
             )
             self.owns_process_group = True
+            atexit.register(self._release_at_exit)
         return Runtime(
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
@@ -255,16 +307,46 @@ class DistributedStrategy(Strategy):
 
     @hookimpl
     def torchplug_teardown(self, engine: Engine) -> None:
+        from torchplug.core import faults
+
+        self._release(failing=engine.failing or faults.failing)
+
+    def _release(self, failing: bool = False) -> None:
+        """Destroy the process group this strategy created (at close, or at interpreter exit)."""
+        atexit.unregister(self._release_at_exit)
         if self.owns_process_group and dist.is_initialized():
             # The process group's C++ destructor runs later, when the wrapped module is freed,
             # and joins gloo's worker threads while holding the GIL. A worker still releasing the
             # last collective's work needs the GIL too: a deadlock (seen with torch 2.13). So:
             # the barrier keeps rank 0's store up until every rank is done, and the sleep gives
-            # up the GIL long enough for the workers to drop their finished work.
-            dist.barrier()
+            # up the GIL long enough for the workers to drop their finished work. Leaving on an
+            # exception, the other ranks may be inside a collective that never completes: no
+            # barrier then, or this rank would wait for the whole timeout.
+            if not failing:
+                dist.barrier()
             dist.destroy_process_group()
             time.sleep(0.05)
         self.owns_process_group = False
+
+    def _release_at_exit(self) -> None:
+        """atexit: a script that never calls close() still destroys its process group, before
+        the interpreter tears down gloo's threads (which aborts: 'terminate called ...')."""
+        from torchplug.core import faults
+
+        self._release(failing=faults.failing)
+
+
+def _attempt_store(
+    host: str, port: int, cluster: ClusterInfo, timeout: datetime.timedelta
+) -> dist.Store:
+    """The torchrun agent's store, with a prefix per restart attempt.
+
+    The agent keeps one store across restarts (``--max-restarts``); without a prefix a restarted
+    rank would read the addresses the previous attempt's ranks left there and fail to connect.
+    """
+    store = dist.TCPStore(host, port, cluster.world_size, is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"torchplug/attempt-{attempt}/", store)
 
 
 def rebind_optimizer(

@@ -9,7 +9,7 @@ import torch
 
 from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
-from torchplug.core.registry import Option, StrategyInfo
+from torchplug.core.registry import Option, StrategyInfo, positive_number
 from torchplug.core.spec import hookimpl
 from torchplug.core.strategy import DistributedStrategy, distributed_options
 
@@ -81,7 +81,13 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 Option("static_graph", bool, False, "see torch DDP"),
                 Option("gradient_as_bucket_view", bool, False, "see torch DDP"),
                 Option("broadcast_buffers", bool, True, "see torch DDP"),
-                Option("bucket_cap_mb", float, 25.0, "see torch DDP"),
+                Option(
+                    "bucket_cap_mb",
+                    float,
+                    25.0,
+                    "gradient bucket size in MiB (torch DDP)",
+                    validate=positive_number("MiB", 1024.0**2),
+                ),
             ),
         )
     )

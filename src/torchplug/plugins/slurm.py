@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from torchplug.core.cluster import ClusterInfo
+from torchplug.core.cluster import ClusterInfo, master_port
 from torchplug.core.spec import hookimpl
 
 
@@ -52,7 +52,8 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
         or tasks_per_node(env.get("SLURM_TASKS_PER_NODE", "1"), node)
     )
     job = env.get("SLURM_JOB_ID", "0")
-    port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else 10000 + int(job[-4:] or 0) % 50000
+    port = master_port(env.get("MASTER_PORT"))
+    port = port if port is not None else 10000 + int(job[-4:] or 0) % 50000
     return ClusterInfo(
         rank=int(env["SLURM_PROCID"]),
         world_size=int(env["SLURM_NTASKS"]),

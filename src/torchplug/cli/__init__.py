@@ -1,0 +1,91 @@
+"""The ``torchplug`` command: launch, plugins, doctor, check, convert.
+
+The command line sits above the core (it may use the testing kit; nothing below imports it).
+Importing this package imports neither torch nor any plugin, so ``torchplug --help`` is instant;
+each command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchplug",
+        description="One PyTorch training loop, any distributed backend.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser(
+        "launch",
+        help="run a script on N processes through torchrun (torchplug launch --help)",
+        add_help=False,
+    )
+    p = sub.add_parser("plugins", help="list installed strategies and plugins")
+    p.add_argument("-v", "--verbose", action="store_true", help="options, capabilities, hooks")
+    sub.add_parser("doctor", help="versions, devices, cluster, resolved settings and their sources")
+    p = sub.add_parser(
+        "check", help="run the conformance kit on a strategy (torchplug check ddp -n 2)"
+    )
+    p.add_argument("strategy")
+    p.add_argument("-n", "--nprocs", type=int, default=2, help="ranks to run on (default 2)")
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import and register an in-house plugin module first (repeatable)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        metavar="PROPERTY",
+        help="check only this property (repeatable)",
+    )
+    p = sub.add_parser(
+        "convert",
+        help="turn a checkpoint into DST/model.safetensors (loadable without torchplug)",
+    )
+    p.add_argument("source", help="a checkpoint directory written by engine.save")
+    p.add_argument("destination", help="directory to write model.safetensors into")
+    p.add_argument("--entry", default=None, help="which module entry (default: the only one)")
+    p.add_argument("--optimizer", action="store_true", help="also write optimizer.safetensors")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: on a terminal or for checkpoints over 1 GiB)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``torchplug`` command; return its exit code (2: bad input, nothing started)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":
+        from torchplug.cli.launch import launch
+
+        return launch(argv[1:])
+    args: Any = _parser().parse_args(argv)
+    if args.command == "plugins":
+        from torchplug.cli.plugins import plugins
+
+        return plugins(verbose=args.verbose)
+    if args.command == "doctor":
+        from torchplug.cli.doctor import doctor
+
+        return doctor()
+    if args.command == "convert":
+        from torchplug.cli.convert import convert
+
+        return convert(args)
+    if args.command == "check":
+        from torchplug.cli.check import check
+
+        return check(args)
+    _parser().print_help()
+    return 0

@@ -1,0 +1,26 @@
+"""``torchplug convert``: a checkpoint to ``model.safetensors`` (the work is in the core)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def convert(args: Any) -> int:
+    from torchplug.checkpoint.convert import convert as run_convert
+    from torchplug.core.errors import TorchplugError
+
+    try:
+        written = run_convert(
+            args.source,
+            args.destination,
+            entry=args.entry,
+            optimizer=args.optimizer,
+            progress=args.progress,
+        )
+    except TorchplugError as exc:
+        print(f"torchplug convert: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0

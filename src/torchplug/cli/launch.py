@@ -1,0 +1,412 @@
+"""``torchplug launch``: check everything that can be checked, then run torchrun in this process.
+
+Every check runs before a process starts, and each failure is one line with the fix and exit
+code 2: strategy and precision names and their compatibility, the options in the config file,
+``-n``, ``MASTER_PORT``, the script's existence. torchrun's own flags pass through; multi-node
+runs use its rendezvous and restarts its elastic agent (``--max-restarts``). When the job fails,
+the summary names the rank that failed first with its traceback, and every other rank in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torchplug.core.errors import TorchplugError
+
+#: torchplug's own launcher flags; written after the script they would reach the script instead.
+OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug")
+#: Variables the launcher hands to the processes it starts.
+PLUGIN_ENV = "TORCHPLUG_PLUGIN_MODULES"
+DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
+LAUNCHED_ENV = "TORCHPLUG_LAUNCHED"
+
+USAGE = "torchplug launch [-n N] [--strategy NAME] [--precision P] [torchrun flags] SCRIPT [args]"
+
+
+class LaunchError(TorchplugError):
+    """Bad launcher input: reported in one line, exit code 2, nothing started."""
+
+
+def _installed_strategies() -> str:
+    try:
+        from torchplug.core.manager import get_registry
+
+        return ", ".join(get_registry().usable_names()) or "none"
+    except Exception as exc:  # help must print even with a broken plugin
+        return f"(could not list: {exc})"
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    """torchrun's parser with torchplug's flags added and shown first in ``--help``."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "torchplug launch"
+    parser.usage = USAGE
+    parser.description = (
+        "Run a training script on N processes per node through torch.distributed.run "
+        "(torchrun). torchplug's flags come first and go before the script; every torchrun "
+        "flag is accepted as well (listed after torchplug's)."
+    )
+    own = parser.add_argument_group("torchplug options (put them before the script)")
+    own.add_argument(
+        "-n",
+        dest="nproc_per_node",
+        metavar="N",
+        help="processes per node (alias of torchrun's "
+        "--nproc-per-node; default: one per GPU, else 1)",
+    )
+    own.add_argument(
+        "--strategy",
+        default=None,
+        metavar="NAME",
+        help=f"strategy for Engine(strategy='auto') in the script; installed and usable here: "
+        f"{_installed_strategies()}",
+    )
+    own.add_argument("--precision", default=None, metavar="P", help="32, bf16 or fp16")
+    own.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a strategy option for Engine() in the script, e.g. --option timeout=60 "
+        "(repeatable; the code's own keyword arguments win)",
+    )
+    own.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import an in-house plugin module (from the current directory too) here and in "
+        "every process, so its strategies can be named (repeatable)",
+    )
+    own.add_argument(
+        "--debug",
+        action="store_true",
+        help="check before each torchplug collective that every rank calls the same operation "
+        "with the same shapes and dtypes (TORCHPLUG_DEBUG_COLLECTIVES=1)",
+    )
+    parser.set_defaults(nproc_per_node=None)
+    groups = parser._action_groups  # noqa: SLF001 - argparse has no API to order help groups
+    groups.insert(0, groups.pop(groups.index(own)))
+    for group in groups[1:]:
+        if group.title in ("options", "optional arguments"):
+            group.title = "torchrun options (passed through)"
+    return parser
+
+
+def apply_cluster(args: Any, parser: argparse.ArgumentParser, info: Any) -> list[str]:
+    """Fill torchrun's multi-node flags the user left at their defaults from the cluster
+    environment a plugin detected (SLURM, SageMaker, ...); return the flags filled."""
+    if info.num_nodes <= 1 or info.source in ("torchrun", "single process"):
+        return []
+    wanted = {
+        "nnodes": str(info.num_nodes),
+        "node_rank": info.node_rank,
+        "master_addr": info.master_addr,
+        "master_port": info.master_port,
+    }
+    filled = []
+    for dest, value in wanted.items():
+        if value is not None and getattr(args, dest) == parser.get_default(dest):
+            setattr(args, dest, value)
+            filled.append(dest)
+    return filled
+
+
+# -- checks ---------------------------------------------------------------------------------------
+
+
+def import_plugins(modules: Sequence[str]) -> None:
+    """Import each in-house plugin module (the current directory on ``sys.path``) and register
+    it unless it registered itself; the processes started later do the same through
+    ``TORCHPLUG_PLUGIN_MODULES``."""
+    if not modules:
+        return
+    from torchplug.core.manager import get_registry, import_plugin_module
+
+    registry = get_registry()
+    for name in modules:
+        import_plugin_module(registry, name, strict=True)
+    previous = [m for m in os.environ.get(PLUGIN_ENV, "").split(",") if m.strip()]
+    os.environ[PLUGIN_ENV] = ",".join(dict.fromkeys([*previous, *modules]))
+
+
+def nproc(value: str | None) -> str:
+    """``-n``'s value checked: a positive integer, or torchrun's auto/cpu/gpu/xpu."""
+    import torch
+
+    if value is None:
+        return str(torch.cuda.device_count() or 1)
+    text = str(value).strip().lower()
+    if text in ("auto", "cpu", "xpu"):
+        return text
+    if text == "gpu":
+        if not torch.cuda.is_available():
+            raise LaunchError(
+                "-n gpu asks for one process per GPU, but this machine has no CUDA device. "
+                "Give a number instead, e.g. -n 2."
+            )
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1 or not text.lstrip("+").isdigit():
+        raise LaunchError(
+            f"-n/--nproc-per-node {value!r} is not a number of processes; expected a whole "
+            f"number of 1 or more (or auto, cpu, gpu). Fix: e.g. -n 2."
+        )
+    return str(count)
+
+
+def check_script(args: Any) -> None:
+    """The script (or module, or executable) exists."""
+    script = args.training_script
+    if args.module:
+        if str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise LaunchError(
+                f"-m {script}: no module of that name can be imported from here. Check the "
+                f"name, run from the directory that holds it, or pip install its package."
+            )
+    elif args.no_python:
+        if shutil.which(script) is None and not Path(script).is_file():
+            raise LaunchError(
+                f"--no-python {script}: no such executable on PATH or file. Check the name."
+            )
+    elif not Path(script).is_file():
+        near = [p.name for p in Path(script).parent.glob("*.py")] if script.endswith(".py") else []
+        from torchplug.core.errors import did_you_mean
+
+        raise LaunchError(
+            f"Training script {script!r} does not exist (working directory {Path.cwd()})."
+            f"{did_you_mean(Path(script).name, near)} Give the path of a Python file, or "
+            f"-m MODULE for a module."
+        )
+
+
+def warn_flags_after_script(args: Any) -> None:
+    """A torchplug flag after the script reaches the script, not torchplug: say so loudly."""
+    rest = list(args.training_script_args)
+    for i, word in enumerate(rest):
+        flag = word.split("=", 1)[0]
+        if flag not in OWN_FLAGS:
+            continue
+        value = word.split("=", 1)[1] if "=" in word else (rest[i + 1] if i + 1 < len(rest) else "")
+        shown = f"{flag} {value}".strip() if flag != "--debug" else flag
+        if getattr(args, flag.lstrip("-")):
+            continue  # also given before the script: torchplug uses that one
+        print(
+            f"torchplug launch: warning: '{shown}' comes after the script "
+            f"{args.training_script}, so it goes to the script, not to torchplug launch. If it "
+            f"was meant for torchplug, put it before the script: torchplug launch ... {shown} "
+            f"{args.training_script} ...",
+            file=sys.stderr,
+        )
+
+
+def check_rendezvous(args: Any, argv: Sequence[str]) -> None:
+    """Honour ``MASTER_ADDR``/``MASTER_PORT`` from the environment; check the port."""
+    from torchplug.core.cluster import master_port
+
+    before = argv[: argv.index(args.training_script)] if args.training_script in argv else argv
+    given = {a.split("=", 1)[0].replace("_", "-") for a in before}
+    if "--master-port" in given:
+        master_port(str(args.master_port), "--master-port")
+    elif os.environ.get("MASTER_PORT"):
+        args.master_port = master_port(os.environ["MASTER_PORT"])
+    if "--master-addr" not in given and os.environ.get("MASTER_ADDR"):
+        args.master_addr = os.environ["MASTER_ADDR"]
+
+
+def check_settings(args: Any, nprocs: str) -> Any:
+    """Resolve the settings as the processes will, and fail on anything wrong in them."""
+    from torchplug.core import config
+    from torchplug.core.manager import get_registry
+
+    registry = get_registry()
+    env = dict(os.environ)
+    if args.strategy:
+        env[config.LAUNCH_ENV["strategy"]] = args.strategy
+    if args.precision:
+        env[config.LAUNCH_ENV["precision"]] = args.precision
+    if args.option:
+        options = dict(config.parse_option(text) for text in args.option)
+        env[config.LAUNCH_OPTIONS_ENV] = json.dumps(options)
+        os.environ[config.LAUNCH_OPTIONS_ENV] = env[config.LAUNCH_OPTIONS_ENV]
+    settings = config.resolve(env=env, canonical=lambda n: registry.canonical(n) or n)
+    nodes = str(args.nnodes).split(":")[-1]
+    world = int(nprocs) * int(nodes) if nprocs.isdigit() and nodes.isdigit() else 2
+    found = config.problems(settings, registry, world)
+    if found:
+        raise LaunchError(found[0])
+    return registry.strategy(args.strategy) if args.strategy else None
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+def _launch_in_process(args: Any, strategy: str) -> int:
+    """One process per host (torch_xla SPMD): run the script here, not under torchrun."""
+    import runpy
+
+    if str(args.nproc_per_node or "1") != "1":
+        print(
+            f"torchplug launch: strategy '{strategy}' runs one process per host and spreads it "
+            f"over the host's devices itself; drop -n/--nproc-per-node.",
+            file=sys.stderr,
+        )
+        return 2
+    sys.argv = [args.training_script, *args.training_script_args]
+    if args.module:
+        runpy.run_module(args.training_script, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(args.training_script, run_name="__main__")
+    return 0
+
+
+def launch(argv: Sequence[str]) -> int:
+    """Check, then run torchrun; exit code 2 for bad input, 1 for a failed job."""
+    argv = list(argv)
+    if not argv:
+        print(
+            f"torchplug launch: no training script given. Usage: {USAGE} "
+            f"(torchplug launch --help lists every flag).",
+            file=sys.stderr,
+        )
+        return 2
+    parser = launch_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed its message (or the help)
+        return int(exc.code or 0)
+    try:
+        from torchplug.core import cluster
+
+        import_plugins(args.plugin)
+        args.nproc_per_node = nproc(args.nproc_per_node)
+        check_script(args)
+        check_rendezvous(args, argv)
+        apply_cluster(args, parser, cluster.detect())
+        warn_flags_after_script(args)
+        info = check_settings(args, args.nproc_per_node)
+        if args.strategy:
+            os.environ["TORCHPLUG_LAUNCH_STRATEGY"] = info.name
+        if args.precision:
+            from torchplug.core.registry import normalize_precision
+
+            os.environ["TORCHPLUG_LAUNCH_PRECISION"] = normalize_precision(args.precision)
+        if info is not None and info.launcher == "xla":
+            return _launch_in_process(args, info.name)
+        if info is not None and info.launcher != "torchrun":
+            raise LaunchError(
+                f"Strategy '{info.name}' needs the '{info.launcher}' launcher, which this "
+                f"torchplug cannot start. Run the script directly as its docs describe."
+            )
+    except TorchplugError as exc:
+        print(f"torchplug launch: {exc}", file=sys.stderr)
+        return 2
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
+    os.environ[LAUNCHED_ENV] = "1"
+    return _run(args)
+
+
+def _run(args: Any) -> int:
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    # torchrun's own failure report (a FAILED block per rank) is replaced by the summary below.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        print(summary(exc.failures, args.training_script), file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- the failure summary --------------------------------------------------------------------------
+
+
+def _error_data(failure: Any) -> dict[str, Any]:
+    data = getattr(failure, "error_file_data", None) or {}
+    if not data and failure.error_file and os.path.isfile(failure.error_file):
+        try:
+            data = json.loads(Path(failure.error_file).read_text())
+        except (OSError, ValueError):
+            data = {}
+    message = data.get("message")
+    return message if isinstance(message, dict) else {}
+
+
+def _when(failure: Any) -> float:
+    extra = _error_data(failure).get("extraInfo", {})
+    try:
+        return float(extra.get("torchplug_time") or extra.get("timestamp") or failure.timestamp)
+    except (TypeError, ValueError):
+        return float(failure.timestamp)
+
+
+def _one_line(failure: Any) -> str:
+    message = _error_data(failure).get("message")
+    if message:
+        return str(message).strip().splitlines()[0][:300]
+    if failure.exitcode < 0:
+        return f"stopped by signal {failure.signal_name()}"
+    return f"exit code {failure.exitcode} (no error recorded: its own output is above)"
+
+
+def summary(failures: dict[int, Any], script: str = "the script") -> str:
+    """The failed job in a few lines: the first failing rank with its traceback, then one line
+    for each other rank."""
+
+    def order(item: tuple[int, Any]) -> tuple[int, float, int]:
+        data = _error_data(item[1])
+        kind = 2 if not data else 1 if data.get("extraInfo", {}).get("torchplug_secondary") else 0
+        return kind, _when(item[1]), item[0]
+
+    ranked = sorted(failures.items(), key=order)
+    first_rank, first = ranked[0]
+    lines = [
+        f"torchplug launch: the job failed ({script}). Rank {first_rank} failed first: "
+        f"{_one_line(first)}"
+    ]
+    stalled = [r for r, f in ranked if not _error_data(f) and f.exitcode < 0]
+    if stalled and _error_data(first).get("extraInfo", {}).get("torchplug_secondary"):
+        lines.append(
+            f"Rank(s) {stalled} raised nothing and were still running when it failed: the "
+            f"likely stalled rank(s). Look at what they were doing (their output above)."
+        )
+    trace = _error_data(first).get("extraInfo", {}).get("py_callstack")
+    if trace:
+        lines += ["", f"rank {first_rank}'s traceback:", str(trace).rstrip(), ""]
+    else:
+        lines.append(f"  (exit code {first.exitcode}; its output above holds the details)")
+    others = [(r, f) for r, f in ranked if r != first_rank]
+    if others:
+        lines.append("then:")
+        headline = _one_line(first)
+        lines += [
+            f"  rank {r}: "
+            + (f"the same error as rank {first_rank}" if _one_line(f) == headline else _one_line(f))
+            for r, f in others
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""``torchplug launch`` checks before it spawns: one line with the fix, exit code 2, no process.
+
+Each bad input runs a launch whose script would leave a marker file; the marker's absence shows
+that nothing started.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from test_cli import torchplug
+
+MARKER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    Path(sys.argv[1]).joinpath(f"started-{os.environ.get('RANK', 'x')}").write_text(
+        os.environ.get("MASTER_PORT", "") + " " + os.environ.get("TORCHPLUG_LAUNCH_STRATEGY", "")
+    )
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(MARKER_SCRIPT)
+    return path
+
+
+def refused(run, tmp_path) -> str:
+    """The one-line message of a launch that must have been refused before starting anything."""
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert not list(tmp_path.glob("started-*")), "a process started"
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "1.5"])
+def test_bad_process_count(tmp_path, script, value):
+    line = refused(torchplug("launch", "-n", value, str(script), str(tmp_path)), tmp_path)
+    assert f"-n/--nproc-per-node '{value}' is not a number of processes" in line
+    assert "Fix: e.g. -n 2." in line
+
+
+def test_missing_script(tmp_path, script):
+    line = refused(torchplug("launch", "-n", "2", str(tmp_path / "trian.py")), tmp_path)
+    assert "Training script" in line and "trian.py' does not exist" in line
+    assert "Did you mean 'train.py'? Give the path of a Python file" in line
+
+
+def test_missing_module(tmp_path):
+    line = refused(torchplug("launch", "-n", "1", "-m", "no_such_module_here"), tmp_path)
+    assert "-m no_such_module_here: no module of that name can be imported" in line
+
+
+def test_precision_the_strategy_cannot_run(tmp_path, script):
+    run = torchplug(
+        "launch", "-n", "2", "--strategy", "fsdp", "--precision", "fp16", str(script), "."
+    )
+    line = refused(run, tmp_path)
+    assert "strategy 'fsdp' (from torchplug launch --strategy) cannot run precision 'fp16'" in line
+    assert "it supports 32, bf16" in line
+
+
+def test_unknown_precision(tmp_path, script):
+    line = refused(torchplug("launch", "--precision", "bf17", str(script)), tmp_path)
+    assert "Unknown precision 'bf17'. Did you mean 'bf16'?" in line
+
+
+def test_single_process_strategy_on_two_processes(tmp_path, script):
+    line = refused(torchplug("launch", "-n", "2", "--strategy", "single", str(script)), tmp_path)
+    assert "runs in one process, but 2 processes are asked for" in line
+
+
+def test_bad_option_in_the_config_file(tmp_path, script):
+    (tmp_path / "torchplug.toml").write_text('strategy = "ddp"\n[options]\nbucket_cap_mb = -5\n')
+    run = torchplug("launch", "-n", "2", str(script), str(tmp_path), cwd=tmp_path)
+    line = refused(run, tmp_path)
+    assert "Option 'bucket_cap_mb' of strategy 'ddp' must be a number of MiB above 0" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ("--strategy", "ddp", "--option", "timeout=-1"),
+            "Option 'timeout' of strategy 'ddp' must be a number of seconds above 0",
+        ),
+        (
+            ("--strategy", "ddp", "--option", "bucket_cap=5"),
+            "Unknown option 'bucket_cap' for strategy 'ddp'. Did you mean 'bucket_cap_mb'?",
+        ),
+        (("--option", "bucket_cap=5"), "option 'bucket_cap' (from torchplug launch --option "),
+        (("--option", "timeout"), "--option 'timeout' is not NAME=VALUE; expected e.g."),
+    ],
+)
+def test_bad_launcher_option(tmp_path, script, args, expected):
+    assert expected in refused(torchplug("launch", *args, str(script)), tmp_path)
+
+
+def test_master_port_that_is_no_port(tmp_path, script):
+    run = torchplug("launch", str(script), env={"MASTER_PORT": "notaport"})
+    assert "MASTER_PORT='notaport' is not a TCP port" in refused(run, tmp_path)
+
+
+def test_no_arguments_says_what_to_write():
+    run = torchplug("launch")
+    assert run.returncode == 2
+    assert "no training script given. Usage: torchplug launch [-n N]" in run.stderr
+    assert "required" not in run.stderr
+
+
+def test_help_shows_torchplug_flags_first_with_the_strategies():
+    run = torchplug("launch", "--help")
+    assert run.returncode == 0
+    text = run.stdout
+    own = text.index("torchplug options (put them before the script)")
+    assert own < text.index("torchrun options (passed through)")
+    assert own < text.index("--nnodes")
+    assert "usable here: ddp, fsdp, single" in " ".join(text.split())
+
+
+@pytest.mark.slow
+def test_master_port_is_honoured_and_flags_after_the_script_warn(tmp_path, script):
+    from torchplug.testing.processes import free_port
+
+    port = free_port()
+    run = torchplug(
+        "launch", "--master-port", str(port), str(script), str(tmp_path), "--strategy", "single"
+    )
+    assert run.returncode == 0, run.stderr
+    port_seen, strategy_seen = (tmp_path / "started-0").read_text().split(" ")
+    assert port_seen == str(port)
+    assert strategy_seen == ""  # the flag went to the script, and torchplug said so:
+    assert "warning: '--strategy single' comes after the script" in run.stderr
+    assert "so it goes to the script, not to torchplug launch" in run.stderr
+    assert f"torchplug launch ... --strategy single {script}" in run.stderr
+
+    other = free_port()
+    run = torchplug("launch", str(script), str(tmp_path), env={"MASTER_PORT": str(other)})
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "started-0").read_text().split(" ")[0] == str(other)
+
+
+INHOUSE = textwrap.dedent(
+    """
+    import torchplug as tp
+    from torchplug.core.strategy import distributed_options
+    from torchplug.plugins.ddp import DDPStrategy
+
+    @tp.hookimpl
+    def torchplug_register_strategies(register):
+        register(tp.StrategyInfo(name="my-inhouse", factory=DDPStrategy, description="ours",
+                                 options=distributed_options()))
+    """
+)
+
+
+@pytest.mark.slow
+def test_plugin_module_from_the_current_directory_reaches_every_rank(tmp_path):
+    (tmp_path / "my_plugin.py").write_text(INHOUSE)
+    (tmp_path / "train.py").write_text(
+        "import torchplug as tp\n"
+        "with tp.Engine() as engine:\n"
+        "    print('strategy', engine.rank, engine.strategy, engine.options['timeout'])\n"
+    )
+    run = torchplug(
+        "launch",
+        "-n",
+        "2",
+        "--plugin",
+        "my_plugin",
+        "--strategy",
+        "my-inhouse",
+        "--option",
+        "timeout=42",
+        "train.py",
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    assert sorted(line for line in run.stdout.splitlines() if line.startswith("strategy")) == [
+        "strategy 0 my-inhouse 42.0",
+        "strategy 1 my-inhouse 42.0",
+    ]
+
+
+def test_unknown_plugin_module_is_refused(tmp_path, script):
+    run = torchplug("launch", "--plugin", "not_a_module_x", str(script), cwd=tmp_path)
+    line = refused(run, tmp_path)
+    assert "Plugin module 'not_a_module_x' could not be loaded: ModuleNotFoundError" in line
+
+
+def test_strategy_of_an_unknown_plugin_is_refused(tmp_path, script):
+    line = refused(torchplug("launch", "--strategy", "my-inhouse", str(script)), tmp_path)
+    assert "Unknown strategy 'my-inhouse'" in line
