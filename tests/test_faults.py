@@ -187,3 +187,17 @@ def test_a_configuration_error_on_every_rank_is_reported_once_and_short(tmp_path
     assert "torchplug's own frames left out" in run.stderr
     other = 1 - int(first.group(1))
     assert f"  rank {other}: the same error as rank {first.group(1)}" in run.stderr
+
+
+@pytest.mark.slow
+def test_launch_debug_turns_the_check_on_in_every_rank(tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(
+        "import torch, torchplug as tp\n"
+        "with tp.Engine('ddp', timeout=10.0) as engine:\n"
+        "    engine.reduce(torch.ones(3)) if engine.rank == 0 else engine.gather(torch.ones(3))\n"
+    )
+    run = torchplug("launch", "-n", "2", "--debug", str(script), timeout=120)
+    assert run.returncode == 1
+    assert "CollectiveError: Ranks disagree on torchplug collective #1" in run.stderr
+    assert "rank(s) [1] call gather on shape (3,) float32" in run.stderr
