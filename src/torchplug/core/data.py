@@ -1,10 +1,15 @@
 """Data loaders for many processes: each rank sees its own share, on its own device.
 
 Map-style datasets with the default samplers get a :class:`DistributedSampler` (shuffling is kept,
-with one seed on every rank, and the epoch advances by itself on each pass). Anything else (custom
-samplers, batch samplers, iterable datasets) is sharded by batch: rank ``r`` of ``N`` takes batches
-``r, r+N, ...`` and the last incomplete round is dropped, so every rank runs the same number of
-steps and no collective waits forever.
+with one seed on every rank). The shuffle's epoch is an explicit counter: ``loader.set_epoch(e)``
+sets it, each *completed* pass advances it by one, and it is part of the loader's state, so a
+resumed run shuffles as the uninterrupted one did. Starting a pass does not count (a
+``next(iter(loader))`` probe shifts nothing), and a sampler you built yourself is left to you
+(torchplug never calls its ``set_epoch`` unless you call ``loader.set_epoch``).
+
+Anything else (custom samplers, batch samplers, iterable datasets) is sharded by batch: rank
+``r`` of ``N`` takes batches ``r, r+N, ...`` and the last incomplete round is dropped, so every
+rank runs the same number of steps and no collective waits forever.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class EngineDataLoader:
         self._shard_batches = 1
         self._gather = gather
         self._rank = rank
+        self._own_sampler = False
         if num_replicas > 1 and use_distributed_sampler:
             if (
                 isinstance(loader, DataLoader)
@@ -88,6 +94,7 @@ class EngineDataLoader:
                 and _default_sampler(loader)
             ):
                 loader = _with_distributed_sampler(loader, num_replicas, rank, seed)
+                self._own_sampler = True
             elif not isinstance(getattr(loader, "sampler", None), DistributedSampler):
                 self._shard_batches = num_replicas
         self.loader = loader
@@ -109,7 +116,7 @@ class EngineDataLoader:
         """
         in_pass = self._consumed is not None
         state: dict[str, Any] = {
-            "epoch": self.epoch - 1 if in_pass else self.epoch,
+            "epoch": self.epoch,
             "batches": self._consumed if in_pass else 0,
         }
         if in_pass and self._epoch_rng is not None:
@@ -129,14 +136,17 @@ class EngineDataLoader:
         }
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch the next pass shuffles for (it otherwise advances by one per pass)."""
+        """Set the epoch the next pass shuffles for (it otherwise advances by one per completed
+        pass); forwarded to a ``DistributedSampler`` you built yourself."""
         self.epoch = epoch
+        sampler = getattr(self.loader, "sampler", None)
+        if not self._own_sampler and isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         sampler = getattr(self.loader, "sampler", None)
-        if isinstance(sampler, DistributedSampler):
+        if self._own_sampler and isinstance(sampler, DistributedSampler):
             sampler.set_epoch(self.epoch)
-        self.epoch += 1
         skip, self._skip = self._skip, 0
         replay, self._replay_rng = self._replay_rng, {}
         generator = getattr(self.loader, "generator", None)
@@ -175,6 +185,7 @@ class EngineDataLoader:
         if resume_rng is not None:  # the pass was shorter than the batches to skip
             torch.set_rng_state(resume_rng)
         self._consumed = None
+        self.epoch += 1  # a completed pass: the next one shuffles for the next epoch
 
     def __len__(self) -> int:
         return len(self.loader) // self._shard_batches
