@@ -1,7 +1,8 @@
 """Data loaders for many processes: each rank sees its own share, on its own device.
 
 Map-style datasets with the default samplers get a :class:`DistributedSampler` (shuffling is kept,
-with one seed on every rank). The shuffle's epoch is an explicit counter: ``loader.set_epoch(e)``
+with one seed on every rank; in one process too, so that the global batches are the same on any
+number of processes). The shuffle's epoch is an explicit counter: ``loader.set_epoch(e)``
 sets it, each *completed* pass advances it by one, and it is part of the loader's state, so a
 resumed run shuffles as the uninterrupted one did. Starting a pass does not count (a
 ``next(iter(loader))`` probe shifts nothing), and a sampler you built yourself is left to you
@@ -86,16 +87,20 @@ class EngineDataLoader:
         self._gather = gather
         self._rank = rank
         self._own_sampler = False
-        if num_replicas > 1 and use_distributed_sampler:
+        if use_distributed_sampler:
             if (
                 isinstance(loader, DataLoader)
                 and loader.batch_size is not None
                 and not isinstance(loader.dataset, torch.utils.data.IterableDataset)
                 and _default_sampler(loader)
             ):
+                # One process too: the shuffle then depends on (seed, epoch) only, so every world
+                # size sees the same global batches, step for step.
                 loader = _with_distributed_sampler(loader, num_replicas, rank, seed)
                 self._own_sampler = True
-            elif not isinstance(getattr(loader, "sampler", None), DistributedSampler):
+            elif num_replicas > 1 and not isinstance(
+                getattr(loader, "sampler", None), DistributedSampler
+            ):
                 self._shard_batches = num_replicas
         self.loader = loader
         self.place = place

@@ -268,3 +268,57 @@ def collectives(
         out["rank"], out["world_size"] = engine.rank, engine.world_size
         engine.barrier()
         return out
+
+
+ORDER_SAMPLES = 64
+ORDER_BATCH = 8  # global
+
+
+def reference_order(epochs: int = 2, seed: int = 0) -> list[list[int]]:
+    """The global batches of a shuffled loader, per step, from (seed, epoch) alone: what every
+    world size must see (torch's DistributedSampler permutation, taken whole)."""
+    steps = []
+    for epoch in range(epochs):
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        perm = torch.randperm(ORDER_SAMPLES, generator=g).tolist()
+        for s in range(ORDER_SAMPLES // ORDER_BATCH):
+            steps.append(sorted(perm[s * ORDER_BATCH : (s + 1) * ORDER_BATCH]))
+    return steps
+
+
+def data_order(
+    strategy: str,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    precision: str | None = None,
+    epochs: int = 2,
+    save_to: str | None = None,
+    save_at: int | None = None,
+    load_from: str | None = None,
+) -> list[list[int]]:
+    """The global batches (sample indices, per step) a shuffled loader yields over ``epochs``,
+    after a ``next(iter(loader))`` probe. ``save_to``/``save_at``: save the loader's position
+    after that many steps and stop; ``load_from``: resume from such a checkpoint."""
+    register(plugins)
+    with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
+        dataset = TensorDataset(torch.arange(ORDER_SAMPLES))
+        loader = engine.setup_dataloader(
+            DataLoader(dataset, batch_size=ORDER_BATCH // engine.world_size, shuffle=True)
+        )
+        next(iter(loader))  # a probe: it must not shift any later epoch
+        state = {"loader": loader}
+        if load_from is not None:
+            engine.load(load_from, state)
+        first_epoch = loader.epoch
+        steps: list[list[int]] = []
+        done = 0
+        for _ in range(first_epoch, epochs):
+            for (batch,) in loader:
+                everyone = engine.gather(batch.to(engine.device)).flatten().tolist()
+                steps.append(sorted(int(i) for i in everyone))
+                done += 1
+                if save_to is not None and done == save_at:
+                    engine.save(save_to, state)
+                    return steps
+        return steps

@@ -70,6 +70,9 @@ class Conformance:
     def test_fp16_skip(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.fp16_skip())
 
+    def test_data_order(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.data_order())
+
     def test_optimizer_type(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.optimizer_type())
 

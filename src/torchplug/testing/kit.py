@@ -33,6 +33,7 @@ PROPERTIES = (
     "schedulers",
     "fp16_skip",
     "optimizer_type",
+    "data_order",
     "collectives",
     "checkpoint",
     "resume",
@@ -109,7 +110,7 @@ class Kit:
     def run(self, body: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``body`` on every rank of the strategy (or in this process if it runs one)."""
         kwargs.update(plugins=self.plugins, options=self.options)
-        if body in (bodies.train, bodies.load):
+        if body in (bodies.train, bodies.load, bodies.data_order):
             kwargs.setdefault("precision", self.precision)
         if self.nprocs == 1:
             return [body(self.strategy, *args, **kwargs)]
@@ -259,6 +260,35 @@ class Kit:
                 f"(an inf loss on rank 0 at step 1 must skip that step on every rank)",
             )
         return self.compare("fp16_skip", results, reference, "inf at step 1, skipped")
+
+    def data_order(self) -> Outcome:
+        """Shuffled global batches equal (seed, epoch)'s, across epochs, after a probe, and after
+        resuming mid-epoch from a checkpoint."""
+        expected = bodies.reference_order()
+        whole = self.run(bodies.data_order)
+        if any(r != expected for r in whole):
+            bad = [r for r in whole if r != expected][0]
+            pairs = enumerate(zip(bad, expected, strict=False))
+            step = next((i for i, (a, b) in pairs if a != b), min(len(bad), len(expected)) - 1)
+            return Outcome(
+                "data_order",
+                False,
+                f"global batch {step} is {bad[step]}, expected {expected[step]} (the order "
+                f"must depend on seed and epoch only, not on iter() calls or world size)",
+            )
+        path = str(self._tmp / "order")
+        cut = len(expected) // 2 + 3  # inside the second epoch
+        first = self.run(bodies.data_order, save_to=path, save_at=cut)[0]
+        rest = self.run(bodies.data_order, load_from=path)[0]
+        ok = first + rest == expected
+        return Outcome(
+            "data_order",
+            ok,
+            f"2 epochs of shuffled global batches match (seed, epoch) on {len(whole)} rank(s), "
+            f"and a resume after step {cut} continues with the same batches"
+            if ok
+            else f"after resuming at step {cut}: {rest[:2]}, expected {expected[cut : cut + 2]}",
+        )
 
     def optimizer_type(self) -> Outcome:
         results = self.cached("train10", lambda: self.run(bodies.train))
