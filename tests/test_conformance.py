@@ -77,6 +77,8 @@ def test_check_command_reports_pass_and_fail_per_property():
             "no-average",
             "--plugin",
             "broken_strategy",
+            "--precision",
+            "32",
             "--only",
             "sgd",
             "--only",

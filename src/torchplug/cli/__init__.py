@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("strategy")
     p.add_argument("-n", "--nprocs", type=int, default=2, help="ranks to run on (default 2)")
     p.add_argument(
+        "--precision",
+        default=None,
+        help="32, bf16 or fp16 (default: every precision the strategy supports, in turn)",
+    )
+    p.add_argument(
         "--plugin",
         action="append",
         default=[],

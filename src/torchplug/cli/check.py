@@ -17,19 +17,38 @@ def check(args: Any) -> int:
             file=sys.stderr,
         )
         return 2
+    from torchplug.core import manager
+    from torchplug.core.registry import normalize_precision
+    from torchplug.testing import bodies
+
     try:
-        kit = Kit(args.strategy, args.nprocs, plugins=args.plugin)
+        bodies.register(args.plugin)
+        info = manager.get_registry().strategy(args.strategy)
+        precisions = [normalize_precision(args.precision)] if args.precision else info.precisions
     except TorchplugError as exc:
         print(f"torchplug check: {exc}", file=sys.stderr)
         return 2
-    where = f"{kit.nprocs} ranks" if kit.nprocs > 1 else "1 process: the strategy runs one"
-    print(f"torchplug check {kit.strategy} ({where})")
-    try:
+    failed_total, passed_total = 0, 0
+    pool = None
+    for precision in precisions:
+        try:
+            kit = Kit(
+                args.strategy, args.nprocs, plugins=args.plugin, precision=precision, pool=pool
+            )
+        except TorchplugError as exc:
+            print(f"torchplug check: {exc}", file=sys.stderr)
+            return 2
+        where = f"{kit.nprocs} ranks" if kit.nprocs > 1 else "1 process: the strategy runs one"
+        print(f"torchplug check {kit.strategy}, precision {precision} ({where})")
         outcomes = kit.check(args.only or PROPERTIES)
-    finally:
-        kit.close()
-    for outcome in outcomes:
-        print(f"  {outcome}")
-    failed = [o.name for o in outcomes if not o.passed]
-    print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+        if kit.nprocs > 1:
+            pool = kit.pool  # one set of ranks for every precision; stopped below
+        for outcome in outcomes:
+            print(f"  {outcome}")
+        failed = [o.name for o in outcomes if not o.passed]
+        failed_total += len(failed)
+        passed_total += len(outcomes) - len(failed)
+    if pool is not None:
+        pool.stop()
+    print(f"{passed_total} passed, {failed_total} failed")
+    return 1 if failed_total else 0
