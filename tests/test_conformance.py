@@ -18,6 +18,11 @@ class TestSingle(Conformance):
     strategy = "single"
 
 
+class TestSingleBF16(Conformance):
+    strategy = "single"
+    precision = "bf16"
+
+
 class TestSingleFP16(Conformance):
     strategy = "single"
     precision = "fp16"

@@ -281,33 +281,6 @@ def test_native_files_the_manifest_does_not_list_are_refused(ranks, tmp_path):
 
 
 @needs_deepspeed
-class TestZero1Conformance(Conformance):
-    strategy = "deepspeed-zero1"
-
-
-@needs_deepspeed
-class TestZero2BF16Conformance(Conformance):
-    strategy = "deepspeed-zero2"
-    precision = "bf16"
-
-
-@needs_deepspeed
-class TestZero3Conformance(Conformance):
-    strategy = "deepspeed-zero3"
-
-
-@needs_deepspeed
-class TestZero3OffloadConformance(Conformance):
-    strategy = "deepspeed-zero3-offload"
-
-
-@needs_deepspeed
-class TestZero2FP16Conformance(Conformance):
-    strategy = "deepspeed-zero2"
-    precision = "fp16"
-
-
-@needs_deepspeed
 @pytest.mark.parametrize(
     ("strategy", "precision"),
     [
@@ -320,3 +293,17 @@ class TestZero2FP16Conformance(Conformance):
 )
 def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precision):
     check_strategy(ranks, strategy, precision, tmp_path)
+
+
+# The conformance kit on every DeepSpeed strategy in every precision it supports.
+for _name in ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"):
+    for _precision in ("32", "bf16", "fp16"):
+        _cls = f"Test_{_name.replace('-', '_')}_{_precision}_Conformance"
+        globals()[_cls] = needs_deepspeed(
+            type(_cls, (Conformance,), {"strategy": _name, "precision": _precision})
+        )
+for _precision in ("32", "bf16"):
+    _cls = f"Test_deepspeed_zero3_offload_{_precision}_Conformance"
+    globals()[_cls] = needs_deepspeed(
+        type(_cls, (Conformance,), {"strategy": "deepspeed-zero3-offload", "precision": _precision})
+    )

@@ -307,7 +307,9 @@ def data_order(
             DataLoader(dataset, batch_size=ORDER_BATCH // engine.world_size, shuffle=True)
         )
         next(iter(loader))  # a probe: it must not shift any later epoch
-        state = {"loader": loader}
+        model = make_model()
+        model, opt = engine.setup(model, torch.optim.AdamW(model.parameters()))
+        state = {"model": model, "optimizer": opt, "loader": loader}
         if load_from is not None:
             engine.load(load_from, state)
         first_epoch = loader.epoch
