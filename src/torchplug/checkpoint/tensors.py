@@ -2,11 +2,11 @@
 
 Each rank writes the tensors it owns with DCP into ``tensors/rank-N/`` on its own (no collective):
 rank 0 writes plain (replicated) tensors, every rank writes its shards of sharded DTensors. DCP's
-own ``.metadata`` file is a pickle, so it is deleted: the chunk index (each tensor's global shape
-and dtype, each chunk's offsets, file and byte range) goes into the manifest as JSON, where it is
-covered by the digest and the signature. Loading rebuilds DCP's metadata from that index and reads
-chunk data with ``torch.load(weights_only=True)`` only; every referenced file must be listed in the
-manifest and stay inside the checkpoint directory.
+own ``.metadata`` file is a pickle, so it is never written: the chunk index (each tensor's global
+shape and dtype, each chunk's offsets, file and byte range) goes into the manifest as JSON, where
+it is covered by the digest and the signature. Loading rebuilds DCP's metadata from that index and
+reads chunk data with ``torch.load(weights_only=True)`` only; every referenced file must be listed
+in the manifest and stay inside the checkpoint directory.
 """
 
 from __future__ import annotations
@@ -60,12 +60,18 @@ def write(root: Path, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, 
 
     relative = f"{TENSORS}/rank-{rank}"
     directory = root / relative
+
+    class IndexingWriter(dcp.FileSystemWriter):
+        """Keeps DCP's metadata in memory instead of pickling it to ``.metadata``."""
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+            self.metadata = metadata
+
+    writer = IndexingWriter(directory, sync_files=True)
     with _quiet_single_process():
-        metadata = dcp.save(
-            tensors,
-            storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
-            no_dist=True,
-        )
+        dcp.save(tensors, storage_writer=writer, no_dist=True)
+    metadata = writer.metadata
     kept = set()
     index: dict[str, Any] = {}
     for name, meta in metadata.state_dict_metadata.items():
@@ -87,7 +93,7 @@ def write(root: Path, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, 
             "shape": list(meta.size),
             "chunks": chunks,
         }
-    for path in directory.iterdir():  # DCP's pickled .metadata: never read, so never kept
+    for path in directory.iterdir():  # anything else DCP left (no pickled .metadata is written)
         if path.name not in kept:
             path.unlink()
     return index
