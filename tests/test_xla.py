@@ -153,3 +153,19 @@ except tp.ConfigurationError as exc:
 def test_multi_host_is_refused_not_silently_local():
     error = in_xla_process(MULTI_HOST, 1)["error"]
     assert error is not None and "Multi-host XLA is not supported" in error
+
+
+@needs_xla
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_the_conformance_kit_passes_on_xla(precision):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torchplug", "check", "xla", "--precision", precision],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=TESTS,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " 0 failed" in run.stdout
