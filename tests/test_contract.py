@@ -153,3 +153,38 @@ def test_no_sync_answer_must_be_a_context_manager():
         engine.no_sync(torch.nn.Linear(1, 1)),
     ):
         pass
+
+
+class RecordingStep(Strategy):
+    """A backend whose step does work of its own around the update (a sync, a flush)."""
+
+    calls = 0
+
+    @tp.hookimpl
+    def torchplug_setup(self, engine, cluster):
+        return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+    @tp.hookimpl
+    def torchplug_optimizer_step(self, engine, optimizer, closure):
+        RecordingStep.calls += 1
+        optimizer.step()
+        return True
+
+
+def test_amp_wraps_the_backends_step_instead_of_replacing_it():
+    register("recording-step", RecordingStep)
+    with tp.Engine(
+        "recording-step", precision="fp16", precision_options={"init_scale": 256.0}
+    ) as engine:
+        model = torch.nn.Linear(2, 1)
+        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.backward(model(torch.ones(1, 2)).sum())
+        optimizer.step()
+        assert RecordingStep.calls == 1 and not optimizer.step_was_skipped
+        optimizer.zero_grad()
+        before = model.weight.detach().clone()
+        engine.backward(model(torch.ones(1, 2)).sum() * float("inf"))
+        optimizer.step()
+        assert RecordingStep.calls == 2  # the backend's step ran (its syncs and flushes) ...
+        assert optimizer.step_was_skipped  # ... but the update did not
+        assert torch.equal(model.weight, before)

@@ -56,3 +56,26 @@ def test_single_process_loader_is_unchanged():
         wrapped = engine.setup_dataloader(loader)
         assert [b[0].tolist() for b in wrapped] == [[0, 1, 2, 3], [4, 5]]
         assert len(wrapped) == 2 and wrapped.batch_size == 4
+
+
+def test_a_users_own_sampler_keeps_its_epoch_and_a_probe_shifts_nothing():
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    data = TensorDataset(torch.arange(16))
+    with tp.Engine("single") as engine:
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+        sampler.set_epoch(7)
+        loader = engine.setup_dataloader(DataLoader(data, batch_size=4, sampler=sampler))
+        list(loader)
+        list(loader)
+        assert sampler.epoch == 7  # torchplug never moved the user's sampler
+        loader.set_epoch(2)  # ... unless asked to
+        assert sampler.epoch == 2
+
+        shuffled = engine.setup_dataloader(DataLoader(data, batch_size=4, shuffle=True))
+        next(iter(shuffled))  # a probe
+        first = [b[0].tolist() for b in shuffled]
+        second = [b[0].tolist() for b in shuffled]
+        fresh = engine.setup_dataloader(DataLoader(data, batch_size=4, shuffle=True))
+        assert [b[0].tolist() for b in fresh] == first  # the probe shifted nothing
+        assert second != first and shuffled.epoch == 2
