@@ -326,3 +326,44 @@ def test_disk_full_names_the_errno(tmp_path, monkeypatch):
             engine.save(tmp_path / "ckpt", {"step": 2, "t": torch.ones(3)})
         assert engine.load(tmp_path / "ckpt", {"step": 0}) == {"step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# -- found by an outside review ------------------------------------------------------------------
+
+
+def test_an_empty_key_variable_is_an_error_not_no_key(monkeypatch, single_ckpt):
+    monkeypatch.setenv("TORCHPLUG_CHECKPOINT_KEY", "")
+    with pytest.raises(tp.CheckpointError, match="set but empty"):
+        tp.Engine("single")
+
+
+def test_a_forged_shape_cannot_make_a_load_allocate_more_than_the_files_hold(copy):
+    def change(body):
+        meta = body["tensors"]["model/0.weight"]
+        meta["shape"] = [10**11]
+        meta["chunks"][0].update(offsets=[0], sizes=[10**11])
+
+    forge(copy, change)
+    with pytest.raises(tp.CheckpointError, match="large enough for its 100000000000 elements"):
+        load_state(str(copy))
+
+
+def test_an_unsaveable_value_is_named_by_its_key(tmp_path):
+    with tp.Engine("single") as engine:
+        with pytest.raises(tp.CheckpointError, match="Cannot save set at s:"):
+            engine.save(tmp_path / "a", {"s": {1, 2}})
+        with pytest.raises(tp.CheckpointError, match="Cannot save set at d/inner/1:"):
+            engine.save(tmp_path / "b", {"d": {"inner": [0, {3}]}})
+
+
+def test_convert_without_numpy_says_what_to_install(single_ckpt, tmp_path, monkeypatch):
+    import sys
+
+    from torchplug.checkpoint.convert import convert
+
+    monkeypatch.setitem(sys.modules, "numpy", None)
+    with pytest.raises(
+        tp.CheckpointError, match=r"needs the 'numpy' package.*torchplug\[convert\]"
+    ):
+        convert(single_ckpt[0], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

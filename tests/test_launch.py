@@ -199,3 +199,17 @@ def test_unknown_plugin_module_is_refused(tmp_path, script):
 def test_strategy_of_an_unknown_plugin_is_refused(tmp_path, script):
     line = refused(torchplug("launch", "--strategy", "my-inhouse", str(script)), tmp_path)
     assert "Unknown strategy 'my-inhouse'" in line
+
+
+def test_bad_checkpoint_settings_are_refused_before_spawning(tmp_path):
+    from test_cli import torchplug as run_torchplug
+
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    run = run_torchplug(
+        "launch", "-n", "2", str(script), env={"TORCHPLUG_CHECKPOINT_TIMEOUT": "abc"}
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "TORCHPLUG_CHECKPOINT_TIMEOUT='abc' is not a usable number" in run.stderr
+    assert not marker.exists()

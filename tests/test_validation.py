@@ -142,6 +142,8 @@ def test_unknown_strategy_from_the_environment_names_its_source(monkeypatch):
         ({"TORCHPLUG_STRATEGY": "garbage"}, "strategy 'garbage' (from environment "),
         ({"TORCHPLUG_PRECISION": "bf17"}, "Unknown precision 'bf17'. Did you mean 'bf16'?"),
         ({"RANK": "3", "WORLD_SIZE": "2"}, "Rank 3 (from environment (RANK/WORLD_SIZE))"),
+        ({"TORCHPLUG_CHECKPOINT_TIMEOUT": "abc"}, "TORCHPLUG_CHECKPOINT_TIMEOUT='abc' is not"),
+        ({"TORCHPLUG_CHECKPOINT_KEY": "short"}, "TORCHPLUG_CHECKPOINT_KEY is 5 bytes long"),
     ],
 )
 def test_doctor_exits_nonzero_on_an_invalid_setting(tmp_path, env, expected):

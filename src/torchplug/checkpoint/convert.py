@@ -16,20 +16,21 @@ from typing import Any
 import torch
 
 from torchplug.checkpoint import tensors as store
-from torchplug.checkpoint import verify
 from torchplug.checkpoint.io import open_checkpoint
 from torchplug.checkpoint.manifest import MANIFEST, decode, tensor_paths
+from torchplug.checkpoint.options import key_from
 from torchplug.core.errors import CheckpointError
 
 
 def _safetensors() -> Any:
-    """safetensors, or an error naming the install command."""
+    """safetensors (which writes torch tensors through numpy), or an error naming the install."""
     try:
+        import numpy  # noqa: F401 - safetensors.torch.save_file needs it
         import safetensors.torch
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as exc:
         raise CheckpointError(
-            "torchplug convert writes safetensors files and needs the 'safetensors' package: "
-            "pip install safetensors (or pip install torchplug[convert])."
+            f"torchplug convert writes safetensors files and needs the {exc.name!r} package: "
+            f"pip install torchplug[convert] (safetensors and numpy)."
         ) from None
     return safetensors.torch
 
@@ -110,7 +111,7 @@ def convert(
         )
         if written is not None:
             return list(written)
-    root, manifest = open_checkpoint(root, verify.key_from(key))
+    root, manifest = open_checkpoint(root, key_from(key))
     entries, index = manifest["entries"], manifest["tensors"]
     module_key = _module_entry(entries, entry, root)
     wanted = {module_key: entries[module_key]}

@@ -27,6 +27,8 @@ from torchplug.core.errors import CheckpointError
 #: rank calls them (a save that some ranks never called is taken back, see ``_absent``).
 _SEQUENCE = [0]
 _INTERRUPTS = (KeyboardInterrupt, SystemExit)
+#: The first phase of every save and load: every rank arrives (and starts its part).
+ARRIVING = "starting"
 #: How often a rank that waits for the others says so.
 NOTICE_EVERY = 30.0
 
@@ -111,7 +113,7 @@ class Coordinator:
         key = f"{self.prefix}{phase}/"
         self.store.set(key + str(self.rank), json.dumps(record))
         keys = [key + str(r) for r in range(self.world_size)]
-        first = phase == "arrive"
+        first = phase == ARRIVING
         self._wait(keys, self.arrival_timeout if first else self.timeout, phase)
         return [json.loads(self.store.get(k)) for k in keys]
 
@@ -131,7 +133,7 @@ class Coordinator:
                 return
             elapsed = time.monotonic() - start
             if elapsed >= timeout:
-                if phase == "arrive" and _SEQUENCE[0] == self.sequence:
+                if phase == ARRIVING and _SEQUENCE[0] == self.sequence:
                     # The absent ranks never drew this number: take it back, so that the next
                     # save or load of every rank meets under the same one.
                     self.store.delete_key(keys[self.rank])
@@ -148,7 +150,7 @@ class Coordinator:
             else f"Checkpoint {self.operation} of {self.path} failed on rank {self.rank}"
         )
         ranks = ", ".join(map(str, missing))
-        if phase == "arrive":
+        if phase == ARRIVING:
             why = (
                 f"rank(s) {ranks} did not call engine.{self.operation} within {elapsed:.0f} s. "
                 f"Call engine.{self.operation}(...) on every rank (not inside `if engine.is_main:`)"

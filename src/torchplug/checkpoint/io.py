@@ -27,7 +27,7 @@ from torchplug.checkpoint import files as fs
 from torchplug.checkpoint import manifest as mf
 from torchplug.checkpoint import tensors as store
 from torchplug.checkpoint import verify
-from torchplug.checkpoint.coordinate import Coordinator
+from torchplug.checkpoint.coordinate import ARRIVING, Coordinator
 from torchplug.core.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def _same_everywhere(results: list[Any], what: str, operation: str) -> None:
 
 def capture(engine: Engine, key: str, obj: Any, state: dict[str, Any]) -> tuple[str, Any]:
     """``(kind, payload)`` of one live state entry, through the strategy's state hooks."""
-    kind = mf.kind_of(obj)
+    kind = mf.kind_of(obj, key)
     if kind == "module":
         return kind, engine.hook.torchplug_model_state(engine=engine, model=obj)
     if kind == "optimizer":
@@ -101,7 +101,7 @@ def save(
         return {"path": str(final), "keys": sorted(state), "tmp": tmp.name if tmp else None}
 
     try:
-        arrived = co.run("arrive", arrive, share=True)
+        arrived = co.run(ARRIVING, arrive, share=True)
         _same_everywhere([a["path"] for a in arrived], "path", "save")
         _same_everywhere([a["keys"] for a in arrived], "set of state keys", "save")
         final = Path(arrived[0]["path"])
@@ -197,8 +197,7 @@ def read_manifest(path: str | os.PathLike[str], key: bytes | None = None) -> dic
     if not where.is_file():
         raise CheckpointError(
             f"No torchplug checkpoint at {root}: {where} does not exist. Check the path; a "
-            f"checkpoint is the directory that engine.save() created (another tool's checkpoint "
-            f"may convert with `torchplug convert`)."
+            f"checkpoint is the directory that engine.save() created."
         )
     if where.is_symlink() and not where.resolve().is_relative_to(root.resolve()):
         raise CheckpointError(f"{where} is a symlink leading outside the checkpoint; refusing it.")
@@ -218,7 +217,7 @@ def open_checkpoint(
     root = Path(path)
     if co is None:
         co = Coordinator("load", str(root), 0, 1, 0.0, 0.0)
-    digests = co.run("arrive", lambda: read_manifest(root, key)["digest"], share=True)
+    digests = co.run(ARRIVING, lambda: read_manifest(root, key)["digest"], share=True)
     _same_everywhere(digests, "checkpoint (its manifest differs)", "load")
     body = read_manifest(root, key)
     names = verify.share(list(body["files"]), co.rank, co.world_size)
@@ -270,8 +269,9 @@ def load(
             from torchplug.checkpoint.coordinate import error_text
 
             raise CheckpointError(
-                f"Reading the tensors of checkpoint {root} failed: {error_text(exc)}. Check that "
-                f"the objects you load into have the same architecture as the ones saved."
+                f"Reading the tensors of checkpoint {root} failed: {error_text(exc)}. Either the "
+                f"objects you load into differ from the ones saved (check the architecture), or "
+                f"the checkpoint is damaged (load an earlier one)."
             ) from None
         for action in plan:
             action(targets, remainder)

@@ -58,6 +58,7 @@ DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 _TAGS = ("__tensor__", "__dtype__", "__tuple__", "__dict__")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _KIND = re.compile(r"[a-z][a-z0-9-]{0,63}")
@@ -76,7 +77,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 # -- structure: JSON skeleton + named tensors ------------------------------------------------------
 
 
-def kind_of(obj: Any) -> str:
+def kind_of(obj: Any, key: str = "") -> str:
     """Classify a state entry, or raise an error saying what can be saved."""
     if isinstance(obj, torch.nn.Module):
         return "module"
@@ -88,7 +89,7 @@ def kind_of(obj: Any) -> str:
         return "stateful"
     if isinstance(obj, torch.Tensor):
         return "tensor"
-    encode(obj, "", {})  # raises a CheckpointError that names what cannot be stored
+    encode(obj, key, {})  # raises a CheckpointError that names what cannot be stored
     return "value"
 
 
@@ -371,6 +372,13 @@ def _validate_tensor(name: str, meta: Any, files: Mapping[str, Any]) -> None:
         n = 1
         for s in sizes:
             n *= s
+        # The chunk's bytes must hold its elements: no forged shape makes a load allocate more
+        # memory than the (hashed) files hold.
+        _expect(
+            n * _ITEMSIZE[meta["dtype"]] <= chunk["length"],
+            cw,
+            f"a byte range large enough for its {n} elements",
+        )
         volume += n
         boxes.append((offsets, sizes))
     total = 1

@@ -12,31 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from torchplug.checkpoint.files import confined, sha256
 from torchplug.checkpoint.manifest import canonical
+from torchplug.checkpoint.options import KEY_ENV
 from torchplug.core.errors import CheckpointError
-
-KEY_ENV = "TORCHPLUG_CHECKPOINT_KEY"
-
-
-def key_from(explicit: str | bytes | None) -> bytes | None:
-    """The signing key: the explicit one, else ``TORCHPLUG_CHECKPOINT_KEY``, else none."""
-    key = explicit if explicit is not None else os.environ.get(KEY_ENV) or None
-    if key is None:
-        return None
-    key = key.encode() if isinstance(key, str) else bytes(key)
-    if len(key) < 16:
-        raise CheckpointError(
-            f"The checkpoint key is {len(key)} bytes long; use at least 16 random bytes (e.g. "
-            f"`python -c 'import secrets; print(secrets.token_hex(32))'`) in {KEY_ENV} or "
-            f"Engine(checkpoint_key=...)."
-        )
-    return key
 
 
 def sign(body: dict[str, Any], key: bytes | None) -> None:

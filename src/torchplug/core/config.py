@@ -241,7 +241,9 @@ def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str
     ``auto`` may still be chosen by the code, so its options are checked only when a source
     other than the code named the strategy.
     """
-    found: list[str] = []
+    from torchplug.checkpoint.options import problems as checkpoint_problems
+
+    found: list[str] = checkpoint_problems()
     value = str(settings.strategy.value)
     named = value.strip().lower() != "auto"
     info = None

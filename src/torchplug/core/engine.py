@@ -35,29 +35,6 @@ class Runtime:
     node_rank: int = 0
 
 
-#: Seconds a rank waits for the others to call engine.save/load before naming the absent ones.
-DEFAULT_CHECKPOINT_TIMEOUT = 300.0
-
-
-def _checkpoint_timeout(value: float | None) -> float:
-    source = "checkpoint_timeout"
-    if value is None:
-        raw = os.environ.get("TORCHPLUG_CHECKPOINT_TIMEOUT")
-        if raw is None:
-            return DEFAULT_CHECKPOINT_TIMEOUT
-        source = "TORCHPLUG_CHECKPOINT_TIMEOUT"
-        try:
-            value = float(raw)
-        except ValueError:
-            value = float("nan")
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1e7:
-        raise ConfigurationError(
-            f"{source}={value!r} is not a usable number of seconds: expected a positive number "
-            f"below 1e7 (the default is {DEFAULT_CHECKPOINT_TIMEOUT:.0f}). Fix the value."
-        )
-    return float(value)
-
-
 class Engine:
     """Runs a plain PyTorch training loop on the backend chosen by name.
 
@@ -83,12 +60,12 @@ class Engine:
         keep_last: int | None = None,
         **strategy_options: Any,
     ) -> None:
-        from torchplug.checkpoint.verify import key_from
+        from torchplug.checkpoint.options import key_from, timeout_from
 
         faults.install_error_recorder()
         #: HMAC key: checkpoints are signed on save and must carry a valid signature on load.
         self.checkpoint_key = key_from(checkpoint_key)
-        self._checkpoint_timeout = _checkpoint_timeout(checkpoint_timeout)
+        self._checkpoint_timeout = timeout_from(checkpoint_timeout)
         registry = manager.get_registry()
         self.settings = config.resolve(
             strategy,

@@ -42,7 +42,7 @@ def normalize_precision(value: str | int | None) -> str:
             f"(alias 'no', '32-true'), bf16 (mixed, 'bf16-mixed') and fp16 (mixed, '16-mixed'). "
             f"Use precision='bf16' for the closest supported mode."
         )
-    accepted = ", ".join(repr(s) for spellings in PRECISIONS.values() for s in spellings[:2])
+    accepted = ", ".join(repr(s) for spellings in PRECISIONS.values() for s in spellings)
     raise ConfigurationError(
         f"Unknown precision {value!r}."
         f"{did_you_mean(text, [s for v in PRECISIONS.values() for s in v])}"
