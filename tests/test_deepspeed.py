@@ -296,14 +296,15 @@ def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precis
 
 
 # The conformance kit on every DeepSpeed strategy in every precision it supports.
-for _name in ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"):
+for _name in (
+    "deepspeed",
+    "deepspeed-zero1",
+    "deepspeed-zero2",
+    "deepspeed-zero3",
+    "deepspeed-zero3-offload",
+):
     for _precision in ("32", "bf16", "fp16"):
         _cls = f"Test_{_name.replace('-', '_')}_{_precision}_Conformance"
         globals()[_cls] = needs_deepspeed(
             type(_cls, (Conformance,), {"strategy": _name, "precision": _precision})
         )
-for _precision in ("32", "bf16"):
-    _cls = f"Test_deepspeed_zero3_offload_{_precision}_Conformance"
-    globals()[_cls] = needs_deepspeed(
-        type(_cls, (Conformance,), {"strategy": "deepspeed-zero3-offload", "precision": _precision})
-    )
