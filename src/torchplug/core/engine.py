@@ -100,9 +100,11 @@ class Engine:
         self.info: StrategyInfo = self._select_strategy(registry)
         self.precision = normalize_precision(self.settings.precision.value)
         self._check_precision()
-        self.options = self.info.resolve_options(
-            {name: s.value for name, s in self.settings.options.items()}
-        )
+        typos = config.unknown_shared_options(self.settings, registry)
+        if typos:
+            raise ConfigurationError(typos[0])
+        chosen = self.settings.for_strategy(self.info, registry.canonical)
+        self.options = self.info.resolve_options({name: s.value for name, s in chosen.items()})
         self.seed = seed
         self.precision_options: dict[str, Any] = {}
         self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
