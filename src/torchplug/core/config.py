@@ -235,7 +235,8 @@ def resolve(
             return Setting(file_settings[key], file_source)
         return Setting(default, "default")
 
-    prefix = "tool.torchplug." if file_path is not None and file_path.name == "pyproject.toml" else ""
+    in_pyproject = file_path is not None and file_path.name == "pyproject.toml"
+    prefix = "tool.torchplug." if in_pyproject else ""
     resolved_options = {
         name: Setting(value, f"{file_source} [{prefix}options]")
         for name, value in file_settings.get("options", {}).items()
