@@ -273,7 +273,7 @@ def _cleanup() -> None:
         pass
     from torchplug.core import manager
 
-    manager.reset_registry()
+    manager.reset_registry(forget_blocks=True)
 
 
 def default_sys_path() -> list[str]:
