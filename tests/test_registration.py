@@ -98,3 +98,21 @@ def test_built_ins_are_registered_without_any_entry_point(monkeypatch):
     assert {"single", "ddp", "fsdp", "deepspeed", "fairscale-oss"} <= set(registry.strategies)
     assert {"bf16", "fp16"} <= set(registry.precisions)
     assert registry.strategies["ddp"].distribution == "torchplug"
+
+
+def test_ddp_options_are_declared_once_with_torchs_defaults():
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from torchplug.plugins.ddp import DDP_OPTIONS, DDPStrategy
+
+    torch_defaults = inspect.signature(DistributedDataParallel.__init__).parameters
+    for option in DDP_OPTIONS:  # only what differs from torch's default is passed to torch
+        # torch's None means "its own default" (True for broadcast_buffers, 25 for bucket_cap_mb)
+        assert torch_defaults[option.name].default in (option.default, None), option.name
+    info = manager.get_registry().strategies["ddp"]
+    assert {o.name for o in DDP_OPTIONS} <= {o.name for o in info.options}
+    assert DDPStrategy(static_graph=True, bucket_cap_mb=25.0).ddp_kwargs == {"static_graph": True}
+    with pytest.raises(TypeError, match="unknown option.*'static'"):
+        DDPStrategy(static=True)

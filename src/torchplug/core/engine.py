@@ -22,8 +22,6 @@ from torchplug.core.errors import CheckpointError, ConfigurationError, PluginErr
 from torchplug.core.nested import map_tensors
 from torchplug.core.registry import StrategyInfo, normalize_precision, resolve_options
 
-REDUCE_OPS = ("sum", "mean", "max", "min")
-
 
 @dataclass(frozen=True)
 class Runtime:
@@ -553,6 +551,8 @@ class Engine:
 
     def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result."""
+        from torchplug.core.strategy import REDUCE_OPS
+
         if op not in REDUCE_OPS:
             raise ConfigurationError(
                 f"Unknown reduce op {op!r}. Expected one of {', '.join(REDUCE_OPS)}."
