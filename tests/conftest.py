@@ -35,6 +35,6 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             "TORCHELASTIC_RUN_ID",
         }:
             monkeypatch.delenv(key, raising=False)
-    manager.reset_registry()
+    manager.reset_registry(forget_blocks=True)
     yield
-    manager.reset_registry()
+    manager.reset_registry(forget_blocks=True)

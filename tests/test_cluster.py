@@ -60,7 +60,12 @@ def doctor_run(env: dict[str, str], cwd) -> subprocess.CompletedProcess:
     """``torchplug doctor`` with ``env`` as the whole environment (plus PATH)."""
     return subprocess.run(
         [sys.executable, "-m", "torchplug", "doctor"],
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env},
+        env={
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            # a source checkout run with PYTHONPATH=src tests that checkout, not an installed copy
+            **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ},
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=120,

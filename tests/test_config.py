@@ -82,3 +82,74 @@ def test_doctor_prints_every_setting_with_its_source(project):
     assert "ddp" in strategy and "environment TORCHPLUG_STRATEGY" in strategy
     assert "bf16" in precision and "torchplug.toml" in precision
     assert "torch " in output and "world_size   1" in output
+
+
+SIDE_BY_SIDE = """\
+[options]                  # shared: applies where the chosen strategy knows the name
+find_unused_parameters = true
+timeout = 120
+
+[strategies.deepspeed]     # deepspeed only
+config = "ds_config.json"
+stage = 2
+"""
+
+
+def test_a_deepspeed_table_and_a_ddp_run_side_by_side(project):
+    (project / "torchplug.toml").write_text(SIDE_BY_SIDE)
+    with tp.Engine("ddp") as engine:
+        assert engine.options["find_unused_parameters"] is True
+        assert engine.options["timeout"] == 120.0
+        assert "config" not in engine.options and "stage" not in engine.options
+        assert engine.settings.options["timeout"].source.endswith("torchplug.toml [options]")
+    # a shared option the chosen strategy does not know is left out, not an error
+    with tp.Engine("single") as engine:
+        assert "find_unused_parameters" not in engine.options
+        assert "find_unused_parameters" in engine.settings.ignored
+
+
+def test_the_strategy_table_overrides_the_shared_options(project, monkeypatch):
+    (project / "pyproject.toml").write_text(
+        "[tool.torchplug.options]\ntimeout = 120\n"
+        "[tool.torchplug.strategies.distributed-data-parallel]\ntimeout = 60\n"  # an alias
+    )
+    with tp.Engine("ddp") as engine:
+        assert engine.options["timeout"] == 60.0
+        source = engine.settings.options["timeout"].source
+        assert source.endswith("[tool.torchplug.strategies.distributed-data-parallel]")
+    with tp.Engine("ddp", timeout=30) as engine:  # the code's argument is higher still
+        assert engine.options["timeout"] == 30.0
+
+
+def test_unknown_names_in_a_strategy_table_or_shared_options_are_errors(project):
+    (project / "torchplug.toml").write_text("[strategies.ddp]\nfind_unused = true\n")
+    with pytest.raises(tp.ConfigurationError, match="Unknown option 'find_unused'.*ddp"):
+        tp.Engine("ddp")
+    (project / "torchplug.toml").write_text("[options]\nfind_unused = true\n")
+    with pytest.raises(tp.ConfigurationError, match="'find_unused'.*no installed strategy"):
+        tp.Engine("single")
+    (project / "torchplug.toml").write_text("[strategies]\nddp = 3\n")
+    with pytest.raises(tp.ConfigurationError, match="one table of options per strategy"):
+        config.resolve()
+
+
+def test_doctor_shows_the_shared_and_the_strategy_tables_with_their_source(project):
+    (project / "torchplug.toml").write_text('strategy = "ddp"\n' + SIDE_BY_SIDE)
+    lines = doctor({}, project).splitlines()
+    row = {line.split()[0]: line for line in lines if line.startswith("  ") and line.split()}
+    assert "[options]" in row["options.find_unused_parameters"]
+    assert "True" in row["options.find_unused_parameters"]
+    assert "ds_config.json" in row["strategies.deepspeed.config"]
+    assert "[strategies.deepspeed]" in row["strategies.deepspeed.stage"]
+    # values and sources start in the same column on every settings row
+    settings = [line for line in lines if line.split()[0] in row and "config file" in line]
+    assert len({line.index("config file") for line in settings}) == 1
+
+
+def test_doctor_flags_a_table_for_no_installed_strategy(project):
+    from test_cluster import doctor_run
+
+    (project / "torchplug.toml").write_text("[strategies.deepsped]\nstage = 2\n")
+    run = doctor_run({}, project)
+    assert run.returncode == 1
+    assert "[strategies.deepsped]" in run.stdout and "Did you mean 'deepspeed'" in run.stdout

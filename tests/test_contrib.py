@@ -1,4 +1,4 @@
-"""The contrib packages, pip-installed into this environment and used by name."""
+"""The contrib packages, installed into a temporary target and used by name."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from installing import installed as install_into_temporary_target
 from test_cluster import doctor, identity
 from torchplug.cli.launch import apply_cluster, launch_parser
 from torchplug.core.cluster import ClusterInfo
 from torchplug.testing.kit import check
+from torchplug.testing.processes import RankPool, default_sys_path
 
 CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
 PACKAGES = {
@@ -26,25 +28,22 @@ PACKAGES = {
 
 @pytest.fixture(scope="module", autouse=True)
 def installed() -> Iterator[None]:
-    """pip-install the contrib packages unless the environment (tox) already has them."""
+    """The contrib packages, installed into a temporary target for this module (nothing is
+    installed into the running environment, nothing is built inside contrib/), unless the
+    environment (tox) already has them."""
     missing = [d for m, d in PACKAGES.items() if importlib.util.find_spec(m) is None]
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    if missing:
-        subprocess.run(
-            [
-                *pip,
-                "install",
-                "--no-deps",
-                "--no-build-isolation",
-                *(str(CONTRIB / d) for d in missing),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-    yield
-    if missing:
-        subprocess.run([*pip, "uninstall", "-y", *missing], capture_output=True, timeout=120)
+    if not missing:
+        yield
+        return
+    with install_into_temporary_target(*(CONTRIB / d for d in missing)):
+        yield
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RankPool]:
+    """Two ranks that see the temporary install (the session's ranks started before it)."""
+    with RankPool(2, sys_path=default_sys_path()) as ranks:
+        yield ranks
 
 
 def torchplug(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -63,8 +62,8 @@ def test_powersgd_is_listed_with_its_package_and_version():
     assert "torchplug-powersgd 0.1.0" in line and line.endswith("usable")
 
 
-def test_powersgd_passes_the_conformance_kit_on_two_ranks(ranks):
-    outcomes = check("powersgd", pool=ranks)
+def test_powersgd_passes_the_conformance_kit_on_two_ranks(pool):
+    outcomes = check("powersgd", pool=pool)
     failed = [str(o) for o in outcomes if not o.passed]
     assert not failed, failed
     assert "lossy: checked for convergence" in outcomes[0].detail

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import stat
 import subprocess
 import sys
 
@@ -14,13 +16,14 @@ import torchplug as tp
 from reference import make_model, train
 
 
-def convert(*args: str) -> subprocess.CompletedProcess:
+def convert(*args: str, umask: int = -1) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torchplug", "convert", *args],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        umask=umask,
     )
 
 
@@ -54,3 +57,41 @@ def test_convert_errors_name_the_problem(tmp_path):
     assert run.returncode == 0, run.stderr
     loaded = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert torch.equal(loaded["0.weight"], make_model(1)[0].weight)
+
+
+class Touch:
+    """Unpickling this creates a file: proof that something was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def test_a_torch_save_file_is_named_as_not_a_checkpoint_and_never_unpickled(tmp_path):
+    marker = tmp_path / "unpickled"
+    torch.save({"weight": torch.ones(2), "trap": Touch(str(marker))}, tmp_path / "model.pt")
+    run = convert(str(tmp_path / "model.pt"), str(tmp_path / "out"))
+    assert run.returncode == 2
+    assert "is not a torchplug checkpoint: it is a torch.save file" in run.stderr
+    assert "never unpickles" in run.stderr and "engine.save(path, {'model': model})" in run.stderr
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_of_a_state_dict_says_it_holds_no_model(tmp_path):
+    with tp.Engine("single") as engine:
+        engine.save(tmp_path / "ckpt", {"model": make_model().state_dict()})
+    run = convert(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert run.returncode == 2 and "holds no model" in run.stderr
+    assert "'model' (" in run.stderr and "not its state_dict()" in run.stderr
+
+
+def test_converted_files_honour_the_umask(tmp_path):
+    with tp.Engine("single") as engine:
+        engine.save(tmp_path / "ckpt", {"model": make_model()})
+    for mask, mode in ((0o022, 0o644), (0o077, 0o600)):
+        out = tmp_path / f"out{mask:o}"
+        run = convert(str(tmp_path / "ckpt"), str(out), umask=mask)
+        assert run.returncode == 0, run.stderr
+        assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == mode

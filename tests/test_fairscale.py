@@ -66,7 +66,8 @@ def test_the_zero_grad_trap_is_real_without_the_plugin(ranks, reference):
 def test_fairscale_fsdp_is_unusable_on_cpu_with_the_reason():
     with pytest.raises(tp.ConfigurationError) as info:
         tp.Engine("fairscale-fsdp")
-    assert "CUDA only" in str(info.value) and "Choose a usable strategy" in str(info.value)
+    assert "supports_cpu=False (it needs a CUDA GPU)" in str(info.value)
+    assert "Choose a usable strategy" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,11 @@ def test_fsdp_rejects_fp16_naming_what_it_supports():
 
 
 def test_fsdp_in_one_process_runs_and_matches(reference):
+    before = make_model().state_dict()
     result = train("fsdp", clip=1.0)
     assert result["world_size"] == 1
     assert result["losses"] == pytest.approx(reference["losses"], abs=1e-6)
-    assert make_model()  # the reference model is unchanged by sharding another copy
+    # the reference model is unchanged by sharding another copy: same class, same values
+    after = make_model()
+    assert type(after) is torch.nn.Sequential
+    assert_close_dicts(after.state_dict(), before, atol=0.0)

@@ -41,10 +41,11 @@ def test_every_rank_runs_the_call_with_a_fresh_port(ranks):
 
 
 def test_an_exception_on_one_rank_fails_the_call_with_its_traceback(ranks):
-    start = time.monotonic()
-    with pytest.raises(RankError, match=r"(?s)rank 1 raised.*ValueError: rank one is broken"):
-        ranks.run(raise_on_rank_one)
-    assert time.monotonic() - start < 30
+    expected = r"(?s)rank 1 raised.*ValueError: rank one is broken"
+    with pytest.raises(RankError, match=expected) as info:
+        ranks.run(raise_on_rank_one, timeout=600)
+    # decided by the answers, not by running into the timeout (no wall-clock assertion here)
+    assert "did not finish" not in str(info.value) and "rank 0 raised" not in str(info.value)
     assert [r[:2] for r in ranks.run(identity)] == [(0, 2), (1, 2)]  # the pool still works
 
 

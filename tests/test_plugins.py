@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torchplug as tp
+from installing import installed
 from torchplug.core import manager
 from torchplug.plugins.single import SingleDevice
 
@@ -303,9 +304,16 @@ def test_blocking_a_built_in_removes_its_strategies():
         tp.Engine("ddp")
 
 
+def tmp_backend_spec():
+    import importlib.util
+
+    return importlib.util.find_spec("tmp_backend")
+
+
 @pytest.mark.slow
 def test_plugin_package_installed_with_pip_is_selectable_and_listed(tmp_path):
-    """A real package with its own pyproject entry point, pip-installed into this environment."""
+    """A real package with its own pyproject entry point, pip-installed (into a temporary
+    target on the path, not into the running environment)."""
     package = tmp_path / "torchplug-tmp-backend"
     (package / "tmp_backend").mkdir(parents=True)
     (package / "pyproject.toml").write_text(
@@ -345,14 +353,7 @@ def test_plugin_package_installed_with_pip_is_selectable_and_listed(tmp_path):
             """
         )
     )
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(
-        [*pip, "install", "--no-deps", "--no-build-isolation", str(package)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    try:
+    with installed(package):  # into a temporary target: the environment is left alone
         listing = subprocess.run(
             [sys.executable, "-m", "torchplug", "plugins"],
             capture_output=True,
@@ -375,8 +376,10 @@ def test_plugin_package_installed_with_pip_is_selectable_and_listed(tmp_path):
         )
         assert run.returncode == 0, run.stderr
         assert "tmp-backend backward" in run.stdout and "strategy tmp-backend" in run.stdout
-    finally:
-        subprocess.run([*pip, "uninstall", "-y", "torchplug-tmp-backend"], timeout=120)
+        target = Path(tmp_backend_spec().origin).parent.parent
+    # nothing is left installed, nothing was built in the package's folder
+    assert tmp_backend_spec() is None and not target.exists()
+    assert not any(p.name == "build" or p.name.endswith(".egg-info") for p in package.rglob("*"))
 
 
 def test_in_house_strategy_name_clash_is_an_error_at_registration():

@@ -65,7 +65,50 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, source: Path, e
     target = out / "model.safetensors"
     flat = {name: tensor.contiguous() for name, tensor in state.items()}
     st.save_file(flat, str(target), metadata={"torchplug_source": str(source), "entry": entry})
+    _honour_umask(target)
     return target
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the OS tells it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _honour_umask(path: Path) -> None:
+    """Give ``path`` the mode a new file gets (0644 under the usual umask 022), as checkpoints
+    have: safetensors writes through a private temporary file (0600)."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+#: How a file torch.save wrote starts: a zip archive (torch >= 1.6) or a raw pickle.
+_TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _not_a_checkpoint(root: Path) -> CheckpointError:
+    """What to say about a *file* given as the checkpoint: it is never unpickled."""
+    with root.open("rb") as handle:
+        head = handle.read(4)
+    what = (
+        "a torch.save file (a pickle)"
+        if head.startswith(_TORCH_SAVE_MAGIC)
+        else "a file, not a directory"
+    )
+    return CheckpointError(
+        f"{root} is not a torchplug checkpoint: it is {what}. A torchplug checkpoint is the "
+        f"directory engine.save() writes (with a manifest.json); torchplug convert never "
+        f"unpickles a file. To convert a state dict you saved with torch.save, load it yourself "
+        f"if you trust it (torch.load(path, weights_only=True)) and write it with "
+        f"safetensors.torch.save_file, or save it with engine.save(path, {{'model': model}})."
+    )
 
 
 def _module_entry(entries: dict[str, Any], requested: str | None, root: Path) -> str:
@@ -81,6 +124,13 @@ def _module_entry(entries: dict[str, Any], requested: str | None, root: Path) ->
         return modules[0]
     if "model" in modules:
         return "model"
+    if not modules:
+        kinds = ", ".join(f"'{k}' ({e['kind']})" for k, e in entries.items()) or "none"
+        raise CheckpointError(
+            f"Checkpoint {root} holds no model: none of its entries ({kinds}) was saved as an "
+            f"nn.Module, so there are no parameter names to convert. Save the module itself, "
+            f"engine.save(path, {{'model': model}}), not its state_dict()."
+        )
     raise CheckpointError(
         f"Checkpoint {root} holds {len(modules)} module entries ({modules}); choose one with "
         f"--entry NAME."
@@ -103,6 +153,8 @@ def convert(
     """
     st = _safetensors()
     root = Path(source)
+    if root.is_file():
+        raise _not_a_checkpoint(root)
     if root.is_dir() and not (root / MANIFEST).exists():
         from torchplug.core import manager
 
@@ -147,6 +199,7 @@ def convert(
         groups = json.dumps(entries[opt_key]["data"].get("param_groups", []))
         target = out / "optimizer.safetensors"
         st.save_file(flat, str(target), metadata={"param_groups": groups, "entry": opt_key})
+        _honour_umask(target)
         written.append(target)
     return written
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``torchplug`` command; return its exit code (2: bad input, nothing started)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # torch warns on import when numpy is absent; none of our commands needs numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if argv and argv[0] == "launch":
         from torchplug.cli.launch import launch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import sys
@@ -15,6 +16,17 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _indented(rows: list[list[str]]) -> str:
+    """``rows`` as left-aligned columns, indented by two spaces (long names stay aligned)."""
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
 def doctor() -> int:
     """Print what torchplug sees; exit 1 when a resolved setting is invalid (a job would fail)."""
     import pluggy
@@ -26,19 +38,23 @@ def doctor() -> int:
     from torchplug.core.manager import get_registry
 
     print("versions")
-    print(f"  python     {platform.python_version()} ({sys.executable})")
-    print(f"  torchplug  {torchplug.__version__}")
-    print(f"  torch      {torch.__version__}")
-    print(f"  pluggy     {pluggy.__version__}")
-    for package in ("deepspeed", "fairscale", "torch_xla", "safetensors"):
-        print(f"  {package:<10} {_version(package)}")
+    versions = [
+        ["python", f"{platform.python_version()} ({sys.executable})"],
+        ["torchplug", torchplug.__version__],
+        ["torch", torch.__version__],
+        ["pluggy", pluggy.__version__],
+    ]
+    versions += [[p, _version(p)] for p in ("deepspeed", "fairscale", "torch_xla", "safetensors")]
+    print(_indented(versions))
     print("devices")
-    print(f"  cpu        {os.cpu_count()} cores")
+    devices = [["cpu", f"{os.cpu_count()} cores"]]
     if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            print(f"  cuda:{i}     {torch.cuda.get_device_name(i)}")
+        devices += [
+            [f"cuda:{i}", torch.cuda.get_device_name(i)] for i in range(torch.cuda.device_count())
+        ]
     else:
-        print("  cuda       none")
+        devices.append(["cuda", "none"])
+    print(_indented(devices))
     invalid: list[str] = []
     try:
         env = cluster.detect()
@@ -47,16 +63,9 @@ def doctor() -> int:
         env = cluster.ClusterInfo(source="invalid (see below)")
     print("cluster environment")
     print(f"  detected by  {env.source}")
-    for field in (
-        "rank",
-        "world_size",
-        "local_rank",
-        "node_rank",
-        "num_nodes",
-        "master_addr",
-        "master_port",
-    ):
-        print(f"  {field:<12} {getattr(env, field)}")
+    fields = ("rank", "world_size", "local_rank", "node_rank", "num_nodes")
+    fields += ("master_addr", "master_port")
+    print(_indented([[field, str(getattr(env, field))] for field in fields]))
     registry = get_registry()
     print("settings (value, and where it came from)")
     try:
@@ -65,11 +74,21 @@ def doctor() -> int:
         settings = None
         invalid.append(f"settings: {exc}")
     if settings is not None:
-        for name, value, source in settings.rows():
+        shown_settings = settings
+        named = str(settings.strategy.value).strip().lower()
+        if named == "auto":
+            named = "ddp" if env.world_size > 1 else "single"
+        chosen = registry.canonical(named)
+        if chosen is not None:  # the options in effect for the strategy these settings pick
+            shown_settings = dataclasses.replace(settings)
+            shown_settings.for_strategy(registry.strategies[chosen], registry.canonical)
+        rows = []
+        for name, value, source in shown_settings.rows():
             shown = value
             if name == "strategy" and value == "auto":
                 shown = f"auto -> {'ddp' if env.world_size > 1 else 'single'}"
-            print(f"  {name:<10} {shown!s:<24} {source}")
+            rows.append([name, str(shown), source])
+        print(_indented(rows))
         invalid += config.problems(settings, registry, env.world_size)
     print("plugins")
     print(f"  strategies usable here: {', '.join(registry.usable_names()) or 'none'}")

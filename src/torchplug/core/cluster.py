@@ -8,11 +8,19 @@ process with no launcher is rank 0 of 1.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.spec import hookimpl
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a master port of one's own)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ the code and the launcher name different strategies, that is an error naming bot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -21,7 +22,7 @@ from typing import Any
 from torchplug.core.errors import ConfigurationError, did_you_mean
 from torchplug.core.registry import normalize_precision
 
-CONFIG_KEYS = ("strategy", "precision", "options")
+CONFIG_KEYS = ("strategy", "precision", "options", "strategies")
 
 LAUNCH_ENV = {"strategy": "TORCHPLUG_LAUNCH_STRATEGY", "precision": "TORCHPLUG_LAUNCH_PRECISION"}
 #: ``torchplug launch --option NAME=VALUE`` as a JSON object, for the processes it starts.
@@ -39,8 +40,15 @@ class Setting:
 class Settings:
     strategy: Setting
     precision: Setting
+    #: Strategy options: the config file's shared ``[options]``, overlaid by the launcher's
+    #: ``--option`` flags and the code's keyword arguments. :meth:`for_strategy` adds the
+    #: chosen strategy's own table and drops shared file options that strategy does not know.
     options: dict[str, Setting] = field(default_factory=dict)
     config_file: Path | None = None
+    #: ``[strategies.NAME]`` tables of the config file: name as written -> option -> setting.
+    strategy_tables: dict[str, dict[str, Setting]] = field(default_factory=dict)
+    #: Shared ``[options]`` from the file that the chosen strategy does not know (not applied).
+    ignored: dict[str, Setting] = field(default_factory=dict)
 
     def rows(self) -> list[tuple[str, Any, str]]:
         """``(name, value, source)`` for every setting, for ``torchplug doctor``."""
@@ -49,7 +57,41 @@ class Settings:
             ("precision", self.precision.value, self.precision.source),
         ]
         rows += [(f"options.{k}", s.value, s.source) for k, s in sorted(self.options.items())]
+        rows += [
+            (f"options.{k}", s.value, f"{s.source} (not an option of this strategy: unused)")
+            for k, s in sorted(self.ignored.items())
+        ]
+        for table, values in sorted(self.strategy_tables.items()):
+            rows += [(f"strategies.{table}.{k}", s.value, s.source) for k, s in values.items()]
         return rows
+
+    def for_strategy(self, info: Any, canonical: Callable[[str], str | None]) -> dict[str, Setting]:
+        """The options in effect for strategy ``info``, each with its source; sets
+        :attr:`options` to them.
+
+        Highest first: code argument > ``torchplug launch --option`` > the file's
+        ``[strategies.NAME]`` table for this strategy (by name or alias) > the file's shared
+        ``[options]`` > the strategy's default. A shared ``[options]`` entry this strategy does
+        not know is left out (recorded in :attr:`ignored`) unless no installed strategy knows it
+        (then it is a typo, checked by :func:`problems` and the Engine); a name in the strategy's
+        own table, the launcher's or the code's that it does not know is an error.
+        """
+        known = {o.name for o in info.options}
+        chosen: dict[str, Setting] = {}
+        self.ignored = {}
+        for name, setting in self.options.items():
+            if setting.source.startswith("config file") and name not in known:
+                self.ignored[name] = setting
+            elif setting.source.startswith("config file"):
+                chosen[name] = setting
+        for table, values in self.strategy_tables.items():
+            if canonical(table) == info.name:
+                chosen.update(values)
+        chosen.update(
+            {n: s for n, s in self.options.items() if not s.source.startswith("config file")}
+        )
+        self.options = chosen
+        return chosen
 
 
 def _load_toml(path: Path) -> dict[str, Any]:
@@ -131,6 +173,19 @@ def _checked(table: Any, path: Path) -> dict[str, Any]:
             f"'options' in {path} must be a table, e.g. [tool.torchplug.options] "
             f"find_unused_parameters = true."
         )
+    strategies = table.get("strategies", {})
+    example = (
+        "[tool.torchplug.strategies.deepspeed]"
+        if path.name == "pyproject.toml"
+        else "[strategies.deepspeed]"
+    )
+    if not isinstance(strategies, dict) or not all(
+        isinstance(v, dict) for v in strategies.values()
+    ):
+        raise ConfigurationError(
+            f"'strategies' in {path} must hold one table of options per strategy, e.g. "
+            f'{example}\nconfig = "ds_config.json"; got {strategies!r}.'
+        )
     return table
 
 
@@ -180,9 +235,18 @@ def resolve(
             return Setting(file_settings[key], file_source)
         return Setting(default, "default")
 
+    in_pyproject = file_path is not None and file_path.name == "pyproject.toml"
+    prefix = "tool.torchplug." if in_pyproject else ""
     resolved_options = {
-        name: Setting(value, file_source)
+        name: Setting(value, f"{file_source} [{prefix}options]")
         for name, value in file_settings.get("options", {}).items()
+    }
+    tables = {
+        table: {
+            name: Setting(value, f"{file_source} [{prefix}strategies.{table}]")
+            for name, value in values.items()
+        }
+        for table, values in file_settings.get("strategies", {}).items()
     }
     resolved_options.update(
         {
@@ -198,6 +262,7 @@ def resolve(
         precision=pick("precision", precision, "32"),
         options=resolved_options,
         config_file=file_path,
+        strategy_tables=tables,
     )
 
 
@@ -271,19 +336,42 @@ def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str
             f"{', '.join(info.precisions)}. Choose one of those, or a strategy that supports "
             f"'{precision}'."
         )
-    if info is not None and named and settings.options:
+    if info is not None and named:
+        chosen = dataclasses.replace(settings).for_strategy(info, registry.canonical)
         try:
-            info.resolve_options({n: s.value for n, s in settings.options.items()})
+            info.resolve_options({n: s.value for n, s in chosen.items()})
         except ConfigurationError as exc:
-            sources = sorted({s.source for s in settings.options.values()})
+            sources = sorted({s.source for s in chosen.values()})
             found.append(f"options (from {', '.join(sources)}): {exc}")
-    elif settings.options:  # the code may name the strategy: only names no strategy has are wrong
-        known = {o.name for i in registry.strategies.values() for o in i.options}
-        for name, setting in sorted(settings.options.items()):
-            if name not in known:
-                found.append(
-                    f"option {name!r} (from {setting.source}) is an option of no installed "
-                    f"strategy.{did_you_mean(name, known)} Fix or remove it; "
-                    f"`torchplug plugins --verbose` lists every strategy's options."
-                )
+    # The code may name another strategy: only names no strategy has are wrong.
+    found += unknown_shared_options(settings, registry, every_source=info is None or not named)
+    for table, values in sorted(settings.strategy_tables.items()):
+        canonical = registry.canonical(table)
+        if canonical is None:
+            names = sorted(registry.strategies)
+            found.append(
+                f"[strategies.{table}] (in {settings.config_file}) names no installed strategy."
+                f"{did_you_mean(table, names)} Installed: {', '.join(names) or 'none'}. Rename "
+                f"the table, or install the plugin that provides '{table}'."
+            )
+            continue
+        try:
+            registry.strategies[canonical].resolve_options({n: s.value for n, s in values.items()})
+        except ConfigurationError as exc:
+            found.append(f"[strategies.{table}] (in {settings.config_file}): {exc}")
     return found
+
+
+def unknown_shared_options(
+    settings: Settings, registry: Any, every_source: bool = False
+) -> list[str]:
+    """Shared ``[options]`` from the config file (with ``every_source``: options from anywhere)
+    that no installed strategy knows (typos)."""
+    known = {o.name for i in registry.strategies.values() for o in i.options}
+    return [
+        f"option {name!r} (from {setting.source}) is an option of no installed strategy."
+        f"{did_you_mean(name, known)} Fix or remove it; `torchplug plugins --verbose` lists "
+        f"every strategy's options."
+        for name, setting in sorted({**settings.options, **settings.ignored}.items())
+        if (every_source or setting.source.startswith("config file")) and name not in known
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import json
 import os
 import types
@@ -20,8 +21,6 @@ from torchplug.core import config, faults, manager
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.nested import map_tensors
 from torchplug.core.registry import StrategyInfo, normalize_precision, resolve_options
-
-REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
 @dataclass(frozen=True)
@@ -77,9 +76,11 @@ class Engine:
         self.info: StrategyInfo = self._select_strategy(registry)
         self.precision = normalize_precision(self.settings.precision.value)
         self._check_precision()
-        self.options = self.info.resolve_options(
-            {name: s.value for name, s in self.settings.options.items()}
-        )
+        typos = config.unknown_shared_options(self.settings, registry)
+        if typos:
+            raise ConfigurationError(typos[0])
+        chosen = self.settings.for_strategy(self.info, registry.canonical)
+        self.options = self.info.resolve_options({name: s.value for name, s in chosen.items()})
         self.seed = seed
         self.precision_options: dict[str, Any] = {}
         self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
@@ -88,6 +89,7 @@ class Engine:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._optimizer_models: dict[int, weakref.ref[torch.nn.Module]] = {}
         self._raw_steps = False
+        self._native_state = 0
         self._closed = False
         #: Set when the Engine is left by an exception: teardown then skips its barrier.
         self.failing = False
@@ -300,10 +302,59 @@ class Engine:
         wrapped, wrapped_optimizers = result
         self._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
         self._originals[wrapped] = self.unwrap(model)
+        self._portable_state_dict(wrapped, self.unwrap(model))
         for opt in wrapped_optimizers:
             self._attach(opt)
             self._optimizer_models[id(opt)] = weakref.ref(wrapped)
         return (wrapped, *wrapped_optimizers) if optimizers else wrapped
+
+    def _portable_state_dict(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
+        """Make a wrapper's ``state_dict()`` / ``load_state_dict()`` those of the user's model.
+
+        DDP, FairScale and DeepSpeed hold the model as ``wrapper.module``, so their state dicts
+        name every entry ``module.<name>``; a user's ``torch.save(model.state_dict())`` would
+        then load under no other strategy. Like Fabric's module wrapper, the returned module
+        answers with the inner model's names instead. Only these two methods are replaced, on
+        the wrapper instance (no per-step cost, nothing on the forward path); torchplug's own
+        checkpoints use the state hooks, which see the wrapper's native methods (inside
+        :meth:`native_state_dicts`). ``close()`` puts the originals back.
+        """
+        if wrapped is model or getattr(wrapped, "module", None) is not model:
+            return  # not a `.module` wrapper of the user's model: its names are already plain
+        engine_ref = weakref.ref(self)
+        native_state_dict = wrapped.state_dict
+        native_load = wrapped.load_state_dict
+
+        def native() -> bool:
+            engine = engine_ref()
+            return engine is not None and engine._native_state > 0
+
+        @functools.wraps(native_state_dict)
+        def state_dict(*args: Any, **kwargs: Any) -> Any:
+            if native():
+                return native_state_dict(*args, **kwargs)
+            return model.state_dict(*args, **kwargs)
+
+        @functools.wraps(native_load)
+        def load_state_dict(*args: Any, **kwargs: Any) -> Any:
+            if native():
+                return native_load(*args, **kwargs)
+            return model.load_state_dict(*args, **kwargs)
+
+        for name, function in (("state_dict", state_dict), ("load_state_dict", load_state_dict)):
+            self.restore_on_close(wrapped, name)
+            object.__setattr__(wrapped, name, function)
+
+    @contextlib.contextmanager
+    def native_state_dicts(self) -> Iterator[None]:
+        """Inside, modules returned by :meth:`setup` answer ``state_dict()`` with the backend's
+        own names (``module.<name>``): what the state hooks and torch's DCP state-dict API
+        expect from the wrapper."""
+        self._native_state += 1
+        try:
+            yield
+        finally:
+            self._native_state -= 1
 
     def _attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Route ``optimizer.step()`` through the ``torchplug_optimizer_step`` hook."""
@@ -477,6 +528,8 @@ class Engine:
 
     def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result."""
+        from torchplug.core.strategy import REDUCE_OPS
+
         if op not in REDUCE_OPS:
             raise ConfigurationError(
                 f"Unknown reduce op {op!r}. Expected one of {', '.join(REDUCE_OPS)}."
@@ -560,14 +613,19 @@ class Engine:
                 value = value.full_tensor()
             return value.detach().cpu().clone()
 
-        result = {
-            "model": map_tensors(self.hook.torchplug_model_state(engine=self, model=model), full)
-        }
-        if optimizer is not None:
-            result["optimizer"] = map_tensors(
-                self.hook.torchplug_optimizer_state(engine=self, model=model, optimizer=optimizer),
-                full,
-            )
+        with self.native_state_dicts():
+            result = {
+                "model": map_tensors(
+                    self.hook.torchplug_model_state(engine=self, model=model), full
+                )
+            }
+            if optimizer is not None:
+                result["optimizer"] = map_tensors(
+                    self.hook.torchplug_optimizer_state(
+                        engine=self, model=model, optimizer=optimizer
+                    ),
+                    full,
+                )
         return result
 
     def save(
@@ -595,9 +653,10 @@ class Engine:
             raise CheckpointError(
                 f"Checkpoint metadata must be JSON values (numbers, strings, lists, dicts): {exc}"
             ) from None
-        done = self.hook.torchplug_save(
-            engine=self, path=str(Path(path)), state=state, metadata=metadata
-        )
+        with self.native_state_dicts():
+            done = self.hook.torchplug_save(
+                engine=self, path=str(Path(path)), state=state, metadata=metadata
+            )
         self._answer("torchplug_save", done, bool, "True")
 
     def load(
@@ -620,9 +679,10 @@ class Engine:
                 f"engine.load expects a dict of the objects to restore, e.g. {{'model': model, "
                 f"'optimizer': optimizer}}, got {type(state).__name__}."
             )
-        result = self.hook.torchplug_load(
-            engine=self, path=str(Path(path)), state=state, strict=strict
-        )
+        with self.native_state_dicts():
+            result = self.hook.torchplug_load(
+                engine=self, path=str(Path(path)), state=state, strict=strict
+            )
         return self._answer("torchplug_load", result, dict, "a dict of the values loaded")
 
     @property

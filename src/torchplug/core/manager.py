@@ -39,6 +39,20 @@ ENTRY_POINT_GROUP = "torchplug"
 PLUGIN_MODULES_ENV = "TORCHPLUG_PLUGIN_MODULES"
 OWN_DISTRIBUTION = "torchplug"
 
+#: torchplug's own plugins, registered from this tuple first (as tox does), then third-party
+#: entry points, then pluggy's ``check_pending``. The same names stay declared as entry points
+#: in pyproject.toml, where they are skipped; they own their names.
+BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("single", "torchplug.plugins.single"),
+    ("ddp", "torchplug.plugins.ddp"),
+    ("fsdp", "torchplug.plugins.fsdp"),
+    ("fairscale", "torchplug.plugins.fairscale"),
+    ("slurm", "torchplug.plugins.slurm"),
+    ("deepspeed", "torchplug.plugins.deepspeed"),
+    ("xla", "torchplug.plugins.xla"),
+    ("amp", "torchplug.plugins.amp"),
+)
+
 #: Hooks that make a plugin part of an Engine's active set when it is registered globally.
 STRATEGY_HOOKS = frozenset(
     name
@@ -73,15 +87,34 @@ class PluginManager(pluggy.PluginManager):
         super().__init__(spec.PROJECT)
         self.add_hookspecs(spec)
         self.tracing = _truthy("TORCHPLUG_TRACE")
+        if self.tracing:
+            self.add_hookcall_monitoring(self._trace_before, self._trace_after)
 
-    def register(self, plugin: object, name: str | None = None) -> str | None:
-        registered = super().register(plugin, name)
-        if registered is not None and self.tracing:
-            for caller in self.get_hookcallers(plugin) or []:
-                for impl in caller.get_hookimpls():
-                    if impl.plugin is plugin:
-                        impl.function = _traced(caller.name, impl, _label(plugin, registered))
-        return registered
+    def _label(self, impl: Any) -> str:
+        name = self.get_name(impl.plugin) or ""
+        return _label(impl.plugin, name)
+
+    def _trace_before(self, hook: str, impls: list[Any], kwargs: dict[str, Any]) -> None:
+        """Through pluggy's public hook-call monitoring: which plugins wrap ``hook``."""
+        for impl in reversed(impls):  # pluggy calls the last registered first
+            if impl.wrapper or impl.hookwrapper:
+                sys.stderr.write(f"[torchplug] {hook}: wrapped by {self._label(impl)}\n")
+
+    def _trace_after(
+        self, outcome: Any, hook: str, impls: list[Any], kwargs: dict[str, Any]
+    ) -> None:
+        """Which plugin answered ``hook``, and with what."""
+        if outcome.exception is not None:
+            sys.stderr.write(f"[torchplug] {hook}: raised {outcome.exception!r}\n")
+            return
+        result = outcome.get_result()
+        if result is None or result == []:
+            return
+        answering = [self._label(i) for i in reversed(impls) if not (i.wrapper or i.hookwrapper)]
+        who = answering[0] if len(answering) == 1 else f"one of {', '.join(answering)}"
+        shown = repr(result)
+        shown = shown if len(shown) < 60 else shown[:57] + "..."
+        sys.stderr.write(f"[torchplug] {hook}: answered by {who} -> {shown}\n")
 
     def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)
@@ -98,29 +131,6 @@ class PluginManager(pluggy.PluginManager):
 def _label(plugin: object, name: str) -> str:
     kind = getattr(plugin, "__name__", None) or type(plugin).__name__
     return kind if name.isdigit() or name.startswith("_") else f"{name} ({kind})"
-
-
-def _traced(hook: str, impl: Any, label: str) -> Any:
-    """``impl.function``, printing to stderr which plugin answered or wrapped ``hook``."""
-    function = impl.function
-
-    if impl.wrapper or impl.hookwrapper:
-
-        def wrapper(*args: Any) -> Any:
-            sys.stderr.write(f"[torchplug] {hook}: wrapped by {label}\n")
-            return function(*args)
-
-        return wrapper
-
-    def answer(*args: Any) -> Any:
-        result = function(*args)
-        if result is not None:
-            shown = repr(result)
-            shown = shown if len(shown) < 60 else shown[:57] + "..."
-            sys.stderr.write(f"[torchplug] {hook}: answered by {label} -> {shown}\n")
-        return result
-
-    return answer
 
 
 def new_plugin_manager() -> PluginManager:
@@ -142,6 +152,10 @@ def register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None 
         return
     unknown = [
         attr for attr in dir(plugin) if attr.startswith("torchplug_") and not hasattr(spec, attr)
+    ]
+    # what pluggy's check_pending would find: functions marked @hookimpl under no hook's name
+    unknown += [
+        c.name for c in pm.get_hookcallers(plugin) or [] if c.spec is None and c.name not in unknown
     ]
     if unknown:
         pm.unregister(plugin)
@@ -226,20 +240,32 @@ class Registry:
                 self.aliases[alias] = info.name
 
         def add_precision(info: PrecisionInfo) -> None:
-            for precision in info.precisions:
-                self.precisions.setdefault(
-                    precision, info.with_provider(plugin_name, distribution, version)
+            if not isinstance(info, PrecisionInfo):
+                raise PluginError(
+                    f"Plugin '{plugin_name}' registered {info!r}; expected a "
+                    f"torchplug.PrecisionInfo."
                 )
+            taken = sorted(set(info.precisions) & set(self.precisions))
+            if taken:
+                owner = self.precisions[taken[0]]
+                raise PluginError(
+                    f"Plugin '{plugin_name}' registers precision(s) {taken} already provided by "
+                    f"plugin '{owner.provider}' ({owner.name}). Register other precisions, or "
+                    f"block the other plugin with TORCHPLUG_BLOCK_PLUGINS."
+                )
+            for precision in info.precisions:
+                self.precisions[precision] = info.with_provider(plugin_name, distribution, version)
 
         for hook_name, callback in (
             ("torchplug_register_strategies", add_strategy),
             ("torchplug_register_precisions", add_precision),
         ):
-            function = getattr(plugin, hook_name, None)
-            if function is None:
-                continue
+            # Through the plugin manager (tracing, blocking and hookimpl options apply), limited
+            # to this plugin so that what it registers is attributed to it.
+            others = [p for p in self.pm.get_plugins() if p is not plugin]
+            caller = self.pm.subset_hook_caller(hook_name, remove_plugins=others)
             try:
-                function(register=callback)
+                caller(register=callback)
             except Exception as exc:  # one broken plugin must not break the others
                 if strict:
                     self.remove(plugin_name)
@@ -252,6 +278,47 @@ class Registry:
 
     # -- discovery ------------------------------------------------------------------------------
 
+    def load_builtins(self) -> None:
+        """torchplug's own plugins, from :data:`BUILTIN_PLUGINS` (not from entry points, so a
+        source checkout without an installed distribution has them too); blocked ones are never
+        imported, and one that fails to import is recorded while the rest load."""
+        import importlib
+
+        from torchplug import __version__
+
+        for name, module in BUILTIN_PLUGINS:
+            if name in self.blocked or self.pm.is_blocked(name) or self.pm.has_plugin(name):
+                continue
+            try:
+                plugin = importlib.import_module(module)
+            except Exception as exc:
+                self.errors[name] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(
+                    f"torchplug's built-in plugin '{name}' ({module}) failed to import and is "
+                    f"skipped: {type(exc).__name__}: {exc}",
+                    stacklevel=2,
+                )
+                continue
+            try:
+                self.add(plugin, name=name, origin=(OWN_DISTRIBUTION, __version__), strict=False)
+            except PluginError as exc:
+                self.errors[name] = str(exc)
+                warnings.warn(str(exc), stacklevel=2)
+
+    def check_pending(self) -> None:
+        """pluggy's check that every hookimpl matches a hook of the specification; a plugin
+        that fails it is recorded and removed (one broken plugin must not break the others)."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            name = self.pm.get_name(exc.plugin) or str(exc.plugin)
+            self.errors[name] = (
+                f"{exc}. Fix the hook's name to match torchplug.core.spec, or remove its marker."
+            )
+            warnings.warn(f"torchplug plugin '{name}' is skipped: {exc}", stacklevel=2)
+            self.remove(name)
+            self.check_pending()
+
     def load_entry_points(self) -> None:
         builtins_only = _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD")
         allow = set(_env_list("TORCHPLUG_PLUGINS"))
@@ -261,6 +328,8 @@ class Registry:
         )
         for ep in points:
             own = _is_own(ep)
+            if own and ep.name in dict(BUILTIN_PLUGINS):
+                continue  # registered from BUILTIN_PLUGINS already (or blocked)
             if ep.name in self.blocked or self.pm.is_blocked(ep.name):
                 continue
             if not own and (builtins_only or (allow and ep.name not in allow)):
@@ -329,8 +398,8 @@ class Registry:
             )
         if not self.strategies:
             lines.append(
-                "No strategies are registered at all: torchplug's entry points are missing. "
-                "Install the package (pip install -e .) rather than running it from a source tree."
+                "No strategies are registered at all: are torchplug's own plugins blocked "
+                "(TORCHPLUG_BLOCK_PLUGINS, torchplug.block)? Unblock them."
             )
         lines.append(
             "Run `torchplug plugins` for details, or pip install the plugin that provides it."
@@ -359,7 +428,9 @@ def _is_own(ep: metadata.EntryPoint) -> bool:
     return dist.metadata["Name"].replace("_", "-").lower() == OWN_DISTRIBUTION
 
 
-_lock = threading.Lock()
+#: Guards the registry: building it, register/unregister/block, reset. Reentrant, because an
+#: in-house module imported while the registry is built may call torchplug.register().
+_lock = threading.RLock()
 _registry: Registry | None = None
 _pending_blocks: set[str] = set()
 
@@ -378,11 +449,14 @@ def get_registry() -> Registry:
                 from torchplug.core import cluster
 
                 registry.add(cluster, name="torchplug.cluster", origin=(OWN_DISTRIBUTION, ""))
+                registry.load_builtins()
                 registry.load_entry_points()
+                registry.check_pending()
                 _registry = registry
-            # Outside the lock: an in-house module may call torchplug.register() on import.
-            for module in _env_list(PLUGIN_MODULES_ENV):
-                import_plugin_module(registry, module, strict=False)
+                # An in-house module may call torchplug.register() on import (same thread:
+                # the lock is reentrant).
+                for module in _env_list(PLUGIN_MODULES_ENV):
+                    import_plugin_module(registry, module, strict=False)
     return _registry
 
 
@@ -416,12 +490,17 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
         )
 
 
-def reset_registry() -> None:
-    """Forget the registry so the next use rediscovers plugins (for tests and notebooks)."""
+def reset_registry(forget_blocks: bool = False) -> None:
+    """Forget the registry so the next use rediscovers plugins (for tests and notebooks).
+
+    Names blocked with :func:`block` stay blocked (they apply to the next registry too) unless
+    ``forget_blocks``.
+    """
     global _registry
     with _lock:
         _registry = None
-        _pending_blocks.clear()
+        if forget_blocks:
+            _pending_blocks.clear()
 
 
 def register(plugin: Any, name: str | None = None) -> str:
@@ -431,19 +510,24 @@ def register(plugin: Any, name: str | None = None) -> str:
     are marked with :data:`torchplug.hookimpl`. A plugin that implements strategy hooks itself
     (not only registration hooks) joins the active set of every Engine created afterwards.
     """
-    return get_registry().add(plugin, name=name)
+    registry = get_registry()
+    with _lock:
+        return registry.add(plugin, name=name)
 
 
 def unregister(name: str) -> None:
     """Remove a plugin registered earlier, and the strategies it announced."""
-    get_registry().remove(name)
+    registry = get_registry()
+    with _lock:
+        registry.remove(name)
 
 
 def block(names: Iterable[str] | str) -> None:
     """Block plugins by name: never imported if not yet loaded, removed if they were."""
-    for name in [names] if isinstance(names, str) else names:
-        _pending_blocks.add(name)
-        if _registry is not None:
-            _registry.remove(name)
-            _registry.pm.set_blocked(name)
-            _registry.blocked.add(name)
+    with _lock:
+        for name in [names] if isinstance(names, str) else names:
+            _pending_blocks.add(name)
+            if _registry is not None:
+                _registry.remove(name)
+                _registry.pm.set_blocked(name)
+                _registry.blocked.add(name)

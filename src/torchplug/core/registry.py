@@ -178,7 +178,25 @@ class StrategyInfo:
             if not found:
                 hint = self.install_hint or f"pip install {module}"
                 return f"package '{module}' not installed — {hint}"
+        device = self.device_reason()
+        if device is not None:
+            return device
         return self.check() if self.check is not None else None
+
+    def device_reason(self) -> str | None:
+        """Why the declared capabilities (``supports_cpu``, ``supports_cuda``) rule this machine
+        out, or ``None``: enforced by the core for every strategy, built-in or third-party."""
+        import torch
+
+        if not torch.cuda.is_available():
+            if not self.supports_cpu:
+                return (
+                    "it declares supports_cpu=False (it needs a CUDA GPU) and this machine has "
+                    "no usable CUDA device"
+                )
+        elif not (self.supports_cuda or self.supports_cpu):
+            return "it declares neither supports_cpu nor supports_cuda"
+        return None
 
     def resolve_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
         return resolve_options(f"strategy '{self.name}'", self.options, given)

@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import datetime
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from torchplug.core.cluster import free_port
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option
 from torchplug.core.spec import hookimpl
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from torchplug.core.cluster import ClusterInfo
     from torchplug.core.engine import Engine, Runtime
 
-_REDUCE_OPS = {
+#: The reduce ops ``engine.reduce`` accepts (checked there), as torch.distributed ops; ``mean``
+#: is a sum divided by the world size.
+REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "mean": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -98,7 +100,7 @@ class Strategy:
         if op == "mean" and not result.is_floating_point():
             result = result.to(torch.get_default_dtype())
         if _distributed(engine):
-            dist.all_reduce(result, op=_REDUCE_OPS[op])
+            dist.all_reduce(result, op=REDUCE_OPS[op])
             if op == "mean":
                 result.div_(engine.world_size)
         return result
@@ -192,12 +194,6 @@ def default_device(local_rank: int = 0) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 #: The longest collective timeout accepted: one year (torch overflows far above it).

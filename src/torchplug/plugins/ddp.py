@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -13,36 +14,36 @@ from torchplug.core.registry import Option, StrategyInfo, positive_number
 from torchplug.core.spec import hookimpl
 from torchplug.core.strategy import DistributedStrategy, distributed_options
 
-_DDP_DEFAULTS = {
-    "find_unused_parameters": False,
-    "static_graph": False,
-    "gradient_as_bucket_view": False,
-    "broadcast_buffers": True,
-    "bucket_cap_mb": 25.0,
-}
+#: DDP's own options, declared once: the registration, the defaults and what is passed to torch.
+DDP_OPTIONS: tuple[Option, ...] = (
+    Option("find_unused_parameters", bool, False, "see torch DDP"),
+    Option("static_graph", bool, False, "see torch DDP"),
+    Option("gradient_as_bucket_view", bool, False, "see torch DDP"),
+    Option("broadcast_buffers", bool, True, "see torch DDP"),
+    Option(
+        "bucket_cap_mb",
+        float,
+        25.0,
+        "gradient bucket size in MiB (torch DDP)",
+        validate=positive_number("MiB", 1024.0**2),
+    ),
+)
 
 
 class DDPStrategy(DistributedStrategy):
     def __init__(
-        self,
-        process_group_backend: str | None = None,
-        timeout: float = 1800.0,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = True,
-        bucket_cap_mb: float = 25.0,
+        self, process_group_backend: str | None = None, timeout: float = 1800.0, **ddp: Any
     ) -> None:
         super().__init__(process_group_backend, timeout)
-        chosen = {
-            "find_unused_parameters": find_unused_parameters,
-            "static_graph": static_graph,
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-            "broadcast_buffers": broadcast_buffers,
-            "bucket_cap_mb": bucket_cap_mb,
-        }
+        defaults = {o.name: o.default for o in DDP_OPTIONS}
+        unknown = sorted(set(ddp) - set(defaults))
+        if unknown:
+            raise TypeError(
+                f"DDPStrategy got unknown option(s) {unknown}; expected some of "
+                f"{', '.join(defaults)} (see torch DistributedDataParallel)."
+            )
         # Pass only what differs from DDP's defaults: names get deprecated across torch versions.
-        self.ddp_kwargs = {k: v for k, v in chosen.items() if v != _DDP_DEFAULTS[k]}
+        self.ddp_kwargs = {k: v for k, v in ddp.items() if v != defaults[k]}
 
     @hookimpl
     def torchplug_wrap(
@@ -75,19 +76,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("distributed-data-parallel",),
             factory=DDPStrategy,
             description="torch DistributedDataParallel: full replicas, gradients all-reduced.",
-            options=(
-                *distributed_options(),
-                Option("find_unused_parameters", bool, False, "see torch DDP"),
-                Option("static_graph", bool, False, "see torch DDP"),
-                Option("gradient_as_bucket_view", bool, False, "see torch DDP"),
-                Option("broadcast_buffers", bool, True, "see torch DDP"),
-                Option(
-                    "bucket_cap_mb",
-                    float,
-                    25.0,
-                    "gradient bucket size in MiB (torch DDP)",
-                    validate=positive_number("MiB", 1024.0**2),
-                ),
-            ),
+            options=(*distributed_options(), *DDP_OPTIONS),
         )
     )

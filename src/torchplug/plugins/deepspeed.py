@@ -15,7 +15,9 @@ when one of these strategies is selected.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import logging
 import math
@@ -410,7 +412,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         for key, obj in state.items():
             if obj is self.ds_engine:
                 full = (
-                    get_fp32_state_dict_from_zero_checkpoint(str(tmp / NATIVE), tag=TAG)
+                    _quietly(get_fp32_state_dict_from_zero_checkpoint, str(tmp / NATIVE), tag=TAG)
                     if engine.is_main
                     else {}
                 )
@@ -545,6 +547,14 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
     )
 
 
+def _quietly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(...)`` with its prints to stdout swallowed: zero_to_fp32 prints "Processing
+    zero checkpoint", "Reconstructed fp32 state dict with N params" and more on every save,
+    output the user did not ask for (its errors still raise)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return function(*args, **kwargs)
+
+
 @hookimpl
 def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] | None:
     """A native DeepSpeed checkpoint directory (with its ``latest`` file), consolidated by
@@ -559,5 +569,5 @@ def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] 
         ) from None
     from torchplug.checkpoint.convert import write_safetensors
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(source))
+    state = _quietly(get_fp32_state_dict_from_zero_checkpoint, str(source))
     return [write_safetensors(state, destination, source, "deepspeed")]

@@ -214,12 +214,6 @@ def _keep_gradient_buffers(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
 
 
-def _cuda_only() -> str | None:
-    if not torch.cuda.is_available():
-        return "FairScale's FullyShardedDataParallel runs on CUDA only and this machine has no GPU"
-    return None
-
-
 class FairScaleFSDPStrategy(DistributedStrategy):
     @hookimpl
     def torchplug_wrap(
@@ -272,8 +266,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             options=(*distributed_options(),),
             shards_parameters=True,
             shards_optimizer=True,
-            supports_cpu=False,
-            check=_cuda_only,
+            supports_cpu=False,  # the core refuses it on a machine without CUDA
             **common,
         )
     )

@@ -89,6 +89,7 @@ class FSDPStrategy(DistributedStrategy):
         for unit in shard_units(model, self.shard_classes, self.min_params):
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
+        _accept_full_tensors(engine, model)
         params = dict(model.named_parameters())
         for optimizer in optimizers:
             rebind_optimizer(
@@ -115,6 +116,34 @@ class FSDPStrategy(DistributedStrategy):
 
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def _accept_full_tensors(engine: Engine, model: torch.nn.Module) -> None:
+    """Let ``model.load_state_dict`` take a plain (unsharded) state dict, as the user's own
+    ``torch.save(model.state_dict())`` under any other strategy writes it: each plain tensor
+    given for a sharded entry is cut into this rank's shard locally (no communication; every
+    rank passes the whole tensor, as with plain PyTorch). ``close()`` restores the method."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    native = model.load_state_dict
+
+    def load_state_dict(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        live = model.state_dict()
+        converted = {}
+        for name, value in state_dict.items():
+            target = live.get(name)
+            if isinstance(target, DTensor) and not isinstance(value, DTensor):
+                value = distribute_tensor(
+                    value.to(target.device),
+                    target.device_mesh,
+                    target.placements,
+                    src_data_rank=None,
+                )
+            converted[name] = value
+        return native(converted, *args, **kwargs)
+
+    engine.restore_on_close(model, "load_state_dict")
+    model.load_state_dict = load_state_dict  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -53,7 +53,7 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
     )
     job = env.get("SLURM_JOB_ID", "0")
     port = master_port(env.get("MASTER_PORT"))
-    port = port if port is not None else 10000 + int(job[-4:] or 0) % 50000
+    port = port if port is not None else 10000 + int(job[-4:] or 0)
     return ClusterInfo(
         rank=int(env["SLURM_PROCID"]),
         world_size=int(env["SLURM_NTASKS"]),

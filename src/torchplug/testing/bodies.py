@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
 from torchplug.core import manager
+from torchplug.core.strategy import REDUCE_OPS
 
 FEATURES = 8
 MAX_STEPS = 20
@@ -261,9 +262,7 @@ def collectives(
     register(plugins)
     with tp.Engine(strategy, **(options or {})) as engine:
         value = torch.tensor([engine.rank + 1.0, -2.0 * (engine.rank + 1)])
-        out: dict[str, Any] = {
-            op: engine.reduce(value, op).cpu().tolist() for op in ("sum", "mean", "max", "min")
-        }
+        out: dict[str, Any] = {op: engine.reduce(value, op).cpu().tolist() for op in REDUCE_OPS}
         out["gather"] = engine.gather(value).cpu().tolist()
         out["rank"], out["world_size"] = engine.rank, engine.world_size
         engine.barrier()

@@ -21,7 +21,6 @@ import os
 import pickle
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
+
+from torchplug.core.cluster import free_port
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -46,12 +47,6 @@ def _recv(conn: Connection) -> Any:
 
 class RankError(AssertionError):
     """One or more ranks failed, or the call timed out; the message holds every rank's story."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RankPool:
@@ -273,7 +268,7 @@ def _cleanup() -> None:
         pass
     from torchplug.core import manager
 
-    manager.reset_registry()
+    manager.reset_registry(forget_blocks=True)
 
 
 def default_sys_path() -> list[str]:
