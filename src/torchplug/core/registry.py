@@ -169,7 +169,11 @@ class StrategyInfo:
         return next((o for o in self.options if o.name == name), None)
 
     def unusable_reason(self) -> str | None:
-        """Why this strategy cannot run on this machine, or ``None`` if it can."""
+        """Why this strategy cannot run on this machine, or ``None`` if it can (the machine's
+        reason first: installing a package does not help where the device is missing)."""
+        device = self.device_reason()
+        if device is not None:
+            return device
         for module in self.requires:
             try:
                 found = importlib.util.find_spec(module) is not None
@@ -178,9 +182,6 @@ class StrategyInfo:
             if not found:
                 hint = self.install_hint or f"pip install {module}"
                 return f"package '{module}' not installed — {hint}"
-        device = self.device_reason()
-        if device is not None:
-            return device
         return self.check() if self.check is not None else None
 
     def device_reason(self) -> str | None:
