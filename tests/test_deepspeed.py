@@ -16,6 +16,7 @@ from checkpoint_attacks import no_unpickling
 from reference import make_dataset, make_model, train
 from test_parity import assert_close_dicts
 from test_ported import check_strategy
+from torchplug.testing import bodies
 from torchplug.testing.conformance import Conformance
 
 needs_deepspeed = pytest.mark.skipif(
@@ -34,43 +35,22 @@ def train_ds(
     scheduler: str | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """The reference run (tests/reference.py), through DeepSpeed's engine. ``scheduler`` is
-    ``"before"`` or ``"after"`` setup: a StepLR halving the LR every step."""
-    with tp.Engine(strategy, precision=precision, timeout=120.0, **options) as engine:
-        model = make_model()
-        optimizer = getattr(torch.optim, optimizer_name)(model.parameters(), lr=3e-2)
-        if scheduler == "before":
-            sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
-        model, optimizer = engine.setup(model, optimizer)
-        assert isinstance(optimizer, torch.optim.Optimizer)
-        if scheduler == "after":
-            sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
-        if load_from is not None:
-            state = {"model": model, "optimizer": optimizer, "step": 0}
-            engine.load(load_from, state)
-            assert state["step"] == first_step
-        loader = engine.setup_dataloader(
-            DataLoader(make_dataset(320), batch_size=16 // engine.world_size)
-        )
-        losses = []
-        for step, (x, y) in enumerate(loader):
-            if step < first_step:
-                continue
-            if step >= first_step + steps:
-                break
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            if scheduler is not None:
-                sched.step()
-            losses.append(engine.reduce(loss.detach().float(), "mean").item())
-        if save_to is not None:
-            engine.save(
-                save_to, {"model": model, "optimizer": optimizer, "step": first_step + steps}
-            )
-        params = engine.full_state(model)["model"]
-        return {"losses": losses, "params": {k: v.float() for k, v in params.items()}}
+    """The kit's training run (torchplug.testing.bodies.train) through DeepSpeed; ``scheduler`` is
+    ``"before"`` or ``"after"`` setup (a StepLR halving the LR every step)."""
+    result = bodies.train(
+        strategy,
+        options={"timeout": 120.0, **options},
+        precision=precision,
+        steps=steps,
+        first_step=first_step,
+        save_to=save_to,
+        load_from=load_from,
+        optimizer=optimizer_name,
+        scheduler=scheduler,
+        precision_options={},
+    )
+    result["params"] = {k: v.float() for k, v in result["params"].items()}
+    return result
 
 
 def extensions() -> list[str]:

@@ -68,8 +68,8 @@ def _optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     return getattr(torch.optim, name)(params, lr=lr)
 
 
-def _batches(world_size: int) -> DataLoader:
-    return DataLoader(make_dataset(MAX_STEPS * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // world_size)
+def _batches(world_size: int, global_batch: int = GLOBAL_BATCH) -> DataLoader:
+    return DataLoader(make_dataset(MAX_STEPS * global_batch), batch_size=global_batch // world_size)
 
 
 def reference(
@@ -145,6 +145,9 @@ def train(
     scheduler: str | None = None,
     inf_at_step: int | None = None,
     probe_sync: bool = False,
+    width: int = 16,
+    global_batch: int = GLOBAL_BATCH,
+    precision_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``steps`` steps on the global batch split over the ranks, as a user writes them.
 
@@ -152,15 +155,21 @@ def train(
     ``accumulate`` micro-batches are accumulated under ``engine.no_sync``; ``inf_at_step`` makes
     rank 0's loss infinite at that step. ``probe_sync`` records, for the first micro-batch
     under no_sync, whether this rank's gradients equal every other rank's (they must not).
+    ``precision_options`` default (None): fp16 starts at :data:`FP16_SCALE`; ``{}``: the
+    precision plugin's own defaults.
     """
     register(plugins)
     extra: dict[str, Any] = {}
-    info = manager.get_registry().strategy(strategy)
-    takes = not info.owns_precision or any(o.name == "init_scale" for o in info.precision_options)
-    if precision == "fp16" and takes:
-        extra["precision_options"] = {"init_scale": FP16_SCALE}
+    if precision_options is not None:
+        if precision_options:
+            extra["precision_options"] = precision_options
+    elif precision == "fp16" and strategy != "auto":
+        info = manager.get_registry().strategy(strategy)
+        names = {o.name for o in info.precision_options}
+        if not info.owns_precision or "init_scale" in names:
+            extra["precision_options"] = {"init_scale": FP16_SCALE}
     with tp.Engine(strategy, precision=precision, **extra, **(options or {})) as engine:
-        model = make_model()
+        model = make_model(width=width)
         opt = _optimizer(optimizer, model.parameters(), lr)
         if scheduler == "before":
             sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
@@ -170,8 +179,10 @@ def train(
         if load_from is not None:
             state = {"model": model, "optimizer": opt, "step": 0}
             engine.load(load_from, state)
-        losses, norms, skipped, lrs, synced = [], [], [], [], []
-        for step, (x, y) in enumerate(engine.setup_dataloader(_batches(engine.world_size))):
+            assert state["step"] == first_step, (state["step"], first_step)
+        losses, norms, skipped, lrs, synced, scales, checksums = [], [], [], [], [], [], []
+        batches = _batches(engine.world_size, global_batch)
+        for step, (x, y) in enumerate(engine.setup_dataloader(batches)):
             if step < first_step:
                 continue
             if step >= first_step + steps:
@@ -197,6 +208,13 @@ def train(
                 sched.step()
             lrs.append(opt.param_groups[0]["lr"])
             losses.append(engine.reduce(torch.stack(parts).sum(), "mean").item())
+            local = sum(
+                (p.detach().double().sum() for p in _local(model)),
+                torch.zeros((), dtype=torch.float64),
+            )
+            checksums.append(engine.reduce(local, "sum").item())
+            scaler = next((p.scaler for p in engine.plugins if getattr(p, "scaler", None)), None)
+            scales.append(scaler.get_scale() if scaler is not None else None)
         if save_to is not None:
             engine.save(save_to, {"model": model, "optimizer": opt, "step": first_step + steps})
         return {
@@ -205,11 +223,25 @@ def train(
             "skipped": skipped,
             "lrs": lrs,
             "synced": synced,
+            "scales": scales,
+            "checksums": checksums,
+            "strategy": engine.strategy,
             "rank": engine.rank,
             "world_size": engine.world_size,
             "is_torch_optimizer": isinstance(opt, torch.optim.Optimizer),
             **full_state(engine, model, opt),
         }
+
+
+def _local(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's own parameter data (its shard under a sharding strategy, once per replica)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    if params and isinstance(params[0], DTensor):
+        return [p.to_local() for p in params]
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return params if rank == 0 else []
 
 
 def _grads_agree(engine: tp.Engine, model: torch.nn.Module) -> bool:
