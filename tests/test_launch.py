@@ -6,6 +6,7 @@ that nothing started.
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -166,9 +167,11 @@ INHOUSE = textwrap.dedent(
 def test_plugin_module_from_the_current_directory_reaches_every_rank(tmp_path):
     (tmp_path / "my_plugin.py").write_text(INHOUSE)
     (tmp_path / "train.py").write_text(
-        "import torchplug as tp\n"
+        "import sys, torchplug as tp\n"
         "with tp.Engine() as engine:\n"
-        "    print('strategy', engine.rank, engine.strategy, engine.options['timeout'])\n"
+        "    line = f'strategy {engine.rank} {engine.strategy} {engine.options[\"timeout\"]}\\n'\n"
+        "    sys.stdout.write(line)  # one write per line: the ranks share the pipe\n"
+        "    sys.stdout.flush()\n"
     )
     run = torchplug(
         "launch",
@@ -184,7 +187,7 @@ def test_plugin_module_from_the_current_directory_reaches_every_rank(tmp_path):
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr
-    assert sorted(line for line in run.stdout.splitlines() if line.startswith("strategy")) == [
+    assert sorted(re.findall(r"strategy \d my-inhouse [0-9.]+", run.stdout)) == [
         "strategy 0 my-inhouse 42.0",
         "strategy 1 my-inhouse 42.0",
     ]
