@@ -10,45 +10,13 @@ from pathlib import Path
 import pytest
 
 from broken_strategy import BROKEN
-from torchplug.testing.conformance import Conformance
+from torchplug.testing.conformance import classes
 from torchplug.testing.kit import check
 
-
-class TestSingle(Conformance):
-    strategy = "single"
-
-
-class TestSingleBF16(Conformance):
-    strategy = "single"
-    precision = "bf16"
-
-
-class TestSingleFP16(Conformance):
-    strategy = "single"
-    precision = "fp16"
-
-
-class TestDDP(Conformance):
-    strategy = "ddp"
-
-
-class TestDDPBF16(Conformance):
-    strategy = "ddp"
-    precision = "bf16"
-
-
-class TestDDPFP16(Conformance):
-    strategy = "ddp"
-    precision = "fp16"
-
-
-class TestFSDP(Conformance):
-    strategy = "fsdp"
-
-
-class TestFSDPBF16(Conformance):
-    strategy = "fsdp"
-    precision = "bf16"
+# Every built-in strategy of the base install, in every precision it supports.
+globals().update(classes("single"))
+globals().update(classes("ddp"))
+globals().update(classes("fsdp", ("32", "bf16")))
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))

@@ -17,7 +17,7 @@ from reference import make_dataset, make_model, train
 from test_parity import assert_close_dicts
 from test_ported import check_strategy
 from torchplug.testing import bodies
-from torchplug.testing.conformance import Conformance
+from torchplug.testing.conformance import classes
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed"
@@ -276,15 +276,8 @@ def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precis
 
 
 # The conformance kit on every DeepSpeed strategy in every precision it supports.
-for _name in (
-    "deepspeed",
-    "deepspeed-zero1",
-    "deepspeed-zero2",
-    "deepspeed-zero3",
-    "deepspeed-zero3-offload",
-):
-    for _precision in ("32", "bf16", "fp16"):
-        _cls = f"Test_{_name.replace('-', '_')}_{_precision}_Conformance"
-        globals()[_cls] = needs_deepspeed(
-            type(_cls, (Conformance,), {"strategy": _name, "precision": _precision})
-        )
+for _name in ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"):
+    for _cls_name, _cls in classes(_name).items():
+        globals()[_cls_name] = needs_deepspeed(_cls)
+for _cls_name, _cls in classes("deepspeed-zero3-offload").items():
+    globals()[_cls_name] = needs_deepspeed(_cls)

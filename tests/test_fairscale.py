@@ -10,7 +10,7 @@ from reference import make_dataset, make_model, train
 from test_parity import assert_close_dicts
 from test_ported import check_strategy
 from test_resume import run
-from torchplug.testing.conformance import Conformance
+from torchplug.testing.conformance import classes
 
 pytest.importorskip("fairscale")
 
@@ -89,32 +89,8 @@ def test_resume_across_fairscale_and_others(ranks, tmp_path, first, second):
     assert_close_dicts(after["params"], uninterrupted["params"], atol=1e-6)
 
 
-class TestFairScaleOSSConformance(Conformance):
-    strategy = "fairscale-oss"
-
-
-class TestFairScaleOSSBF16Conformance(Conformance):
-    strategy = "fairscale-oss"
-    precision = "bf16"
-
-
-class TestFairScaleOSSFP16Conformance(Conformance):
-    strategy = "fairscale-oss"
-    precision = "fp16"
-
-
-class TestFairScaleSDPConformance(Conformance):
-    strategy = "fairscale-sdp"
-
-
-class TestFairScaleSDPBF16Conformance(Conformance):
-    strategy = "fairscale-sdp"
-    precision = "bf16"
-
-
-class TestFairScaleSDPFP16Conformance(Conformance):
-    strategy = "fairscale-sdp"
-    precision = "fp16"
+globals().update(classes("fairscale-oss"))
+globals().update(classes("fairscale-sdp"))
 
 
 @pytest.mark.parametrize("strategy", ["fairscale-oss", "fairscale-sdp"])

@@ -9,6 +9,8 @@ provides the ranks::
         strategy = "my-backend"        # options = {...}; plugins = ["my_module"]; nprocs = 2
         precision = "bf16"             # one class per precision the backend supports
 
+or let :func:`classes` make one class per precision.
+
 Every property of :mod:`torchplug.testing.kit` becomes a test, run on real ranks started once per
 session by torchrun (the ``torchplug_ranks`` fixture).
 """
@@ -93,3 +95,18 @@ class Conformance:
 
     def test_unsupported(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.unsupported())
+
+
+def classes(
+    strategy: str, precisions: Sequence[str] = ("32", "bf16", "fp16"), **attributes: Any
+) -> dict[str, type[Conformance]]:
+    """One :class:`Conformance` test class per precision, named for pytest to collect::
+
+    globals().update(classes("my-backend", ("32", "bf16"), plugins=["my_module"]))
+    """
+    made: dict[str, type[Conformance]] = {}
+    for precision in precisions:
+        name = f"Test_{strategy.replace('-', '_')}_{precision}_Conformance"
+        body = {"strategy": strategy, "precision": precision, **attributes}
+        made[name] = type(name, (Conformance,), body)
+    return made
