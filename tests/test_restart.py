@@ -155,3 +155,24 @@ def test_save_checkpoint_needs_a_step(tmp_path):
         pytest.raises(tp.CheckpointError, match="save_checkpoint needs the training step"),
     ):
         engine.save_checkpoint({"model": torch.nn.Linear(1, 1)})
+
+
+def resume_without_numpy(directory: str) -> int | None:
+    """engine.resume on 2 ranks with numpy unusable (an install made as the README says)."""
+
+    def unavailable(self: torch.Tensor) -> None:
+        raise RuntimeError("Numpy is not available")
+
+    real = torch.Tensor.numpy
+    torch.Tensor.numpy = unavailable  # type: ignore[method-assign]
+    try:
+        with tp.Engine("ddp", checkpoint_dir=directory, resume="latest") as engine:
+            model = engine.setup(torch.nn.Linear(2, 1))
+            engine.save_checkpoint({"model": model}, step=3)
+            return engine.resume({"model": model})
+    finally:
+        torch.Tensor.numpy = real  # type: ignore[method-assign]
+
+
+def test_resume_needs_no_numpy(ranks, tmp_path):
+    assert ranks.run(resume_without_numpy, str(tmp_path / "ckpts")) == [3, 3]

@@ -1,4 +1,4 @@
-"""The core: hook specification, plugin manager, settings, Engine, checkpoints, CLI.
+"""The core: hook specification, plugin manager, settings, cluster detection, the Engine.
 
 It imports only torch, pluggy and the standard library.
 """

@@ -439,12 +439,21 @@ class Engine:
             self._raw_steps = previous
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` from rank ``src`` on every rank (small, trusted objects: names, flags)."""
+        """``obj`` (JSON values: names, paths, flags) from rank ``src`` on every rank.
+
+        Sent as UTF-8 bytes in a tensor: unlike ``broadcast_object_list`` it needs neither pickle
+        nor numpy (which an install made as the README says does not have).
+        """
         if self.world_size == 1 or not torch.distributed.is_initialized():
             return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=src)
-        return box[0]
+        data = json.dumps(obj).encode() if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(size, src=src)
+        payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == src:
+            payload.copy_(torch.tensor(list(data), dtype=torch.uint8))
+        torch.distributed.broadcast(payload, src=src)
+        return json.loads(bytes(payload.cpu().tolist()).decode())
 
     def unwrap(self, obj: Any) -> Any:
         """The user's original module behind a module this Engine returned (else ``obj``)."""

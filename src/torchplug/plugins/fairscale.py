@@ -83,7 +83,9 @@ class OSSCheckpointing:
         self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         optimizer.consolidate_state_dict(recipient_rank=0)  # a collective
-        full = engine.broadcast_object(optimizer.state_dict() if engine.is_main else None)
+        box = [optimizer.state_dict() if engine.is_main else None]  # tensors: torch's own way
+        torch.distributed.broadcast_object_list(box, src=0)
+        full = box[0]
         names = _names(model)
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         state = {order[i]: values for i, values in full["state"].items()}
