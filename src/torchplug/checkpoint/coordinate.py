@@ -15,7 +15,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -57,7 +57,6 @@ class Coordinator:
     world_size: int
     timeout: float
     arrival_timeout: float
-    records: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.store = None
