@@ -54,12 +54,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser(
         "convert",
-        help="turn a checkpoint into DST/model.safetensors (loadable without torchplug)",
+        help="turn a checkpoint into DST/model.safetensors (loadable without torchplug), or a "
+        "native DeepSpeed checkpoint into a portable one (--to checkpoint)",
     )
-    p.add_argument("source", help="a checkpoint directory written by engine.save")
-    p.add_argument("destination", help="directory to write model.safetensors into")
+    p.add_argument(
+        "source", help="a checkpoint directory written by engine.save (or by DeepSpeed itself)"
+    )
+    p.add_argument(
+        "destination", help="directory to write model.safetensors into (or the new checkpoint)"
+    )
     p.add_argument("--entry", default=None, help="which module entry (default: the only one)")
     p.add_argument("--optimizer", action="store_true", help="also write optimizer.safetensors")
+    p.add_argument(
+        "--to",
+        choices=("safetensors", "checkpoint"),
+        default="safetensors",
+        help="safetensors files (default), or a portable torchplug checkpoint (for a native "
+        "DeepSpeed checkpoint: model, optimizer state and step, loadable by every strategy)",
+    )
     p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,

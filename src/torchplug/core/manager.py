@@ -64,6 +64,7 @@ STRATEGY_HOOKS = frozenset(
         "torchplug_register_precisions",
         "torchplug_cluster_environment",
         "torchplug_convert_checkpoint",
+        "torchplug_read_checkpoint",
     }
 )
 

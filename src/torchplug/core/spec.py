@@ -253,6 +253,21 @@ def torchplug_reads_in_place(engine: Engine, kind: str) -> bool | None:
 
 
 @hookspec(firstresult=True)
+def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] | None:
+    """Read a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) as portable state,
+    or return ``None`` if the directory is not yours.
+
+    The answer is ``{"model": {name: tensor}, "optimizer": {"state": {name: {...}},
+    "param_groups": [{..., "params": [names]}]} or None, "step": int or None, "format": str}``,
+    the layout :func:`torchplug_model_state` and :func:`torchplug_optimizer_state` produce;
+    ``optimizer=False`` lets a reader skip the (slower) optimizer state. ``torchplug convert``
+    calls it on every installed plugin and writes the answer as a portable checkpoint or as
+    safetensors. The user chose to convert this directory, so the reader may use its library's
+    own loaders; import nothing heavy unless the directory is yours.
+    """
+
+
+@hookspec(firstresult=True)
 def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] | None:
     """Convert a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) to
     ``destination/model.safetensors``; return the files written, or ``None`` if it is not yours.

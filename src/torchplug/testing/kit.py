@@ -63,6 +63,13 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(((a[k].double() - b[k].double()).abs().max().item() for k in a), default=0.0)
 
 
+def _rounded(
+    values: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``values`` in the dtypes of ``like`` (fp32 state compared with a low-precision copy)."""
+    return {k: v.to(like[k].dtype) if k in like else v for k, v in values.items()}
+
+
 def bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     """Names whose tensors differ in any bit (or exist on one side only)."""
     return sorted(
@@ -369,29 +376,51 @@ class Kit:
         )
 
     def portability(self) -> Outcome:
+        """Both ways: this strategy's checkpoint loads into 'single' in one process, and one
+        written by 'single' loads into this strategy on its ranks, model and optimizer state
+        bit-exact."""
         path, saved = self._saved()
         loaded = bodies.load("single", path)  # in fp32: the checkpoint holds fp32 state
         # A backend that keeps low-precision weights beside fp32 masters (DeepSpeed bf16) saves
         # the masters: they must round to the weights it trained with.
-        params = {
-            k: v.to(saved["params"][k].dtype) if k in saved["params"] else v
-            for k, v in loaded["params"].items()
-        }
-        differ = bit_exact(params, saved["params"])
+        differ = bit_exact(_rounded(loaded["params"], saved["params"]), saved["params"])
         differ += bit_exact(loaded["optimizer"], saved["optimizer"])
+        if differ:
+            return Outcome(
+                "portability", False, f"differ after loading into 'single': {differ[:5]}"
+            )
+        source = str(self._tmp / "from-single")
+        written = self.cached(
+            "from-single", lambda: bodies.train("single", steps=3, save_to=source)
+        )
+        back = self.run(bodies.load, source)
+        differ = sorted(
+            {
+                n
+                for r in back
+                for n in bit_exact(r["params"], _rounded(written["params"], r["params"]))
+                + (
+                    bit_exact(r["optimizer"], written["optimizer"])
+                    if r["optimizer_portable"]
+                    else []
+                )
+            }
+        )
+        if differ:
+            return Outcome(
+                "portability", False, f"differ after loading a 'single' checkpoint: {differ[:5]}"
+            )
         note = (
             ""
-            if loaded["optimizer_portable"]
+            if loaded["optimizer_portable"] and all(r["optimizer_portable"] for r in back)
             else " (model only: this strategy's optimizer state has no portable form, and "
             "loading it elsewhere is refused unless strict=False)"
         )
         return Outcome(
             "portability",
-            not differ,
-            f"checkpoint of {self.nprocs} rank(s) loads bit-exact into 'single' in one process"
-            f"{note}"
-            if not differ
-            else f"differ after loading into 'single': {differ[:5]}",
+            True,
+            f"checkpoint of {self.nprocs} rank(s) loads bit-exact into 'single' in one process, "
+            f"and one of 'single' into {self.nprocs} rank(s){note}",
         )
 
     def single_process(self) -> Outcome:
