@@ -463,3 +463,67 @@ def test_a_plain_deepspeed_checkpoint_converts_and_resumes_under_fsdp(ranks, tmp
     assert resumed["losses"] == pytest.approx(whole["losses"][5:], abs=1e-6)
     assert_close_dicts(resumed["params"], whole["params"], atol=1e-6)
     assert_close_dicts(resumed["optimizer"], whole["optimizer"], atol=1e-6)
+
+
+def grouped(
+    strategy: str,
+    steps: int,
+    first_step: int = 0,
+    save_to: str | None = None,
+    load_from: str | None = None,
+) -> dict[str, Any]:
+    """Two parameter groups (no weight decay on biases, another LR), SGD with momentum, and a
+    scheduler saved beside them: what fine-tuning scripts do."""
+    options = {"timeout": 120.0} if strategy != "single" else {}
+    with tp.Engine(strategy, **options) as engine:
+        model = bodies.make_model()
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        optimizer = torch.optim.SGD(
+            [{"params": weights, "weight_decay": 1e-2}, {"params": biases, "lr": 1e-2}],
+            lr=3e-2,
+            momentum=0.9,
+        )
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        model, optimizer = engine.setup(model, optimizer)
+        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+        if load_from:
+            engine.load(load_from, state)
+        data = bodies.make_dataset(bodies.MAX_STEPS * bodies.GLOBAL_BATCH)
+        loader = DataLoader(data, batch_size=bodies.GLOBAL_BATCH // engine.world_size)
+        for step, (x, y) in enumerate(engine.setup_dataloader(loader)):
+            if step < first_step:
+                continue
+            if step == first_step + steps:
+                break
+            engine.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            state["step"] = step + 1
+        if save_to:
+            engine.save(save_to, state)
+        full = bodies.full_state(engine, model, optimizer)
+        return {**full, "lrs": [g["lr"] for g in optimizer.param_groups]}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("ddp", "deepspeed-zero2"),
+        ("deepspeed-zero3", "ddp"),
+        ("deepspeed-zero1", "deepspeed-zero3"),
+    ],
+)
+def test_parameter_groups_momentum_and_scheduler_move_between_strategies(
+    ranks, tmp_path, source, target
+):
+    path = str(tmp_path / "ckpt")
+    whole = ranks.run(grouped, target, 8, timeout=300)[0]
+    ranks.run(grouped, source, 4, save_to=path, timeout=300)
+    resumed = ranks.run(grouped, target, 4, first_step=4, load_from=path, timeout=300)[0]
+    assert resumed["lrs"] == whole["lrs"] == [3e-2 / 16, 1e-2 / 16]
+    assert_close_dicts(resumed["params"], whole["params"], atol=1e-6)
+    assert any(k.endswith("momentum_buffer") for k in whole["optimizer"])
+    assert_close_dicts(resumed["optimizer"], whole["optimizer"], atol=1e-6)

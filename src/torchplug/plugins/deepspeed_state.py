@@ -128,6 +128,15 @@ def load_model_state(module: torch.nn.Module, state: dict[str, Any], strict: boo
                 target.copy_(value.to(target.dtype))
 
 
+def _relink(ds_optimizer: Any) -> None:
+    """ZeRO-1/2 (and DeepSpeed's bf16 optimizer): point each parameter's fragment at the current
+    state tensors. DeepSpeed links them once, right after the first group steps, so with several
+    parameter groups the later groups' fragments stay empty (their state did not exist yet)."""
+    if hasattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state"):
+        ds_optimizer._hp_optimizer_states_linked = False
+        ds_optimizer._lazy_init_hp_params_optimizer_state()
+
+
 def _per_element(state: dict[str, Any]) -> list[str]:
     """Keys of one parameter's optimizer state that hold a value per element (``exp_avg``,
     ``momentum_buffer``); the others (``step``) are one value for the whole group."""
@@ -160,6 +169,7 @@ def optimizer_state(
     states = {i: optimizer.state.get(flat) for i, flat in flats}
     if not any(states.values()):  # no step taken yet: nothing but the hyperparameters
         return {"state": {}, "param_groups": groups}
+    _relink(ds_optimizer)
     result: dict[str, dict[str, Any]] = {}
     for i, group_names in enumerate(names):
         group_state = states.get(i) or {}
@@ -223,10 +233,7 @@ def load_optimizer_state(
         for key, value in sample.items():
             if key not in keys:
                 current[key] = value.clone() if torch.is_tensor(value) else value
-    if hasattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state"):
-        # ZeRO-1/2: point each parameter's fragment at the (new) state tensors.
-        ds_optimizer._hp_optimizer_states_linked = False
-        ds_optimizer._lazy_init_hp_params_optimizer_state()
+    _relink(ds_optimizer)
     for group_names in names:
         for name in group_names:
             param = params[name]
