@@ -32,6 +32,10 @@ class Runtime:
     local_rank: int
     device: torch.device
     node_rank: int = 0
+    #: This rank's data-parallel replica and their number, when not every rank is one (tensor
+    #: parallelism: the ranks of a tensor-parallel group share their batches). None: rank/world.
+    data_parallel_rank: int | None = None
+    data_parallel_size: int | None = None
 
 
 class Engine:
@@ -262,6 +266,19 @@ class Engine:
         return self.runtime.world_size
 
     @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this rank trains on (its rank, unless model parallelism
+        makes several ranks share one replica)."""
+        value = self.runtime.data_parallel_rank
+        return self.runtime.rank if value is None else value
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the data is split into (``world_size`` unless model parallel)."""
+        value = self.runtime.data_parallel_size
+        return self.runtime.world_size if value is None else value
+
+    @property
     def is_main(self) -> bool:
         return self.runtime.rank == 0
 
@@ -477,8 +494,8 @@ class Engine:
         return EngineDataLoader(
             loader,  # type: ignore[arg-type]
             self.place_batch if move_to_device else None,
-            num_replicas=self.world_size,
-            rank=self.rank,
+            num_replicas=self.data_parallel_size,
+            rank=self.data_parallel_rank,
             seed=self.seed,
             use_distributed_sampler=use_distributed_sampler,
             gather=self.gather if self.world_size > 1 else None,

@@ -46,6 +46,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("single", "torchplug.plugins.single"),
     ("ddp", "torchplug.plugins.ddp"),
     ("fsdp", "torchplug.plugins.fsdp"),
+    ("tensor_parallel", "torchplug.plugins.tensor_parallel"),
     ("fairscale", "torchplug.plugins.fairscale"),
     ("slurm", "torchplug.plugins.slurm"),
     ("deepspeed", "torchplug.plugins.deepspeed"),

@@ -181,7 +181,7 @@ def train(
             engine.load(load_from, state)
             assert state["step"] == first_step, (state["step"], first_step)
         losses, norms, skipped, lrs, synced, scales, checksums = [], [], [], [], [], [], []
-        batches = _batches(engine.world_size, global_batch)
+        batches = _batches(engine.data_parallel_size, global_batch)
         for step, (x, y) in enumerate(engine.setup_dataloader(batches)):
             if step < first_step:
                 continue
@@ -335,7 +335,7 @@ def data_order(
     with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
         dataset = TensorDataset(torch.arange(ORDER_SAMPLES))
         loader = engine.setup_dataloader(
-            DataLoader(dataset, batch_size=ORDER_BATCH // engine.world_size, shuffle=True)
+            DataLoader(dataset, batch_size=ORDER_BATCH // engine.data_parallel_size, shuffle=True)
         )
         next(iter(loader))  # a probe: it must not shift any later epoch
         model = make_model()
