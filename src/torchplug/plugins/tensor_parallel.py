@@ -16,6 +16,7 @@ parallelises the model itself and returns it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,15 @@ class TensorParallelStrategy(FSDPStrategy):
 
     def _sizes(self, world: int, local_world: int) -> tuple[int, int]:
         tp, dp = self.tp_size, self.dp_size
+        if world == 1 and (tp or 1) * (dp or 1) != 1:
+            # python train.py on a script written for many ranks: run it, as every strategy does
+            warnings.warn(
+                f"{self.name} with dp_size={dp}, tp_size={tp} runs in a single process here: "
+                f"using dp_size=1, tp_size=1. Start it with torchplug launch -n "
+                f"{(tp or 1) * (dp or 1)} for the sizes you asked for.",
+                stacklevel=4,
+            )
+            return 1, 1
         if not self.fsdp:
             if dp not in (None, 1) or tp not in (None, world):
                 raise ConfigurationError(
@@ -98,7 +108,8 @@ class TensorParallelStrategy(FSDPStrategy):
             raise ConfigurationError(
                 f"fsdp-tp needs dp_size × tp_size = the world size ({world}); got dp_size="
                 f"{self.dp_size}, tp_size={self.tp_size}. Pass sizes that multiply to {world}, "
-                f"e.g. Engine('fsdp-tp', dp_size=2, tp_size={world // 2 or 1})."
+                f"e.g. Engine('fsdp-tp', dp_size={world // _divisor(world)}, "
+                f"tp_size={_divisor(world)})."
             )
         return dp, tp
 
@@ -194,6 +205,14 @@ class TensorParallelStrategy(FSDPStrategy):
 
             return contextlib.nullcontext()  # one data-parallel replica: nothing to synchronise
         return super().torchplug_no_sync(engine, model)
+
+
+def _divisor(world: int) -> int:
+    """A tensor-parallel size to suggest: the largest power of two up to sqrt(world)."""
+    size = 1
+    while world % (size * 2) == 0 and (size * 2) ** 2 <= world:
+        size *= 2
+    return size
 
 
 def _check_plan(model: torch.nn.Module, plan: dict[str, Any]) -> list[str]:

@@ -346,9 +346,14 @@ def data_order(
         first_epoch = loader.epoch
         steps: list[list[int]] = []
         done = 0
+        # One row per data-parallel replica (the ranks of a model-parallel group share batches).
+        replicas = engine.gather(torch.tensor([engine.data_parallel_rank], device=engine.device))
+        rows = sorted(
+            {int(r): i for i, r in reversed(list(enumerate(replicas.flatten())))}.values()
+        )
         for _ in range(first_epoch, epochs):
             for (batch,) in loader:
-                everyone = engine.gather(batch.to(engine.device)).flatten().tolist()
+                everyone = engine.gather(batch.to(engine.device))[rows].flatten().tolist()
                 steps.append(sorted(int(i) for i in everyone))
                 done += 1
                 if save_to is not None and done == save_at:
