@@ -61,6 +61,8 @@ class Engine:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         resume: str | None = None,
         keep_last: int | None = None,
+        compile: bool | dict[str, Any] | None = None,  # noqa: A002 - Fabric's/Accelerate's name
+        activation_checkpointing: Iterable[type | str] | None = None,
         **strategy_options: Any,
     ) -> None:
         from torchplug.checkpoint.options import key_from, timeout_from
@@ -86,6 +88,13 @@ class Engine:
         chosen = self.settings.for_strategy(self.info, registry.canonical)
         self.options = self.info.resolve_options({name: s.value for name, s in chosen.items()})
         self.seed = seed
+        from torchplug.core import scaling
+
+        #: torch.compile arguments (None: not compiled), applied after the backend's wrap.
+        self.compile_options = scaling.compile_options(compile)
+        #: Block classes whose activations are recomputed in backward instead of stored.
+        self.activation_checkpointing = scaling.block_classes(activation_checkpointing)
+        self._meta_rng: torch.Tensor | None = None
         self.precision_options: dict[str, Any] = {}
         self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
             weakref.WeakKeyDictionary()
@@ -314,16 +323,62 @@ class Engine:
                 raise TypeError(
                     f"Engine.setup expects optimizers after the model, got {type(opt).__name__}."
                 )
+        from torchplug.core import scaling
+
+        if self.activation_checkpointing:  # before the wrap, as FSDP2 wants it
+            scaling.checkpoint_activations(self, model, self.activation_checkpointing)
+        meta = scaling.is_meta(model)
+        if meta and not getattr(self.backend, "wraps_meta_modules", False):
+            self._materialize(model, optimizers)  # replicated: the whole model, here
         result = self.hook.torchplug_wrap(engine=self, model=model, optimizers=list(optimizers))
         self._answer("torchplug_wrap", result, tuple, "(model, [optimizers])")
         wrapped, wrapped_optimizers = result
         self._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
+        if meta and scaling.is_meta(wrapped):
+            self._materialize(wrapped, wrapped_optimizers)  # sharded: each rank its shards
+        if self.compile_options is not None:
+            compiled = self.hook.torchplug_compile(
+                engine=self, model=wrapped, options=self.compile_options
+            )
+            if compiled is None:
+                self.restore_on_close(wrapped, "_compiled_call_impl")
+                wrapped.compile(**self.compile_options)
+            else:
+                wrapped = self._answer("torchplug_compile", compiled, torch.nn.Module, "a module")
         self._originals[wrapped] = self.unwrap(model)
         self._portable_state_dict(wrapped, self.unwrap(model))
         for opt in wrapped_optimizers:
             self._attach(opt)
             self._optimizer_models[id(opt)] = weakref.ref(wrapped)
         return (wrapped, *wrapped_optimizers) if optimizers else wrapped
+
+    def _materialize(
+        self, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+    ) -> None:
+        """Allocate a meta-device model and run its initialisation; optimizers made on the
+        meta parameters are pointed at the real ones."""
+        from torchplug.core import scaling
+        from torchplug.core.strategy import rebind_optimizer
+
+        names = {id(p): name for name, p in model.named_parameters()}
+        scaling.materialize(model, self.device, self._meta_rng)
+        params = dict(model.named_parameters())
+        for optimizer in optimizers:
+            rebind_optimizer(optimizer, names, params, "materialising creates the parameters")
+
+    @contextlib.contextmanager
+    def init_module(self, empty: bool = False) -> Iterator[None]:
+        """Build the model inside: on this rank's device, or with ``empty=True`` on the meta
+        device (no memory), to be materialised by :meth:`setup`: only each rank's shard under
+        sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere, initialised by each
+        module's ``reset_parameters()`` to the numbers an eager build would have."""
+        if not empty:
+            with torch.device(self.device):
+                yield
+            return
+        self._meta_rng = torch.get_rng_state()
+        with torch.device("meta"):
+            yield
 
     def _portable_state_dict(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
         """Make a wrapper's ``state_dict()`` / ``load_state_dict()`` those of the user's model.

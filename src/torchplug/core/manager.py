@@ -71,7 +71,8 @@ STRATEGY_HOOKS = frozenset(
 
 
 #: Hooks an Engine's active set must answer: every strategy hook but teardown (optional).
-ACTION_HOOKS = STRATEGY_HOOKS - {"torchplug_teardown"}
+#: (``torchplug_compile`` is optional: the Engine has a default for it.)
+ACTION_HOOKS = STRATEGY_HOOKS - {"torchplug_teardown", "torchplug_compile"}
 
 
 def _env_list(name: str) -> list[str]:

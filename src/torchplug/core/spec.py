@@ -109,6 +109,19 @@ def torchplug_wrap(
 
 
 @hookspec(firstresult=True)
+def torchplug_compile(
+    engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+) -> torch.nn.Module | None:
+    """Apply ``torch.compile`` (``options`` are its arguments) to the wrapped ``model`` where
+    this backend wants it: the whole DDP module, each FSDP unit; raise ``ConfigurationError``
+    where it cannot be compiled. Return the model to use. Optional: unanswered, the Engine calls
+    ``model.compile(**options)`` (in place, so parameter names stay the model's).
+
+    Called on every rank, after :func:`torchplug_wrap`, when ``Engine(compile=...)`` asks.
+    """
+
+
+@hookspec(firstresult=True)
 def torchplug_place_batch(engine: Engine, batch: Any) -> Any:
     """Return ``batch`` (tensors, possibly nested in lists, tuples and dicts) placed for the step.
 

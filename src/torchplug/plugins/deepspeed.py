@@ -336,6 +336,16 @@ class DeepSpeedStrategy(DistributedStrategy):
         return getattr(ds_engine, "skipped_steps", 0) == skipped
 
     @hookimpl
+    def torchplug_compile(
+        self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+    ) -> torch.nn.Module:
+        raise ConfigurationError(
+            "Engine(compile=...) is not supported with DeepSpeed: its engine hooks ZeRO into the "
+            "module's parameters in ways torch.compile does not trace. Drop compile=, or use "
+            "'fsdp' (which compiles each unit)."
+        )
+
+    @hookimpl
     def torchplug_no_sync(self, engine: Engine, model: torch.nn.Module) -> Any:
         raise ConfigurationError(
             "engine.no_sync() is not available with DeepSpeed (ZeRO partitions gradients as they "

@@ -144,7 +144,8 @@ class TensorParallelStrategy(FSDPStrategy):
         from torch.distributed.tensor.parallel import parallelize_module
 
         names = {id(p): name for name, p in model.named_parameters()}
-        model = model.to(engine.device)
+        if not any(p.is_meta for p in model.parameters()):
+            model = model.to(engine.device)
         self.mesh = init_device_mesh(
             engine.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp")
         )
@@ -163,7 +164,8 @@ class TensorParallelStrategy(FSDPStrategy):
         if self.fsdp:
             kwargs = self._fully_shard_kwargs(engine)
             kwargs["mesh"] = self.mesh["dp"]
-            for unit in shard_units(model, self.shard_classes, 0):
+            self.units = shard_units(model, self.shard_classes, 0)
+            for unit in self.units:
                 fully_shard(unit, **kwargs)
             fully_shard(model, **kwargs)
         _accept_full_tensors(engine, model)
