@@ -160,10 +160,20 @@ class StrategyInfo:
     precision_options: tuple[Option, ...] = ()
     #: Extra usability test; returns why the strategy cannot run here, or ``None``.
     check: Callable[[], str | None] | None = None
+    #: The name of a registered strategy whose options, capabilities and defaults this one
+    #: inherits: its own options are added to (or replace, by name) the parent's, and every
+    #: field left at its default takes the parent's value. For a subclass of the parent's class.
+    extends: str = ""
+    #: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
+    #: :data:`torchplug.core.spec.API_VERSION`); outside it the strategy is not registered.
+    api: str = ""
     #: Filled in by the plugin manager: which plugin and distribution announced it.
     provider: str = ""
     distribution: str = ""
     version: str = ""
+    #: Filled in by the plugin manager: why the strategy is broken (e.g. a misspelled hook on
+    #: its class), so that it is listed as broken with the reason and never selected.
+    problem: str = ""
 
     def option(self, name: str) -> Option | None:
         return next((o for o in self.options if o.name == name), None)
@@ -171,6 +181,8 @@ class StrategyInfo:
     def unusable_reason(self) -> str | None:
         """Why this strategy cannot run on this machine, or ``None`` if it can (the machine's
         reason first: installing a package does not help where the device is missing)."""
+        if self.problem:
+            return f"broken: {self.problem}"
         device = self.device_reason()
         if device is not None:
             return device
@@ -206,6 +218,33 @@ class StrategyInfo:
         return dataclasses.replace(
             self, provider=provider, distribution=distribution, version=version
         )
+
+    def inheriting(self, parent: StrategyInfo) -> StrategyInfo:
+        """This strategy with what it left at the defaults taken from ``parent`` (``extends``):
+        the parent's options first, this one's added or replacing them by name."""
+        own = {o.name for o in self.options}
+        changes: dict[str, Any] = {
+            "options": (*(o for o in parent.options if o.name not in own), *self.options)
+        }
+        inherited = {
+            "requires",
+            "install_hint",
+            "precisions",
+            "owns_precision",
+            "shards_parameters",
+            "shards_optimizer",
+            "supports_cpu",
+            "supports_cuda",
+            "distributed",
+            "launcher",
+            "tolerance",
+            "precision_options",
+            "check",
+        }
+        for f in dataclasses.fields(self):
+            if f.name in inherited and getattr(self, f.name) == f.default:
+                changes[f.name] = getattr(parent, f.name)
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
