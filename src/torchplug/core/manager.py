@@ -49,6 +49,9 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("fsdp", "torchplug.plugins.fsdp"),
     ("fairscale", "torchplug.plugins.fairscale"),
     ("slurm", "torchplug.plugins.slurm"),
+    ("kubeflow", "torchplug.plugins.kubeflow"),
+    ("lsf", "torchplug.plugins.lsf"),
+    ("mpi", "torchplug.plugins.mpi"),
     ("deepspeed", "torchplug.plugins.deepspeed"),
     ("xla", "torchplug.plugins.xla"),
     ("amp", "torchplug.plugins.amp"),
@@ -222,8 +225,10 @@ def hook_problems(plugin: object) -> list[str]:
                 f"does not pass. Expected {hook_signature(attr)}; accept any of these arguments "
                 f"by name (see docs/hooks.md#{attr})"
             )
-        if isinstance(marked, dict) and marked.get("wrapper") and not inspect.isgeneratorfunction(
-            function
+        if (
+            isinstance(marked, dict)
+            and marked.get("wrapper")
+            and not inspect.isgeneratorfunction(function)
         ):
             problems.append(
                 f"{attr} is marked @hookimpl(wrapper=True) but does not yield; a wrapper runs "
@@ -506,9 +511,11 @@ class Registry:
     def loading_state(self) -> list[str]:
         """Lines saying how plugins are loaded here (autoload, allow-list, blocks) and which
         installed plugins that hides, for ``torchplug plugins`` and ``doctor``."""
-        autoload = "off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)" if _truthy(
-            "TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD"
-        ) else "on"
+        autoload = (
+            "off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
+            if _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD")
+            else "on"
+        )
         allow = ", ".join(_env_list("TORCHPLUG_PLUGINS")) or "none (every installed plugin)"
         lines = [f"autoload: {autoload}", f"allow-list (TORCHPLUG_PLUGINS): {allow}"]
         if self.blocked:
@@ -642,7 +649,7 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
 
     try:
         if os.getcwd() not in sys.path:
-            sys.path.append(os.getcwd())
+            sys.path.insert(0, os.getcwd())  # as `python -m` does: the current directory first
         plugin = importlib.import_module(module)
         if not registry.pm.is_registered(plugin) and registry.pm.get_plugin(module) is None:
             registry.add(plugin, name=module)
@@ -650,8 +657,9 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
         if strict:
             raise PluginError(
                 f"Plugin module '{module}' could not be loaded: {type(exc).__name__}: {exc}. "
-                f"Check the module name (it is imported like `import {module}`, from the "
-                f"current directory too) and that it imports cleanly."
+                f"Expected a module importable as `import {module}` from the current directory "
+                f"({os.getcwd()}) or an installed package; check the name (a module name, "
+                f"not a file path) and that it imports cleanly."
             ) from exc
         registry.errors[module] = f"{type(exc).__name__}: {exc}"
         warnings.warn(

@@ -5,7 +5,6 @@ Module-level functions, so that :class:`~torchplug.testing.RankPool` workers can
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +44,8 @@ def register(plugins: Sequence[str]) -> None:
     registry = manager.get_registry()
     for name in plugins:
         if not registry.pm.has_plugin(name):
-            tp.register(importlib.import_module(name), name=name)
+            # from the current directory too, as `python -m` imports (torchplug check --plugin)
+            manager.import_plugin_module(registry, name, strict=True)
 
 
 def full_state(engine: tp.Engine, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
