@@ -116,9 +116,12 @@ class PluginManager(pluggy.PluginManager):
             return
         answering = [self._label(i) for i in reversed(impls) if not (i.wrapper or i.hookwrapper)]
         who = answering[0] if len(answering) == 1 else f"one of {', '.join(answering)}"
+        wrappers = [self._label(i) for i in reversed(impls) if i.wrapper or i.hookwrapper]
+        # pluggy hands the monitor the outcome of the whole call: what the wrappers returned
+        around = f", final result after wrapper(s) {', '.join(wrappers)}" if wrappers else ""
         shown = repr(result)
         shown = shown if len(shown) < 60 else shown[:57] + "..."
-        sys.stderr.write(f"[torchplug] {hook}: answered by {who} -> {shown}\n")
+        sys.stderr.write(f"[torchplug] {hook}: answered by {who}{around} -> {shown}\n")
 
     def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)

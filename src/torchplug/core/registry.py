@@ -155,6 +155,10 @@ class StrategyInfo:
     #: How far results may stray from the single-process reference (lossy communication such
     #: as gradient compression declares more); ``None``: check convergence instead.
     tolerance: float | None = 1e-5
+    #: Whether a run resumed from a checkpoint repeats the uninterrupted run exactly (the kit's
+    #: ``resume`` property, to 1e-6, whatever ``tolerance`` says). ``False`` only for a strategy
+    #: whose communication keeps state that checkpoints do not carry (e.g. PowerSGD's).
+    resume_exact: bool = True
     #: For a strategy that owns precision: the ``Engine(precision_options=...)`` it understands
     #: (the backend reads the resolved values from ``engine.precision_options`` in setup).
     precision_options: tuple[Option, ...] = ()
@@ -238,6 +242,7 @@ class StrategyInfo:
             "distributed",
             "launcher",
             "tolerance",
+            "resume_exact",
             "precision_options",
             "check",
         }

@@ -37,5 +37,6 @@ def torchplug_register_strategies(register):
                 tp.Option("warm_up", int, 2, "plain all-reduce steps before compressing (>= 2)"),
             ),
             tolerance=None,  # lossy: the kit checks convergence instead of parity
+            resume_exact=False,  # PowerSGD's error-feedback state is not checkpointed
         )
     )
