@@ -228,10 +228,11 @@ def test_mpirun_style_plugin_from_the_docs_works_under_torchplug_launch(tmp_path
         )
     )
     (tmp_path / "script.py").write_text(
-        "import torchplug as tp\n"
+        "import os, torchplug as tp\n"
         "with tp.Engine() as engine:\n"
-        "    print(f'RANK {engine.rank}/{engine.world_size} {engine.strategy} "
-        "{engine.cluster.source}', flush=True)\n"
+        "    line = f'RANK {engine.rank}/{engine.world_size} {engine.strategy} "
+        "{engine.cluster.source}\\n'\n"
+        "    os.write(1, line.encode())\n"
     )
     mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
            "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}  # fmt: skip

@@ -378,6 +378,11 @@ class Registry:
                     if strict:
                         raise PluginError(f"Strategy '{info.name}' of plugin '{label}': {message}.")
                     self.errors[plugin_name] = f"strategy '{info.name}': {message}"
+                    warnings.warn(
+                        f"torchplug plugin '{label}': strategy '{info.name}' is broken and "
+                        f"cannot be selected: {message}",
+                        stacklevel=2,
+                    )
                     info = dataclasses.replace(info, problem=message)
             taken = {info.name, *info.aliases} & (set(self.strategies) | set(self.aliases))
             if taken:
