@@ -467,3 +467,21 @@ def test_a_third_party_ddp_subclass_installed_with_pip_passes_check_and_launches
         )
         assert run.returncode == 0, run.stderr[-3000:]
         assert "RANK 0 ddp-bf16comm {'find_unused_parameters': True}" in run.stdout
+
+
+def test_engine_plugins_accepts_module_names(tmp_path, monkeypatch):
+    (tmp_path / "loss_counter.py").write_text(
+        "import torchplug as tp\n"
+        "calls = []\n\n"
+        "@tp.hookimpl(wrapper=True)\n"
+        "def torchplug_backward(engine, loss, model):\n"
+        "    calls.append(loss.item())\n"
+        "    return (yield)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "loss_counter", raising=False)
+    with tp.Engine("single", plugins=["loss_counter"]) as engine:
+        engine.backward(torch.ones(2, requires_grad=True).sum())
+    assert sys.modules["loss_counter"].calls == [2.0]
+    with pytest.raises(tp.PluginError, match="'no_such_ext'.*could not be imported"):
+        tp.Engine("single", plugins=["no_such_ext"])

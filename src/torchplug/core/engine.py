@@ -40,7 +40,8 @@ class Engine:
     ``strategy`` is a registered name or alias, or ``"auto"`` (the launcher's, environment's or
     config file's choice, else ``ddp`` under a multi-process launcher, else ``single``).
     ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``plugins`` adds extension
-    plugins to this Engine only; other keyword arguments are the strategy's options
+    plugins to this Engine only (objects, or module names imported as ``python -m`` would, from
+    the current directory too); other keyword arguments are the strategy's options
     (``torchplug plugins --verbose`` lists them).
     """
 
@@ -132,7 +133,7 @@ class Engine:
                 )
             )
         active += [p for p in registry.extensions() if p not in active]
-        active += list(plugins)
+        active += [manager.load_extension(p) if isinstance(p, str) else p for p in plugins]
         self._pm = manager.new_plugin_manager()
         for plugin in active:
             manager.register_checked(self._pm, plugin)

@@ -677,6 +677,23 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
         )
 
 
+def load_extension(module: str) -> object:
+    """``Engine(plugins=["my_pkg.guard"])``: the module of that name (a class in it is not
+    guessed: the module itself is the plugin), imported from the current directory too."""
+    import importlib
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise PluginError(
+            f"Extension plugin module '{module}' (Engine(plugins=[...])) could not be imported: "
+            f"{exc}. Expected a module importable as `import {module}` from the current "
+            f"directory ({os.getcwd()}) or an installed package; or pass the plugin object."
+        ) from exc
+
+
 def reset_registry(forget_blocks: bool = False) -> None:
     """Forget the registry so the next use rediscovers plugins (for tests and notebooks).
 
