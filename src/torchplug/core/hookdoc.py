@@ -224,7 +224,7 @@ def render() -> str:
         "",
         "Renamed or retired hooks keep working for one minor version with a "
         "`DeprecationWarning` (pluggy's `warn_on_impl`) naming the replacement "
-        "(see [plugins.md](plugins.md#versioning)).",
+        "(see [plugins.md](plugins.md#8-versioning)).",
         "",
     ]
     if spec.RETIRED_HOOKS:
