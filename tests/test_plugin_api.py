@@ -485,3 +485,29 @@ def test_engine_plugins_accepts_module_names(tmp_path, monkeypatch):
     assert sys.modules["loss_counter"].calls == [2.0]
     with pytest.raises(tp.PluginError, match="'no_such_ext'.*could not be imported"):
         tp.Engine("single", plugins=["no_such_ext"])
+
+
+def test_specname_implements_the_named_hook_and_is_checked_against_it():
+    class Named:
+        @tp.hookimpl(specname="torchplug_backward", wrapper=True)
+        def watch(self, engine, loss, model):
+            return (yield)
+
+    tp.unregister(tp.register(Named()))
+
+    class Wrong:
+        @tp.hookimpl(specname="torchplug_backward", wrapper=True)
+        def watch(self, engine, losses):
+            return (yield)
+
+    with pytest.raises(tp.PluginError, match="torchplug_backward takes argument.*'losses'"):
+        tp.register(Wrong())
+
+
+def test_another_object_under_a_taken_name_says_how_to_replace_it():
+    tp.register(Guard())
+    with pytest.raises(tp.PluginError, match=r"already registered as 'test_plugin_api:Guard'.*"
+                       r"torchplug.unregister\('test_plugin_api:Guard'\)"):  # fmt: skip
+        tp.register(Guard())
+    tp.unregister("test_plugin_api:Guard")
+    tp.register(Guard())  # replaced

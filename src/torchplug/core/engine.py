@@ -200,10 +200,10 @@ class Engine:
         if unanswered:
             raise PluginError(
                 f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
-                f"{type(self.backend).__name__}) leaves {len(unanswered)} hook(s) unanswered: "
-                f"{', '.join(unanswered)}. Every action hook needs an answer: subclass "
-                f"torchplug.Strategy (or torchplug.core.strategy.DistributedStrategy) to inherit "
-                f"the defaults, or implement them."
+                f"{manager.qualified_name(self.backend)}) leaves {len(unanswered)} hook(s) "
+                f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer "
+                f"(docs/hooks.md): subclass torchplug.Strategy (or torchplug.DistributedStrategy) "
+                f"to inherit the defaults, or implement them."
             )
 
     def _answer(self, hook: str, result: Any, expected: Any, what: str) -> Any:

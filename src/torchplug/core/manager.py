@@ -210,6 +210,8 @@ def hook_problems(plugin: object) -> list[str]:
             continue
         if not callable(function):
             continue
+        if isinstance(marked, dict) and marked.get("specname"):
+            attr = marked["specname"]  # @hookimpl(specname=...): implements that hook
         if attr not in known:
             if attr.startswith("torchplug_") or isinstance(marked, dict):
                 problems.append(
@@ -306,10 +308,17 @@ class Registry:
         )
         if refusal is not None:
             raise PluginError(f"{refusal} It is not loaded.")
-        if name is None and not inspect.ismodule(plugin):
-            # named by module:qualname (not pluggy's id()), unless that name is taken already
-            qualified = qualified_name(plugin)
-            name = qualified if self.pm.get_plugin(qualified) is None else None
+        if name is None:
+            # named by module:qualname, not pluggy's id(): errors and listings can say which
+            name = qualified_name(plugin)
+        other = self.pm.get_plugin(name)
+        if other is not None:
+            raise PluginError(
+                f"Another plugin is already registered as '{name}' "
+                f"({qualified_name(other)}), e.g. an object made by an earlier run of the same "
+                f"notebook cell. Unregister it first (torchplug.unregister('{name}')), or give "
+                f"this one another name (torchplug.register(plugin, name=...))."
+            )
         register_checked(self.pm, plugin, name)
         plugin_name = self.pm.get_name(plugin)
         if plugin_name is None:
@@ -467,10 +476,11 @@ class Registry:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
             name = self.pm.get_name(exc.plugin) or str(exc.plugin)
+            label = plugin_label(exc.plugin, name)
             self.errors[name] = (
                 f"{exc}. Fix the hook's name as docs/hooks.md lists them, or remove its marker."
             )
-            warnings.warn(f"torchplug plugin '{name}' is skipped: {exc}", stacklevel=2)
+            warnings.warn(f"torchplug plugin '{label}' is skipped: {exc}", stacklevel=2)
             self.remove(name)
             self.check_pending()
 
