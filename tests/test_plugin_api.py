@@ -504,10 +504,21 @@ def test_specname_implements_the_named_hook_and_is_checked_against_it():
         tp.register(Wrong())
 
 
-def test_another_object_under_a_taken_name_says_how_to_replace_it():
-    tp.register(Guard())
+def test_a_second_object_of_a_class_gets_its_own_name_and_a_taken_name_is_refused():
+    first, second = Guard(), Guard()
+    assert tp.register(first) == "test_plugin_api:Guard"
+    assert tp.register(second) == "test_plugin_api:Guard#2"  # e.g. made by a factory function
     with pytest.raises(tp.PluginError, match=r"already registered as 'test_plugin_api:Guard'.*"
                        r"torchplug.unregister\('test_plugin_api:Guard'\)"):  # fmt: skip
-        tp.register(Guard())
-    tp.unregister("test_plugin_api:Guard")
-    tp.register(Guard())  # replaced
+        tp.register(Guard(), name="test_plugin_api:Guard")
+
+
+def test_a_re_run_cell_registering_a_new_object_is_told_how_to_replace_the_old_one():
+    tp.register(AnnouncesLogged())
+    with pytest.raises(tp.PluginError, match=r"already provided by plugin "
+                       r"'test_plugin_api:AnnouncesLogged'.*re-run notebook cell.*"
+                       r"torchplug.unregister\('test_plugin_api:AnnouncesLogged'\)"):  # fmt: skip
+        tp.register(AnnouncesLogged())
+    tp.unregister("test_plugin_api:AnnouncesLogged")
+    tp.register(AnnouncesLogged())
+    assert "logged-ddp" in manager.get_registry().strategies

@@ -309,15 +309,18 @@ class Registry:
         if refusal is not None:
             raise PluginError(f"{refusal} It is not loaded.")
         if name is None:
-            # named by module:qualname, not pluggy's id(): errors and listings can say which
-            name = qualified_name(plugin)
-        other = self.pm.get_plugin(name)
-        if other is not None:
+            # named by module:qualname, not pluggy's id(), so errors and listings say which;
+            # a second object of the same class (e.g. made by a factory function) gets #2, ...
+            qualified = name = qualified_name(plugin)
+            count = 1
+            while self.pm.get_plugin(name) is not None or self.pm.is_blocked(name):
+                count += 1
+                name = f"{qualified}#{count}"
+        elif (other := self.pm.get_plugin(name)) is not None:
             raise PluginError(
-                f"Another plugin is already registered as '{name}' "
-                f"({qualified_name(other)}), e.g. an object made by an earlier run of the same "
-                f"notebook cell. Unregister it first (torchplug.unregister('{name}')), or give "
-                f"this one another name (torchplug.register(plugin, name=...))."
+                f"Another plugin is already registered as '{name}' ({qualified_name(other)}). "
+                f"Unregister it first (torchplug.unregister('{name}')), or give this one "
+                f"another name (torchplug.register(plugin, name=...))."
             )
         register_checked(self.pm, plugin, name)
         plugin_name = self.pm.get_name(plugin)
@@ -399,7 +402,10 @@ class Registry:
                 raise PluginError(
                     f"Plugin '{label}' registers strategy name(s) {sorted(taken)} already "
                     f"provided by plugin '{owner.provider if owner else '?'}'. Rename the "
-                    f"strategy, or block the other plugin with TORCHPLUG_BLOCK_PLUGINS."
+                    f"strategy, or block the other plugin with TORCHPLUG_BLOCK_PLUGINS; if it is "
+                    f"this plugin registered again (a re-run notebook cell made a new object), "
+                    f"unregister the old one first: torchplug.unregister("
+                    f"'{owner.provider if owner else '?'}')."
                 )
             self.strategies[info.name] = info.with_provider(plugin_name, distribution, version)
             for alias in info.aliases:
