@@ -171,6 +171,14 @@ def test_lsf_hosts_from_the_rankfile_skip_the_launch_node(tmp_path):
     assert (info.num_nodes, info.master_addr, info.node_rank) == (2, "c01n01", 1)
 
 
+def test_kubeflow_with_nproc_per_node_reads_torchruns_pet_variables():
+    env = {**KUBEFLOW, "PET_NNODES": "4", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "2",
+           "PET_MASTER_ADDR": "mnist-master-0", "PET_MASTER_PORT": "23456"}  # fmt: skip
+    info = cluster.detect(env)
+    assert (info.rank, info.world_size, info.node_rank, info.num_nodes) == (16, 32, 2, 4)
+    assert info.local_world_size == 8 and info.master_addr == "mnist-master-0"
+
+
 def test_kubeflow_is_not_claimed_outside_kubernetes():
     env = {k: v for k, v in KUBEFLOW.items() if not k.startswith("KUBERNETES")}
     assert cluster.detect(env).source == "environment (RANK/WORLD_SIZE)"
