@@ -67,6 +67,11 @@ def test_the_generator_documents_a_hook_it_has_no_notes_for(monkeypatch):
     assert "def torchplug_register_loggers(register):" in section
 
 
+def test_retired_hooks_are_listed_with_their_replacement(monkeypatch):
+    monkeypatch.setattr(spec, "RETIRED_HOOKS", {"torchplug_old": ("torchplug_new", "2.0")})
+    assert "| `torchplug_old` | `torchplug_new` | 2.0 |" in hookdoc.render()
+
+
 # -- errors that name and show --------------------------------------------------------------------
 
 
