@@ -19,6 +19,11 @@ _EXPORTS = {
     "PrecisionInfo": "torchplug.core.registry",
     "Option": "torchplug.core.registry",
     "Strategy": "torchplug.core.strategy",
+    "DistributedStrategy": "torchplug.core.strategy",
+    "DDPStrategy": "torchplug.plugins.ddp",
+    "distributed_options": "torchplug.core.strategy",
+    "options_of": "torchplug.core.manager",
+    "API_VERSION": "torchplug.core.spec",
     "ClusterInfo": "torchplug.core.cluster",
     "register": "torchplug.core.manager",
     "unregister": "torchplug.core.manager",
@@ -40,10 +45,11 @@ if TYPE_CHECKING:
         PluginError,
         TorchplugError,
     )
-    from torchplug.core.manager import block, register, unregister
+    from torchplug.core.manager import block, options_of, register, unregister
     from torchplug.core.registry import Option, PrecisionInfo, StrategyInfo
-    from torchplug.core.spec import hookimpl
-    from torchplug.core.strategy import Strategy
+    from torchplug.core.spec import API_VERSION, hookimpl
+    from torchplug.core.strategy import DistributedStrategy, Strategy, distributed_options
+    from torchplug.plugins.ddp import DDPStrategy
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser("plugins", help="list installed strategies and plugins")
     p.add_argument("-v", "--verbose", action="store_true", help="options, capabilities, hooks")
-    sub.add_parser("doctor", help="versions, devices, cluster, resolved settings and their sources")
+    p = sub.add_parser(
+        "doctor", help="versions, devices, cluster, resolved settings and their sources"
+    )
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import and register an in-house plugin module first (repeatable)",
+    )
     p = sub.add_parser(
         "check", help="run the conformance kit on a strategy (torchplug check ddp -n 2)"
     )
@@ -98,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "doctor":
         from torchplug.cli.doctor import doctor
 
-        return doctor()
+        return doctor(plugins=args.plugin)
     if args.command == "convert":
         from torchplug.cli.convert import convert
 

@@ -44,7 +44,8 @@ class Engine:
     ``strategy`` is a registered name or alias, or ``"auto"`` (the launcher's, environment's or
     config file's choice, else ``ddp`` under a multi-process launcher, else ``single``).
     ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``plugins`` adds extension
-    plugins to this Engine only; other keyword arguments are the strategy's options
+    plugins to this Engine only (objects, or module names imported as ``python -m`` would, from
+    the current directory too); other keyword arguments are the strategy's options
     (``torchplug plugins --verbose`` lists them).
     """
 
@@ -145,7 +146,7 @@ class Engine:
                 )
             )
         active += [p for p in registry.extensions() if p not in active]
-        active += list(plugins)
+        active += [manager.load_extension(p) if isinstance(p, str) else p for p in plugins]
         self._pm = manager.new_plugin_manager()
         for plugin in active:
             manager.register_checked(self._pm, plugin)
@@ -212,10 +213,10 @@ class Engine:
         if unanswered:
             raise PluginError(
                 f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
-                f"{type(self.backend).__name__}) leaves {len(unanswered)} hook(s) unanswered: "
-                f"{', '.join(unanswered)}. Every action hook needs an answer: subclass "
-                f"torchplug.Strategy (or torchplug.core.strategy.DistributedStrategy) to inherit "
-                f"the defaults, or implement them."
+                f"{manager.qualified_name(self.backend)}) leaves {len(unanswered)} hook(s) "
+                f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer "
+                f"(docs/hooks.md): subclass torchplug.Strategy (or torchplug.DistributedStrategy) "
+                f"to inherit the defaults, or implement them."
             )
 
     def _answer(self, hook: str, result: Any, expected: Any, what: str) -> Any:

@@ -46,6 +46,31 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 #: Marks a plugin function as a torchplug hook implementation.
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+#: The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
+#: version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
+#: removes or changes them. A plugin declares the range it supports, e.g.
+#: ``TORCHPLUG_API = ">=1.0,<2"`` in its module (or ``StrategyInfo(api=...)``); one whose range
+#: excludes this version is not loaded, and ``torchplug plugins`` says why (docs/plugins.md).
+API_VERSION = "1.0"
+
+#: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
+#: the API version that removes it). An entry stays for one minor version, with a hookspec under
+#: the old name made by :func:`deprecated_hookspec`, before the old hook is removed.
+RETIRED_HOOKS: dict[str, tuple[str, str]] = {}
+
+
+def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], Any]:
+    """A hookspec marker for a hook being renamed or retired: implementing it still works for
+    one minor version, with a DeprecationWarning at registration (pluggy's ``warn_on_impl``)
+    naming the replacement, so plugin authors learn of it before the hook is removed."""
+    instead = f"implement {replacement} instead" if replacement else "it has no replacement"
+    return hookspec(
+        warn_on_impl=DeprecationWarning(
+            f"this torchplug hook is deprecated and is removed in plugin API {removed_in}; "
+            f"{instead} (see docs/hooks.md)"
+        )
+    )
+
 
 # --------------------------------------------------------------------------------------------------
 # Registration hooks: called once per installed plugin, on the global plugin manager.
