@@ -52,7 +52,11 @@ CALLED: dict[str, str] = {
     "torchplug_load_optimizer_state": "On every rank, by the default load.",
     "torchplug_reads_in_place": "On every rank, by the default load, once per entry kind.",
     "torchplug_convert_checkpoint": "By `torchplug convert`, in one process, on every installed "
-    "plugin until one answers.",
+    "plugin until one answers (only when no `torchplug_read_checkpoint` answered).",
+    "torchplug_read_checkpoint": "By `torchplug convert` on a directory that is not a torchplug "
+    "checkpoint, in one process, on every installed plugin until one answers.",
+    "torchplug_compile": "On every rank, by `engine.setup`, after `torchplug_wrap`, when "
+    "`Engine(compile=...)` is set.",
     "torchplug_teardown": "On every rank, by `engine.close()` (and when setup fails), on every "
     "plugin of the active set.",
 }
@@ -145,6 +149,11 @@ def _default(name: str) -> str:
             "`LOCAL_RANK`, `MASTER_ADDR`, ...) and answers last; without them the process is "
             "rank 0 of 1. Built-in schedulers: SLURM, Kubeflow PyTorchJob, LSF, mpirun."
         )
+    if name == "torchplug_compile":
+        return (
+            "the Engine's: `model.compile(**options)` on the wrapped model (in place). FSDP "
+            "compiles each unit; DeepSpeed and XLA refuse."
+        )
     return "None: a plugin that does not implement it is simply not called."
 
 
@@ -173,8 +182,12 @@ def _semantics(name: str, opts: dict[str, Any]) -> str:
             "around it: code before `yield` runs first, `yield` returns the answer (or raises "
             "its exception), and the wrapper returns the final result, which may differ."
         )
-        if _kind(name) == "strategy":
+        from torchplug.core.manager import ACTION_HOOKS
+
+        if name in ACTION_HOOKS:
             text += " The Engine refuses to start when no plugin of its active set answers it."
+        elif _kind(name) == "strategy":
+            text += " Optional: the Engine has its own answer when no plugin gives one."
         return text
     return (
         "every implementation is called; the results (other than `None`) come back as a list, "
