@@ -74,13 +74,49 @@ def test_ranks_of_one_tensor_parallel_group_see_the_same_batches(four):
 @pytest.mark.parametrize(
     ("strategy", "options", "message"),
     [
-        ("tp", {}, "'tp' needs tp_plan"),
         ("tp", {"tp_plan": {"0": "diagonal"}}, "expected one of colwise, rowwise, sequence"),
     ],
 )
 def test_wrong_plans_and_sizes_are_refused_with_the_fix(strategy, options, message):
     with pytest.raises(tp.ConfigurationError, match=message):
         tp.Engine(strategy, **options)
+
+
+def test_no_plan_names_both_ways_to_give_one():
+    with tp.Engine("tp") as engine:
+        model = bodies.make_model()
+        with pytest.raises(
+            tp.ConfigurationError, match="needs a tensor-parallel plan.*tp_plan attr"
+        ):
+            engine.setup(model)
+
+
+def test_the_models_own_plan_is_used(ranks):
+    reference = bodies.reference(steps=3)
+    result = ranks.run(train_with_model_plan)[0]
+    assert result == pytest.approx(reference["losses"], abs=1e-6)
+
+
+def train_with_model_plan() -> list[float]:
+    with tp.Engine("tp", timeout=60.0) as engine:
+        model = bodies.make_model()
+        model.tp_plan = PLAN
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        model, optimizer = engine.setup(model, optimizer)
+        assert type(model[0].weight).__name__ == "DTensor"
+        losses = []
+        loader = torch.utils.data.DataLoader(
+            bodies.make_dataset(bodies.MAX_STEPS * bodies.GLOBAL_BATCH), bodies.GLOBAL_BATCH
+        )
+        for step, (x, y) in enumerate(engine.setup_dataloader(loader)):
+            if step == 3:
+                break
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
 
 
 def test_a_plan_that_matches_nothing_names_the_submodules():

@@ -10,7 +10,9 @@ rank (the ``tp`` ranks of a group hold equal losses, so a mean is unchanged).
 The plan says which submodules are split, by name pattern (``parallelize_module``'s syntax,
 ``*`` matches one name): ``{"layers.*.attn.q": "colwise", "layers.*.attn.o": "rowwise"}``, with
 torch ``ParallelStyle`` objects allowed as values, or a callable ``plan(model, tp_mesh)`` that
-parallelises the model itself and returns it.
+parallelises the model itself and returns it. It comes from the ``tp_plan`` option, else from the
+model's own ``tp_plan`` (or ``_tp_plan``) attribute, so a script can run unchanged under every
+strategy.
 """
 
 from __future__ import annotations
@@ -115,20 +117,8 @@ class TensorParallelStrategy(FSDPStrategy):
 
     @hookimpl
     def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
-        if self.tp_plan is None:
-            raise ConfigurationError(
-                f"'{self.name}' needs tp_plan: which submodules to split, e.g. "
-                f"Engine('{self.name}', tp_plan={{'layers.*.up': 'colwise', "
-                f"'layers.*.down': 'rowwise'}}) or a callable plan(model, tp_mesh)."
-            )
-        if not (callable(self.tp_plan) or isinstance(self.tp_plan, dict)):
-            raise ConfigurationError(
-                f"tp_plan must be a dict of name pattern -> style or a callable, got "
-                f"{type(self.tp_plan).__name__}."
-            )
-        if isinstance(self.tp_plan, dict):
-            for name, value in self.tp_plan.items():
-                _style(name, value)  # bad styles fail here, before any process group exists
+        if self.tp_plan is not None:
+            _check_plan_type(self.tp_plan)
         self.dp, self.tp = self._sizes(cluster.world_size, cluster.local_world_size)
         runtime = super().torchplug_setup(engine, cluster)
         return dataclasses.replace(
@@ -149,10 +139,21 @@ class TensorParallelStrategy(FSDPStrategy):
         self.mesh = init_device_mesh(
             engine.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp")
         )
-        if callable(self.tp_plan):
-            model = self.tp_plan(model, self.mesh["tp"]) or model
+        given = self.tp_plan
+        if given is None:  # the model's own plan, as Hugging Face models carry one
+            given = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+        if given is None:
+            raise ConfigurationError(
+                f"'{self.name}' needs a tensor-parallel plan: which submodules to split. Pass "
+                f"Engine('{self.name}', tp_plan={{'layers.*.up': 'colwise', 'layers.*.down': "
+                f"'rowwise'}}) (or a callable plan(model, tp_mesh)), or give the model a "
+                f"tp_plan attribute, so the script runs unchanged under every strategy."
+            )
+        _check_plan_type(given)
+        if callable(given):
+            model = given(model, self.mesh["tp"]) or model
         else:
-            plan = {name: _style(name, value) for name, value in self.tp_plan.items()}
+            plan = {name: _style(name, value) for name, value in given.items()}
             matched = _check_plan(model, plan)
             if not matched:
                 raise ConfigurationError(
@@ -207,6 +208,17 @@ class TensorParallelStrategy(FSDPStrategy):
 
             return contextlib.nullcontext()  # one data-parallel replica: nothing to synchronise
         return super().torchplug_no_sync(engine, model)
+
+
+def _check_plan_type(plan: Any) -> None:
+    if not (callable(plan) or isinstance(plan, dict)):
+        raise ConfigurationError(
+            f"tp_plan must be a dict of name pattern -> style or a callable, got "
+            f"{type(plan).__name__}."
+        )
+    if isinstance(plan, dict):
+        for name, value in plan.items():
+            _style(name, value)  # a bad style fails before any process group exists
 
 
 def _divisor(world: int) -> int:
