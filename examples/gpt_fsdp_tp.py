@@ -1,6 +1,6 @@
 """A small GPT-style language model trained with 2-D parallelism (FSDP2 × tensor parallel).
 
-    torchplug launch -n 4 --strategy fsdp-tp examples/gpt_fsdp_tp.py     # dp=2 × tp=2 on 4 CPUs
+    torchplug launch -n 4 --strategy fsdp-tp --option tp_size=2 examples/gpt_fsdp_tp.py  # 2 × 2
     torchplug launch -n 2 --strategy fsdp examples/gpt_fsdp_tp.py        # or any other strategy
 
 The text is the Zen of Python (it ships with Python, in the ``this`` module), one character per
