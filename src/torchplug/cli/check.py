@@ -8,12 +8,13 @@ from typing import Any
 
 def check(args: Any) -> int:
     from torchplug.core.errors import TorchplugError
-    from torchplug.testing.kit import PROPERTIES, Kit
+    from torchplug.testing.kit import OPTIONAL_PROPERTIES, PROPERTIES, Kit
 
-    unknown = [p for p in args.only or () if p not in PROPERTIES]
+    unknown = [p for p in args.only or () if p not in PROPERTIES + OPTIONAL_PROPERTIES]
     if unknown:
         print(
-            f"torchplug check: unknown property {unknown}; choose from {', '.join(PROPERTIES)}",
+            f"torchplug check: unknown property {unknown}; choose from "
+            f"{', '.join(PROPERTIES + OPTIONAL_PROPERTIES)}",
             file=sys.stderr,
         )
         return 2

@@ -330,13 +330,14 @@ class Engine:
             scaling.checkpoint_activations(self, model, self.activation_checkpointing)
         meta = scaling.is_meta(model)
         if meta and not getattr(self.backend, "wraps_meta_modules", False):
-            self._materialize(model, optimizers)  # replicated: the whole model, here
+            # replicated: the whole model, on the CPU as an eager build; the wrap moves it
+            self._materialize(model, optimizers, torch.device("cpu"))
         result = self.hook.torchplug_wrap(engine=self, model=model, optimizers=list(optimizers))
         self._answer("torchplug_wrap", result, tuple, "(model, [optimizers])")
         wrapped, wrapped_optimizers = result
         self._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
         if meta and scaling.is_meta(wrapped):
-            self._materialize(wrapped, wrapped_optimizers)  # sharded: each rank its shards
+            self._materialize(wrapped, wrapped_optimizers, self.device)  # sharded: its shards
         if self.compile_options is not None:
             compiled = self.hook.torchplug_compile(
                 engine=self, model=wrapped, options=self.compile_options
@@ -354,7 +355,10 @@ class Engine:
         return (wrapped, *wrapped_optimizers) if optimizers else wrapped
 
     def _materialize(
-        self, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+        self,
+        model: torch.nn.Module,
+        optimizers: Iterable[torch.optim.Optimizer],
+        device: torch.device,
     ) -> None:
         """Allocate a meta-device model and run its initialisation; optimizers made on the
         meta parameters are pointed at the real ones."""
@@ -362,7 +366,7 @@ class Engine:
         from torchplug.core.strategy import rebind_optimizer
 
         names = {id(p): name for name, p in model.named_parameters()}
-        scaling.materialize(model, self.device, self._meta_rng)
+        scaling.materialize(model, device, self._meta_rng)
         params = dict(model.named_parameters())
         for optimizer in optimizers:
             rebind_optimizer(optimizer, names, params, "materialising creates the parameters")

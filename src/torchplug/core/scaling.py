@@ -140,8 +140,9 @@ def check_initialisable(model: torch.nn.Module) -> None:
 def materialize(
     model: torch.nn.Module, device: torch.device, rng_state: torch.Tensor | None
 ) -> None:
-    """Allocate and initialise a meta-device model in place (sharded parameters: only this
-    rank's shard is kept; each module's full tensors live only while it initialises)."""
+    """Allocate a meta-device model on ``device`` and initialise it in place (sharded
+    parameters: only this rank's shard is kept; each module's full tensors live, on the CPU,
+    only while it initialises)."""
     from torch.distributed.tensor import DTensor
 
     check_initialisable(model)
@@ -158,13 +159,14 @@ def materialize(
             sharded = {n: slots[n] for n in names if isinstance(slots[n], DTensor)}
             full: dict[str, torch.Tensor] = {}
             for name, tensor in sharded.items():  # a full-size stand-in while it initialises
-                stand_in = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                # on the CPU, whose RNG an eager build (on the CPU) draws from
+                stand_in = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
                 full[name] = stand_in
                 _put(module, name, stand_in, like=tensor)
             with torch.no_grad():
                 module.reset_parameters()
                 for name, tensor in sharded.items():
-                    tensor.to_local().copy_(_local_part(full[name], tensor))
+                    tensor.to_local().copy_(_local_part(full[name], tensor).to(device))
                     _put(module, name, tensor, like=tensor)
             full.clear()
     finally:

@@ -185,6 +185,7 @@ def train(
     width: int = 16,
     global_batch: int = GLOBAL_BATCH,
     precision_options: dict[str, Any] | None = None,
+    engine_args: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``steps`` steps on the global batch split over the ranks, as a user writes them.
 
@@ -193,10 +194,10 @@ def train(
     rank 0's loss infinite at that step. ``probe_sync`` records, for the first micro-batch
     under no_sync, whether this rank's gradients equal every other rank's (they must not).
     ``precision_options`` default (None): fp16 starts at :data:`FP16_SCALE`; ``{}``: the
-    precision plugin's own defaults.
+    precision plugin's own defaults. ``engine_args``: more Engine arguments (``compile``, ...).
     """
     register(plugins)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(engine_args or {})  # Engine arguments: compile=, ...
     if precision_options is not None:
         if precision_options:
             extra["precision_options"] = precision_options
@@ -273,6 +274,34 @@ def train(
             "is_torch_optimizer": isinstance(opt, torch.optim.Optimizer),
             **full_state(engine, model, opt),
         }
+
+
+def materialized(
+    strategy: str,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    precision: str | None = None,
+    empty: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The kit's model after setup, built on the meta device (``empty``) or eagerly on the CPU,
+    after the same seed: its full parameters by name (the two must be equal)."""
+    register(plugins)
+    with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
+        torch.manual_seed(11)
+        if empty:
+            with engine.init_module(empty=True):
+                model = _unseeded_model()
+        else:  # as users build models: on the CPU
+            model = _unseeded_model()
+        model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return {k: v.float() for k, v in engine.full_state(model)["model"].items()}
+
+
+def _unseeded_model(width: int = 16) -> torch.nn.Module:
+    """:func:`make_model` without its own seeding (the caller seeds before init_module)."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
+    )
 
 
 def _local(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -93,6 +93,9 @@ class Conformance:
     def test_single_process(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.single_process())
 
+    def test_materialization(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.materialization())
+
     def test_unsupported(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.unsupported())
 

@@ -40,8 +40,11 @@ PROPERTIES = (
     "resume",
     "portability",
     "single_process",
+    "materialization",
     "unsupported",
 )
+#: Checked only when asked for (``torchplug check NAME --only compile``): compiling takes seconds.
+OPTIONAL_PROPERTIES = ("compile",)
 
 
 @dataclass(frozen=True)
@@ -479,6 +482,45 @@ class Kit:
             "single_process",
             result["world_size"] == 1 and worst <= self.tolerance,
             f"runs as a world of one; max diff vs reference {worst:.2e}",
+        )
+
+    def materialization(self) -> Outcome:
+        """A model built with ``engine.init_module(empty=True)`` comes out of setup equal to the
+        same model built eagerly (each rank allocating what the backend keeps)."""
+        eager = self.run(bodies.materialized, empty=False)
+        empty = self.run(bodies.materialized, empty=True)
+        differ = sorted({n for e, m in zip(eager, empty, strict=True) for n in bit_exact(m, e)})
+        return Outcome(
+            "materialization",
+            not differ,
+            "a meta-device model materialised by setup equals the eager build, bit for bit"
+            if not differ
+            else f"materialised parameters differ from the eager build: {differ[:5]}",
+        )
+
+    def compile(self) -> Outcome:
+        """``Engine(compile=True)`` trains like eager, or is refused with a clear error."""
+        try:
+            compiled = self.run(bodies.train, engine_args={"compile": True})[0]
+        except (RankError, ConfigurationError) as exc:
+            text = _last_line(str(exc))
+            refused = "ConfigurationError" in text or isinstance(exc, ConfigurationError)
+            return Outcome(
+                "compile",
+                refused and "compile" in text,
+                f"refused clearly: {text}" if refused else f"failed: {text}",
+            )
+        eager = self.cached("train10", lambda: self.run(bodies.train))[0]
+        worst = max(
+            max(abs(a - b) for a, b in zip(compiled["losses"], eager["losses"], strict=True)),
+            max_diff(compiled["params"], eager["params"]),
+        )
+        tolerance = max(1e-5, self.tolerance or 0.0)
+        return Outcome(
+            "compile",
+            worst <= tolerance,
+            f"compile=True vs eager over 10 steps: max diff {worst:.2e} "
+            f"{'<=' if worst <= tolerance else '>'} {tolerance:.0e}",
         )
 
     def unsupported(self) -> Outcome:
