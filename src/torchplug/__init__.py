@@ -18,6 +18,10 @@ _EXPORTS = {
     "StrategyInfo": "torchplug.core.registry",
     "PrecisionInfo": "torchplug.core.registry",
     "Option": "torchplug.core.registry",
+    "LoggerInfo": "torchplug.core.registry",
+    "seed_everything": "torchplug.core.seeding",
+    "seed_worker": "torchplug.core.seeding",
+    "Logger": "torchplug.loggers",
     "Strategy": "torchplug.core.strategy",
     "ClusterInfo": "torchplug.core.cluster",
     "register": "torchplug.core.manager",
@@ -41,9 +45,11 @@ if TYPE_CHECKING:
         TorchplugError,
     )
     from torchplug.core.manager import block, register, unregister
-    from torchplug.core.registry import Option, PrecisionInfo, StrategyInfo
+    from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
+    from torchplug.core.seeding import seed_everything, seed_worker
     from torchplug.core.spec import hookimpl
     from torchplug.core.strategy import Strategy
+    from torchplug.loggers import Logger
 
 
 def __getattr__(name: str) -> Any:
