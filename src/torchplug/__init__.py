@@ -22,6 +22,8 @@ _EXPORTS = {
     "seed_everything": "torchplug.core.seeding",
     "seed_worker": "torchplug.core.seeding",
     "Logger": "torchplug.loggers",
+    "Trainer": "torchplug.trainer.loop",
+    "accuracy": "torchplug.trainer.loop",
     "Strategy": "torchplug.core.strategy",
     "ClusterInfo": "torchplug.core.cluster",
     "register": "torchplug.core.manager",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from torchplug.core.spec import hookimpl
     from torchplug.core.strategy import Strategy
     from torchplug.loggers import Logger
+    from torchplug.trainer.loop import Trainer, accuracy
 
 
 def __getattr__(name: str) -> Any:
