@@ -23,6 +23,8 @@ _EXPORTS = {
     "seed_worker": "torchplug.core.seeding",
     "Logger": "torchplug.loggers",
     "Trainer": "torchplug.trainer.loop",
+    "launch": "torchplug.core.launcher",
+    "RankFailedError": "torchplug.core.launcher",
     "accuracy": "torchplug.trainer.loop",
     "Strategy": "torchplug.core.strategy",
     "ClusterInfo": "torchplug.core.cluster",
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
         PluginError,
         TorchplugError,
     )
+    from torchplug.core.launcher import RankFailedError, launch
     from torchplug.core.manager import block, register, unregister
     from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
     from torchplug.core.seeding import seed_everything, seed_worker
