@@ -211,3 +211,15 @@ def test_launch_refuses_an_unknown_logger_before_starting(tmp_path):
     assert "--logger tensorbord: Unknown logger 'tensorbord'. Did you mean 'tensorboard'" in (
         run.stderr
     )
+
+
+def test_plugins_command_lists_the_loggers():
+    from test_cli import torchplug
+
+    run = torchplug("plugins")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("logger "))
+    rows = {line.split()[0]: line for line in lines[header + 2 :] if line.strip()}
+    assert "usable" in rows["csv"] and "torchplug" in rows["csv"]
+    assert {"csv", "jsonl", "tensorboard"} <= set(rows)

@@ -82,7 +82,7 @@ def test_trainer_logs_and_stops_on_request(tmp_path):
         log_dir=tmp_path,
         log_every=2,
         callbacks=[StopAtFour()],
-        progress=False,
+        progress=True,  # a tqdm bar on stderr, even when it is not a terminal
     ) as trainer:
         result = trainer.fit()
         lr = trainer.optimizer.param_groups[0]["lr"]
