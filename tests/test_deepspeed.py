@@ -281,3 +281,13 @@ for _name in ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero
         globals()[_cls_name] = needs_deepspeed(_cls)
 for _cls_name, _cls in classes("deepspeed-zero3-offload").items():
     globals()[_cls_name] = needs_deepspeed(_cls)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("strategy", ["deepspeed-zero2", "deepspeed-zero3"])
+def test_accumulate_on_deepspeed_equals_one_large_batch(ranks, strategy):
+    from test_helpers import accumulated_training, large_batch_reference
+
+    results = ranks.run(accumulated_training, 2, strategy, timeout=180)
+    assert results[0][-1] == [True, False, True, False]
+    assert results[0][:-1] == pytest.approx(large_batch_reference(), abs=1e-5)

@@ -55,9 +55,9 @@ def test_gather_for_metrics_returns_exactly_the_eval_set(ranks, batch_size):
     assert "differ beyond the first dimension: [(2, 1), (2, 2)]" in out["mismatch"]
 
 
-def accumulated_training(steps: int) -> list[float]:
-    """DDP with accumulate(steps) over micro-batches of 2 per rank."""
-    with tp.Engine("ddp", timeout=60.0) as engine:
+def accumulated_training(steps: int, strategy: str = "ddp") -> list[float]:
+    """``strategy`` with accumulate(steps) over micro-batches of 2 per rank."""
+    with tp.Engine(strategy, timeout=60.0) as engine:
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -81,8 +81,12 @@ def test_accumulate_equals_one_large_batch(ranks):
     assert results[0] == results[1]
     skipped = results[0][-1]
     assert skipped == [True, False, True, False]
-    # The reference: plain PyTorch, two steps on the global batches of 8 (4 micro-batches of 2
-    # over 2 ranks; DistributedSampler interleaves, so each step sees 8 consecutive items).
+    assert results[0][:-1] == pytest.approx(large_batch_reference(), abs=1e-6)
+
+
+def large_batch_reference() -> list[float]:
+    """Plain PyTorch, two steps on the global batches of 8 (4 micro-batches of 2 over 2 ranks;
+    DistributedSampler interleaves, so each step sees 8 consecutive items)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -92,8 +96,7 @@ def test_accumulate_equals_one_large_batch(ranks):
         torch.nn.functional.mse_loss(model(x[start : start + 8]), y[start : start + 8]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    expected = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
-    assert results[0][:-1] == pytest.approx(expected, abs=1e-6)
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
 def test_accumulate_rejects_a_bad_count():
