@@ -232,8 +232,9 @@ class Trainer:
         try:
             for batch in self.train_loader:
                 sync = (len(micro) + 1) % self.grad_accum == 0
-                with engine.accumulate(model, self.grad_accum), engine.autocast():
-                    loss = self.training_step(batch)
+                with engine.accumulate(model, self.grad_accum):
+                    with engine.autocast():  # the forward and loss; backward runs outside
+                        loss = self.training_step(batch)
                     engine.backward(loss)
                     if sync and self.clip_grad_norm is not None:
                         engine.clip_grad_norm_(model, self.clip_grad_norm, optimizer=optimizer)
