@@ -121,7 +121,6 @@ def main() -> None:
             max_epochs=10**6,
             max_steps=args.steps,
             grad_accum=args.accumulate,
-            clip_grad_norm=1.0,
             scheduler=scheduler,
             log_every=25,
         )

@@ -3,11 +3,12 @@
     torchplug launch -n 2 --strategy ddp examples/inhouse_plugin.py
     torchplug launch -n 2 --strategy fsdp examples/inhouse_plugin.py
 
-``NaNGuard`` wraps the ``torchplug_optimizer_step`` hook (``wrapper=True``): before the
-backend's step runs it checks the gradients on every rank, and skips the step everywhere when
-any rank has a non-finite gradient. The script injects one bad batch to show it working. The
-same class in a package, listed under ``[project.entry-points.torchplug]``, would be
-installable with ``pip``.
+``NaNGuard`` wraps two hooks (``wrapper=True``): ``torchplug_backward`` checks the loss on every
+rank, and ``torchplug_optimizer_step`` skips the backend's update everywhere when any rank's
+loss was inf or NaN (whatever the backend: the gradients may live in DDP buckets, FSDP shards or
+DeepSpeed partitions, but the loss is the same thing everywhere). The script injects one bad
+batch to show it working. The same class in a package, listed under
+``[project.entry-points.torchplug]``, would be installable with ``pip``.
 """
 
 from __future__ import annotations
@@ -19,23 +20,24 @@ import torchplug as tp
 
 
 class NaNGuard:
-    """Skip an optimizer step (on every rank) when any gradient is inf or NaN."""
+    """Skip an optimizer step (on every rank) after a backward of a non-finite loss."""
 
     def __init__(self) -> None:
         self.skipped = 0
+        self._bad = False
+
+    @tp.hookimpl(wrapper=True)
+    def torchplug_backward(self, engine, loss, model):
+        bad = not bool(torch.isfinite(loss.detach()).all())
+        # A collective: every rank learns whether any rank's loss was bad, and skips with it.
+        self._bad = engine.reduce(torch.tensor(float(bad)), "max").item() > 0
+        return (yield)  # the backend's own backward runs here
 
     @tp.hookimpl(wrapper=True)
     def torchplug_optimizer_step(self, engine, optimizer, closure):
-        finite = all(
-            torch.isfinite(p.grad).all()
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        )
-        bad = engine.reduce(torch.tensor(0.0 if finite else 1.0), "max").item() > 0
-        with engine.skipping_updates(optimizer, bad):
-            stepped = yield  # the backend's own step runs here
-        if bad:
+        with engine.skipping_updates(optimizer, self._bad):
+            stepped = yield  # the backend's own step runs here, updating nothing if bad
+        if self._bad:
             self.skipped += 1
             return False
         return stepped

@@ -237,7 +237,7 @@ class Trainer:
                         loss = self.training_step(batch)
                     engine.backward(loss)
                     if sync and self.clip_grad_norm is not None:
-                        engine.clip_grad_norm_(model, self.clip_grad_norm, optimizer=optimizer)
+                        self._clip()
                     optimizer.step()
                     optimizer.zero_grad()
                 micro.append(loss.detach().float())
@@ -274,6 +274,18 @@ class Trainer:
         finally:
             self.progress.end()
         return losses, stop, last_saved
+
+    def _clip(self) -> None:
+        try:
+            self.engine.clip_grad_norm_(
+                self.model, float(self.clip_grad_norm or 0), optimizer=self.optimizer
+            )
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"Trainer(clip_grad_norm={self.clip_grad_norm}) cannot clip on strategy "
+                f"'{self.engine.strategy}': {exc} With the Trainer: pass clip_grad_norm=None and "
+                f"configure clipping in the strategy instead."
+            ) from None
 
     def _stop_requested(self, loss: float) -> bool:
         answers = self.hook.on_step_end(trainer=self, step=self.step, loss=loss)
