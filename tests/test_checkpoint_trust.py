@@ -367,3 +367,40 @@ def test_convert_without_numpy_says_what_to_install(single_ckpt, tmp_path, monke
     ):
         convert(single_ckpt[0], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_entry_only_its_writer_restores_is_an_error_naming_it_unless_not_strict(tmp_path):
+    """A backend may write entries of its own kind (through checkpoint.save's entries_of); no
+    other strategy guesses at them."""
+    from torchplug import checkpoint
+
+    path = str(tmp_path / "ckpt")
+    with tp.Engine("single") as engine:
+        model = engine.setup(make_model())
+        state = {"model": model, "opt": None, "step": 4}
+
+        def entries_of(_: Path) -> tuple[dict, dict]:
+            tensors: dict = {}
+            model_state = engine.full_state(model)["model"]
+            found = {
+                "model": {
+                    "kind": "module",
+                    "data": checkpoint.encode(model_state, "model", tensors),
+                },
+                "opt": {"kind": "mybackend-optimizer", "data": "native/"},
+                "step": {"kind": "value", "data": checkpoint.encode(4, "step", tensors)},
+            }
+            return found, tensors
+
+        checkpoint.save(engine, path, state, {}, entries_of=entries_of)
+    with tp.Engine("single") as engine:
+        model = engine.setup(make_model(seed=3))
+        optimizer = torch.optim.AdamW(model.parameters())
+        state = {"model": model, "opt": optimizer, "step": 0}
+        with pytest.raises(tp.CheckpointError) as info:
+            engine.load(path, state)
+        message = str(info.value)
+        assert "entry 'opt' is of kind 'mybackend-optimizer'" in message
+        assert "strict=False" in message and "written by 'single'" in message
+        engine.load(path, state, strict=False)
+        assert state["step"] == 4 and not optimizer.state

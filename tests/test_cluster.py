@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
+import torchplug as tp
 from torchplug.core import cluster
+from torchplug.core.errors import ConfigurationError
+from torchplug.core.spec import hookimpl
 from torchplug.plugins.slurm import expand_nodelist, tasks_per_node
 
 SLURM = {
@@ -90,3 +94,175 @@ def test_doctor_reports_the_slurm_identity(tmp_path):
     assert lines["detected"] == "SLURM"
     assert (lines["rank"], lines["world_size"], lines["node_rank"]) == ("5", "8", "2")
     assert lines["master_addr"] == "gpu07"
+
+
+# -- the environments each scheduler really sets ------------------------------------------------
+
+#: What the Kubeflow training operator sets in worker pod 2 of a PyTorchJob with 1 master and
+#: 3 workers (plus what Kubernetes sets in every pod).
+KUBEFLOW = {
+    "KUBERNETES_PORT": "tcp://10.96.0.1:443",
+    "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+    "MASTER_ADDR": "mnist-master-0",
+    "MASTER_PORT": "23456",
+    "WORLD_SIZE": "4",
+    "RANK": "2",
+    "PYTHONUNBUFFERED": "0",
+}
+
+#: jsrun task 5 of 8 in an LSF job on two compute hosts (4 tasks each) behind a launch node.
+LSF = {
+    "LSB_JOBID": "4321",
+    "LSB_MCPU_HOSTS": "batch1 1 c01n01 4 c01n02 4",
+    "JSM_NAMESPACE_RANK": "5",
+    "JSM_NAMESPACE_SIZE": "8",
+    "JSM_NAMESPACE_LOCAL_RANK": "1",
+    "JSM_NAMESPACE_LOCAL_SIZE": "4",
+}
+
+#: `mpirun -np 4 --map-by slot -x MASTER_ADDR=node1` on two nodes of 2 slots, rank 3 (Open MPI).
+OPEN_MPI = {
+    "OMPI_COMM_WORLD_RANK": "3",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "OMPI_COMM_WORLD_NODE_RANK": "1",
+    "OMPI_MCA_ess_base_jobid": "3405643777",
+    "MASTER_ADDR": "node1",
+}
+
+#: `mpiexec -n 4 -ppn 2` (MPICH Hydra / Intel MPI), rank 2, on one host pair.
+MPICH = {
+    "PMI_RANK": "2",
+    "PMI_SIZE": "4",
+    "PMI_FD": "6",
+    "MPI_LOCALRANKID": "0",
+    "MPI_LOCALNRANKS": "2",
+    "MASTER_ADDR": "10.0.0.7",
+    "MASTER_PORT": "31000",
+}
+
+
+def fields(info: cluster.ClusterInfo) -> tuple:
+    return (info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank,
+            info.num_nodes, info.master_addr, info.master_port, info.source)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (KUBEFLOW, (2, 4, 0, 1, 2, 4, "mnist-master-0", 23456, "Kubeflow PyTorchJob")),
+        (LSF, (5, 8, 1, 4, 1, 2, "c01n01", 14321, "LSF")),
+        (OPEN_MPI, (3, 4, 1, 2, 1, 2, "node1", 29500, "mpirun (Open MPI)")),
+        (MPICH, (2, 4, 0, 2, 1, 2, "10.0.0.7", 31000, "mpirun (MPICH/Intel MPI)")),
+    ],
+    ids=["kubeflow", "lsf", "open-mpi", "mpich"],
+)
+def test_each_scheduler_is_read_from_the_variables_it_sets(env, expected):
+    assert fields(cluster.detect(env)) == expected
+
+
+def test_lsf_hosts_from_the_rankfile_skip_the_launch_node(tmp_path):
+    rankfile = tmp_path / "rankfile"
+    rankfile.write_text("batch1\n" + "c01n01\n" * 4 + "c01n02\n" * 4)
+    env = {**LSF, "LSB_DJOB_RANKFILE": str(rankfile)}
+    del env["LSB_MCPU_HOSTS"]
+    info = cluster.detect(env)
+    assert (info.num_nodes, info.master_addr, info.node_rank) == (2, "c01n01", 1)
+
+
+def test_kubeflow_with_nproc_per_node_reads_torchruns_pet_variables():
+    env = {**KUBEFLOW, "PET_NNODES": "4", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "2",
+           "PET_MASTER_ADDR": "mnist-master-0", "PET_MASTER_PORT": "23456"}  # fmt: skip
+    info = cluster.detect(env)
+    assert (info.rank, info.world_size, info.node_rank, info.num_nodes) == (16, 32, 2, 4)
+    assert info.local_world_size == 8 and info.master_addr == "mnist-master-0"
+
+
+def test_kubeflow_is_not_claimed_outside_kubernetes():
+    env = {k: v for k, v in KUBEFLOW.items() if not k.startswith("KUBERNETES")}
+    assert cluster.detect(env).source == "environment (RANK/WORLD_SIZE)"
+
+
+def test_mpi_across_nodes_without_master_addr_says_how_to_pass_it():
+    env = {k: v for k, v in OPEN_MPI.items() if k != "MASTER_ADDR"}
+    with pytest.raises(ConfigurationError, match=r"MASTER_ADDR is not set.*mpirun -x MASTER_ADDR"):
+        cluster.detect(env)
+    one_node = {**env, "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    assert cluster.detect(one_node).master_addr == "127.0.0.1"
+
+
+@pytest.mark.parametrize("scheduler", [SLURM, KUBEFLOW, LSF, OPEN_MPI, MPICH])
+def test_inside_torchrun_workers_torchrun_answers_whatever_the_scheduler_set(scheduler):
+    worker = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "r"}
+    info = cluster.detect({**scheduler, **worker, "MASTER_ADDR": "h", "MASTER_PORT": "29400"})
+    assert (info.rank, info.world_size, info.source) == (1, 2, "torchrun")
+
+
+def test_a_third_party_scheduler_plugin_never_answers_in_torchrun_workers():
+    """A plugin written as the docs say, without stepping aside under torchrun."""
+
+    class Greedy:
+        @hookimpl
+        def torchplug_cluster_environment(self, env):
+            return cluster.ClusterInfo(source="greedy") if "GREEDY" in env else None
+
+    tp.register(Greedy())
+    assert cluster.detect({"GREEDY": "1"}).source == "greedy"  # the launcher process
+    worker = {"GREEDY": "1", "RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "r"}
+    assert cluster.detect(worker).source == "torchrun"
+
+
+def test_mpirun_style_plugin_from_the_docs_works_under_torchplug_launch(tmp_path):
+    """`mpirun -np 1 torchplug launch -n 2`: the launcher process is MPI rank 0 of 1; its two
+    torchrun workers must be ranks 0 and 1 of 2, not two ranks 0 of 1 running `single`."""
+    (tmp_path / "my_mpi_env.py").write_text(
+        textwrap.dedent(
+            """
+            import torchplug as tp
+
+            @tp.hookimpl
+            def torchplug_cluster_environment(env):
+                if "OMPI_COMM_WORLD_RANK" not in env:
+                    return None
+                size = int(env["OMPI_COMM_WORLD_SIZE"])
+                return tp.ClusterInfo(
+                    rank=int(env["OMPI_COMM_WORLD_RANK"]), world_size=size,
+                    local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+                    local_world_size=int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)),
+                    source="my mpi",
+                )
+            """
+        )
+    )
+    (tmp_path / "script.py").write_text(
+        "import os, torchplug as tp\n"
+        "with tp.Engine() as engine:\n"
+        "    line = f'RANK {engine.rank}/{engine.world_size} {engine.strategy} "
+        "{engine.cluster.source}\\n'\n"
+        "    os.write(1, line.encode())\n"
+    )
+    mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPLUG_")}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchplug",
+            "launch",
+            "-n",
+            "2",
+            "--plugin",
+            "my_mpi_env",
+            "script.py",
+        ],  # fmt: skip
+        env={**env, **mpi},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("RANK"))
+    assert lines == ["RANK 0/2 ddp torchrun", "RANK 1/2 ddp torchrun"], run.stdout

@@ -65,3 +65,11 @@ def test_check_command_reports_pass_and_fail_per_property():
     assert run.returncode == 1, run.stderr[-2000:]
     assert "FAIL  sgd" in run.stdout and "PASS  collectives" in run.stdout
     assert "1 passed, 1 failed" in run.stdout
+
+
+def test_a_backend_ignoring_a_skip_from_an_extension_is_caught_by_nan_skip(ranks):
+    """The NaN guard (an extension wrapper) asks for no update; this backend steps anyway."""
+    (outcome,) = check("ignores-skip", plugins=["broken_strategy"], pool=ranks, only=["nan_skip"])
+    assert not outcome.passed and "step_was_skipped" in outcome.detail, outcome
+    (outcome,) = check("ddp", pool=ranks, only=["nan_skip"])
+    assert outcome.passed, outcome

@@ -62,6 +62,15 @@ def test_powersgd_is_listed_with_its_package_and_version():
     assert "torchplug-powersgd 0.1.0" in line and line.endswith("usable")
 
 
+def test_powersgd_inherits_ddps_options_through_extends():
+    run = torchplug("plugins", "--verbose")
+    section = run.stdout.split("\npowersgd: ", 1)[1].split("\n\n", 1)[0]
+    assert "extends: ddp" in section
+    for option in ("find_unused_parameters", "bucket_cap_mb", "timeout", "rank", "warm_up"):
+        assert f"option {option}:" in section, section
+    assert "torchplug_wrap: torchplug_powersgd:PowerSGD" in section
+
+
 def test_powersgd_passes_the_conformance_kit_on_two_ranks(pool):
     outcomes = check("powersgd", pool=pool)
     failed = [str(o) for o in outcomes if not o.passed]

@@ -151,44 +151,53 @@ def test_zero_bf16_is_deepspeed_bf16_within_tolerance(ranks, reference):
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("stage", [2, 3])
-def test_save_resume_is_bit_exact(ranks, tmp_path, stage):
+@pytest.mark.parametrize(
+    ("stage", "native"), [(2, False), (3, False), (2, True), (3, True)], ids=str
+)
+def test_save_resume_is_bit_exact(ranks, tmp_path, stage, native):
+    """Through the portable checkpoint (default), and DeepSpeed's own (native_checkpoint=True)."""
     name, path = f"deepspeed-zero{stage}", str(tmp_path / "ckpt")
     whole = ranks.run(train_ds, name, timeout=300)[0]
-    first = ranks.run(train_ds, name, steps=5, save_to=path, timeout=300)[0]
-    second = ranks.run(train_ds, name, steps=5, first_step=5, load_from=path, timeout=300)[0]
+    first = ranks.run(train_ds, name, steps=5, save_to=path, native_checkpoint=native, timeout=300)[
+        0
+    ]
+    second = ranks.run(
+        train_ds,
+        name,
+        steps=5,
+        first_step=5,
+        load_from=path,
+        native_checkpoint=native,
+        timeout=300,
+    )[0]
+    assert (Path(path) / "deepspeed").is_dir() == native
     assert first["losses"] + second["losses"] == whole["losses"]
     for key, value in whole["params"].items():
         assert torch.equal(second["params"][key], value), key
 
 
-def load_model(path: str, strategy: str) -> dict[str, torch.Tensor]:
-    with no_unpickling(), tp.Engine(strategy) as engine:  # the portable part holds no pickle
-        model = engine.setup(make_model(seed=7))
-        state = {"model": model, "step": 0}
-        engine.load(path, state)
-        return engine.full_state(model)["model"]
+def load_portably(path: str, strategy: str) -> dict[str, Any]:
+    with no_unpickling():  # the portable checkpoint holds no pickle, DeepSpeed's included
+        return bodies.load(strategy, path)
 
 
 @needs_deepspeed
-def test_zero3_checkpoint_loads_into_ddp_and_single(ranks, tmp_path):
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_zero3_checkpoint_loads_into_ddp_and_single_with_its_optimizer_state(
+    ranks, tmp_path, precision
+):
     path = str(tmp_path / "ckpt")
-    saved = ranks.run(train_ds, "deepspeed-zero3", steps=3, save_to=path, timeout=300)[0]
-    for loaded in [*ranks.run(load_model, path, "ddp"), load_model(path, "single")]:
+    saved = ranks.run(train_ds, "deepspeed-zero3", precision, steps=3, save_to=path, timeout=300)
+    saved = saved[0]
+    assert saved["optimizer"], "DeepSpeed's optimizer state by parameter name"
+    for loaded in [*ranks.run(load_portably, path, "ddp"), load_portably(path, "single")]:
+        assert loaded["optimizer_portable"] and loaded["step"] == 3
+        # the fp32 master weights; under bf16 they round to the weights DeepSpeed trained with
         for key, value in saved["params"].items():
-            assert torch.equal(loaded[key], value), key
-    # DeepSpeed's optimizer state cannot go into another strategy: an error, not an empty optimizer
-    with tp.Engine("single") as engine:
-        model = make_model(seed=7)
-        model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters()))
-        state = {"model": model, "optimizer": optimizer, "step": 0}
-        with pytest.raises(tp.CheckpointError, match="entry 'optimizer' is of kind 'deepspeed-"):
-            engine.load(path, state)
-        engine.load(path, state, strict=False)  # the explicit escape: the model and the step
-        assert state["step"] == 3
-        assert torch.equal(
-            engine.full_state(model)["model"]["0.weight"], saved["params"]["0.weight"]
-        )
+            assert torch.equal(loaded["params"][key], value), key
+        assert loaded["optimizer"].keys() == saved["optimizer"].keys()
+        for key, value in saved["optimizer"].items():
+            assert torch.equal(loaded["optimizer"][key], value), key
 
 
 @needs_deepspeed
@@ -226,7 +235,14 @@ def test_convert_accepts_a_native_deepspeed_checkpoint(ranks, tmp_path):
     from safetensors.torch import load_file
 
     path = tmp_path / "ckpt"
-    saved = ranks.run(train_ds, "deepspeed-zero2", steps=2, save_to=str(path), timeout=300)[0]
+    saved = ranks.run(
+        train_ds,
+        "deepspeed-zero2",
+        steps=2,
+        save_to=str(path),
+        native_checkpoint=True,
+        timeout=300,
+    )[0]
     for source in (path, path / "deepspeed"):  # the torchplug checkpoint, and DeepSpeed's own
         out = tmp_path / f"out-{source.name}"
         run = subprocess.run(
@@ -243,7 +259,7 @@ def test_convert_accepts_a_native_deepspeed_checkpoint(ranks, tmp_path):
 
 def resume_message(path: str) -> str | None:
     try:
-        train_ds("deepspeed-zero1", steps=1, first_step=1, load_from=path)
+        train_ds("deepspeed-zero1", steps=1, first_step=1, load_from=path, native_checkpoint=True)
     except tp.CheckpointError as exc:
         return str(exc)
     return None
@@ -252,7 +268,14 @@ def resume_message(path: str) -> str | None:
 @needs_deepspeed
 def test_native_files_the_manifest_does_not_list_are_refused(ranks, tmp_path):
     path = tmp_path / "ckpt"
-    ranks.run(train_ds, "deepspeed-zero1", steps=1, save_to=str(path), timeout=300)
+    ranks.run(
+        train_ds,
+        "deepspeed-zero1",
+        steps=1,
+        save_to=str(path),
+        native_checkpoint=True,
+        timeout=300,
+    )
     planted = path / "deepspeed" / "torchplug" / "zero_pp_rank_9_mp_rank_00_optim_states.pt"
     planted.write_bytes(b"not listed")
     for message in ranks.run(resume_message, str(path), timeout=300):
@@ -279,6 +302,233 @@ def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precis
 for _name in ("deepspeed", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"):
     for _cls_name, _cls in classes(_name).items():
         globals()[_cls_name] = needs_deepspeed(_cls)
+for _cls_name, _cls in classes("deepspeed-zero3-offload").items():
+    globals()[_cls_name] = needs_deepspeed(_cls)
+
+
+# -- the portable checkpoint, both ways ------------------------------------------------------------
+
+#: A covering subset of the pairs among {ddp@2, fsdp@2, single@1, zero1@2, zero2@2, zero3@2,
+#: zero3@1}: every DeepSpeed stage and world size is a source and a target at least once, against
+#: every other kind of strategy, across stages and across world sizes.
+PAIRS = [
+    ("ddp@2", "deepspeed-zero2@2"),
+    ("single@1", "deepspeed-zero3@2"),
+    ("deepspeed-zero2@2", "deepspeed-zero3@2"),
+    ("deepspeed-zero2@2", "ddp@2"),
+    ("deepspeed-zero3@2", "single@1"),
+    ("deepspeed-zero1@2", "fsdp@2"),
+    ("fsdp@2", "deepspeed-zero1@2"),
+    ("deepspeed-zero3@1", "deepspeed-zero1@2"),
+    ("deepspeed-zero3@2", "deepspeed-zero3@1"),
+]
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Any:
+    from torchplug.testing import RankPool
+
+    pool = RankPool(1)
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(ranks: Any, one_rank: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Cached runs by node (``strategy@nprocs``): 10 uninterrupted steps, and 5 steps saved."""
+    cache: dict[tuple[str, str], Any] = {}
+    root = tmp_path_factory.mktemp("portable")
+
+    def run(node: str, what: str, **kwargs: Any) -> Any:
+        strategy, nprocs = node.split("@")
+        pool = ranks if nprocs == "2" else one_rank
+        options = {"timeout": 120.0} if strategy != "single" else {}
+        if what == "resume":
+            return pool.run(
+                bodies.train,
+                strategy,
+                options=options,
+                steps=5,
+                first_step=5,
+                **kwargs,
+                timeout=300,
+            )[0]
+        if (node, what) not in cache:
+            if what == "whole":
+                cache[node, what] = pool.run(bodies.train, strategy, options=options, timeout=300)[
+                    0
+                ]
+            else:
+                path = str(root / node)
+                pool.run(
+                    bodies.train, strategy, options=options, steps=5, save_to=path, timeout=300
+                )
+                cache[node, what] = path
+        return cache[node, what]
+
+    return run
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=[f"{s}->{t}" for s, t in PAIRS])
+def test_portable_checkpoint_resumes_across_stages_world_sizes_and_strategies(runs, source, target):
+    whole = runs(target, "whole")
+    resumed = runs(target, "resume", load_from=runs(source, "saved"))
+    assert resumed["losses"] == pytest.approx(whole["losses"][5:], abs=1e-6)
+    assert resumed["params"].keys() == whole["params"].keys()
+    assert_close_dicts(resumed["params"], whole["params"], atol=1e-6)
+    assert resumed["optimizer"].keys() == whole["optimizer"].keys() != set()
+    assert_close_dicts(resumed["optimizer"], whole["optimizer"], atol=1e-6)
+
+
+def plain_deepspeed(path: str, stage: int, steps: int = 5) -> dict[str, Any]:
+    """A training run written with DeepSpeed alone (no torchplug): the kit's model and data, each
+    rank a slice of every global batch, then ``engine.save_checkpoint(path)``."""
+    import deepspeed
+
+    from torchplug.plugins.deepspeed import _reset_deepspeed_state
+
+    _reset_deepspeed_state()  # this pool's earlier DeepSpeed runs leave module-level groups
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT compile on CPU
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = bodies.make_model()
+    config = {
+        "train_micro_batch_size_per_gpu": bodies.GLOBAL_BATCH // world,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    dataset = bodies.make_dataset(bodies.MAX_STEPS * bodies.GLOBAL_BATCH)
+    for step, (x, y) in enumerate(DataLoader(dataset, bodies.GLOBAL_BATCH)):
+        if step == steps:
+            break
+        loss = torch.nn.functional.mse_loss(ds_engine(x.chunk(world)[rank]), y.chunk(world)[rank])
+        ds_engine.backward(loss)
+        ds_engine.step()
+    ds_engine.save_checkpoint(path)
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    held = {}
+    for name, param in model.named_parameters():
+        held[f"{name}"] = safe_get_full_fp32_param(param).detach().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            held[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).detach().clone()
+    torch.distributed.destroy_process_group()
+    _reset_deepspeed_state()
+    return held
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_plain_deepspeed_checkpoint_converts_and_resumes_under_fsdp(ranks, tmp_path, stage):
+    import subprocess
+    import sys
+
+    native, portable = tmp_path / "native", tmp_path / "portable"
+    held = ranks.run(plain_deepspeed, str(native), stage, timeout=300)[0]
+    run = subprocess.run(
+        [sys.executable, "-m", "torchplug", "convert", str(native), str(portable)]
+        + ["--to", "checkpoint"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == str(portable) and "WARNING" not in run.stderr, run.stderr
+    # What DeepSpeed held is what the portable checkpoint holds, bit for bit.
+    loaded = load_portably(str(portable), "single")
+    assert loaded["step"] == 5
+    for key, value in held.items():
+        got = (
+            loaded["optimizer"][key]
+            if key.endswith("exp_avg_sq") or key.endswith("exp_avg")
+            else loaded["params"][key]
+        )
+        assert torch.equal(got, value), key
+    # ... and fsdp continues from it as if it had run the first 5 steps itself.
+    options = {"timeout": 120.0}
+    whole = ranks.run(bodies.train, "fsdp", options=options, timeout=300)[0]
+    resumed = ranks.run(
+        bodies.train,
+        "fsdp",
+        options=options,
+        steps=5,
+        first_step=5,
+        load_from=str(portable),
+        timeout=300,
+    )[0]
+    assert resumed["losses"] == pytest.approx(whole["losses"][5:], abs=1e-6)
+    assert_close_dicts(resumed["params"], whole["params"], atol=1e-6)
+    assert_close_dicts(resumed["optimizer"], whole["optimizer"], atol=1e-6)
+
+
+def grouped(
+    strategy: str,
+    steps: int,
+    first_step: int = 0,
+    save_to: str | None = None,
+    load_from: str | None = None,
+) -> dict[str, Any]:
+    """Two parameter groups (no weight decay on biases, another LR), SGD with momentum, and a
+    scheduler saved beside them: what fine-tuning scripts do."""
+    options = {"timeout": 120.0} if strategy != "single" else {}
+    with tp.Engine(strategy, **options) as engine:
+        model = bodies.make_model()
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        optimizer = torch.optim.SGD(
+            [{"params": weights, "weight_decay": 1e-2}, {"params": biases, "lr": 1e-2}],
+            lr=3e-2,
+            momentum=0.9,
+        )
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        model, optimizer = engine.setup(model, optimizer)
+        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+        if load_from:
+            engine.load(load_from, state)
+        data = bodies.make_dataset(bodies.MAX_STEPS * bodies.GLOBAL_BATCH)
+        loader = DataLoader(data, batch_size=bodies.GLOBAL_BATCH // engine.world_size)
+        for step, (x, y) in enumerate(engine.setup_dataloader(loader)):
+            if step < first_step:
+                continue
+            if step == first_step + steps:
+                break
+            engine.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            state["step"] = step + 1
+        if save_to:
+            engine.save(save_to, state)
+        full = bodies.full_state(engine, model, optimizer)
+        return {**full, "lrs": [g["lr"] for g in optimizer.param_groups]}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("ddp", "deepspeed-zero2"),
+        ("deepspeed-zero3", "ddp"),
+        ("deepspeed-zero1", "deepspeed-zero3"),
+    ],
+)
+def test_parameter_groups_momentum_and_scheduler_move_between_strategies(
+    ranks, tmp_path, source, target
+):
+    path = str(tmp_path / "ckpt")
+    whole = ranks.run(grouped, target, 8, timeout=300)[0]
+    ranks.run(grouped, source, 4, save_to=path, timeout=300)
+    resumed = ranks.run(grouped, target, 4, first_step=4, load_from=path, timeout=300)[0]
+    assert resumed["lrs"] == whole["lrs"] == [3e-2 / 16, 1e-2 / 16]
+    assert_close_dicts(resumed["params"], whole["params"], atol=1e-6)
+    assert any(k.endswith("momentum_buffer") for k in whole["optimizer"])
+    assert_close_dicts(resumed["optimizer"], whole["optimizer"], atol=1e-6)
+
+
 for _cls_name, _cls in classes("deepspeed-zero3-offload").items():
     globals()[_cls_name] = needs_deepspeed(_cls)
 

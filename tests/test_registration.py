@@ -57,7 +57,7 @@ def test_a_marked_function_under_no_hook_name_is_refused():
         def setup(self, engine):
             pass
 
-    with pytest.raises(tp.PluginError, match="unknown hook.*setup"):
+    with pytest.raises(tp.PluginError, match="'setup' is not a torchplug hook.*torchplug_setup"):
         tp.register(Typo(), name="typo")
 
 

@@ -27,6 +27,11 @@ _EXPORTS = {
     "RankFailedError": "torchplug.core.launcher",
     "accuracy": "torchplug.trainer.loop",
     "Strategy": "torchplug.core.strategy",
+    "DistributedStrategy": "torchplug.core.strategy",
+    "DDPStrategy": "torchplug.plugins.ddp",
+    "distributed_options": "torchplug.core.strategy",
+    "options_of": "torchplug.core.manager",
+    "API_VERSION": "torchplug.core.spec",
     "ClusterInfo": "torchplug.core.cluster",
     "register": "torchplug.core.manager",
     "unregister": "torchplug.core.manager",
@@ -49,12 +54,13 @@ if TYPE_CHECKING:
         TorchplugError,
     )
     from torchplug.core.launcher import RankFailedError, launch
-    from torchplug.core.manager import block, register, unregister
+    from torchplug.core.manager import block, options_of, register, unregister
     from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
     from torchplug.core.seeding import seed_everything, seed_worker
-    from torchplug.core.spec import hookimpl
-    from torchplug.core.strategy import Strategy
+    from torchplug.core.spec import API_VERSION, hookimpl
+    from torchplug.core.strategy import DistributedStrategy, Strategy, distributed_options
     from torchplug.loggers import Logger
+    from torchplug.plugins.ddp import DDPStrategy
     from torchplug.trainer.loop import Trainer, accuracy
 
 

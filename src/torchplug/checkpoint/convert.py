@@ -1,4 +1,5 @@
-"""``torchplug convert``: any torchplug checkpoint -> a plain ``model.safetensors``.
+"""``torchplug convert``: any torchplug checkpoint -> a plain ``model.safetensors``; a native
+checkpoint of another library (DeepSpeed) -> safetensors or a portable torchplug checkpoint.
 
 The output loads with ``safetensors.torch.load_file`` into the unwrapped model, with no torchplug,
 no process group and no pickles involved: the way to hand a model to inference code or another
@@ -137,6 +138,9 @@ def _module_entry(entries: dict[str, Any], requested: str | None, root: Path) ->
     )
 
 
+FORMATS = ("safetensors", "checkpoint")
+
+
 def convert(
     source: str | os.PathLike[str],
     destination: str | os.PathLike[str],
@@ -145,24 +149,48 @@ def convert(
     optimizer: bool = False,
     progress: bool | None = None,
     key: str | bytes | None = None,
+    to: str = "safetensors",
 ) -> list[Path]:
-    """Write ``destination/model.safetensors`` (and ``optimizer.safetensors``); return the paths.
+    """Write ``destination/model.safetensors`` (and ``optimizer.safetensors``), or with
+    ``to="checkpoint"`` a portable torchplug checkpoint at ``destination``; return the paths.
 
     A directory that is not a torchplug checkpoint is offered to the installed plugins (the
-    ``torchplug_convert_checkpoint`` hook), e.g. DeepSpeed's for its native checkpoints.
+    ``torchplug_read_checkpoint`` hook), e.g. DeepSpeed's for its native checkpoints.
     """
-    st = _safetensors()
+    if to not in FORMATS:
+        raise CheckpointError(f"Unknown output format {to!r}; use one of {', '.join(FORMATS)}.")
     root = Path(source)
     if root.is_file():
         raise _not_a_checkpoint(root)
     if root.is_dir() and not (root / MANIFEST).exists():
         from torchplug.core import manager
 
-        written = manager.get_registry().pm.hook.torchplug_convert_checkpoint(
-            source=root, destination=Path(destination)
+        hook = manager.get_registry().pm.hook
+        foreign = hook.torchplug_read_checkpoint(
+            source=root, optimizer=optimizer or to == "checkpoint"
         )
-        if written is not None:
-            return list(written)
+        if foreign is not None:
+            if to == "checkpoint":
+                return [write_checkpoint(foreign, Path(destination), root)]
+            written = [write_safetensors(foreign["model"], Path(destination), root, "model")]
+            if optimizer:
+                if not foreign.get("optimizer"):
+                    raise CheckpointError(f"{root} holds no optimizer state; drop --optimizer.")
+                written.append(
+                    _write_optimizer(foreign["optimizer"], Path(destination), "optimizer")
+                )
+            return written
+        if to == "safetensors":
+            written = hook.torchplug_convert_checkpoint(source=root, destination=Path(destination))
+            if written is not None:
+                return list(written)
+    if to == "checkpoint":
+        open_checkpoint(root, key_from(key))  # a clear error if it is not one at all
+        raise CheckpointError(
+            f"{root} is a torchplug checkpoint already: every strategy loads it as it is. "
+            f"Copy the directory, or convert to safetensors (--to safetensors)."
+        )
+    _safetensors()  # missing: say so before reading anything
     root, manifest = open_checkpoint(root, key_from(key))
     entries, index = manifest["entries"], manifest["tensors"]
     module_key = _module_entry(entries, entry, root)
@@ -189,19 +217,51 @@ def convert(
 
     if optimizer:
         opt_key = next(k for k in wanted if k != module_key)
-        state = decode(entries[opt_key]["data"], tensors)
-        flat = {
-            f"state.{param}.{name}": value.contiguous()
-            for param, values in state.get("state", {}).items()
-            for name, value in values.items()
-            if isinstance(value, torch.Tensor)
-        }
-        groups = json.dumps(entries[opt_key]["data"].get("param_groups", []))
-        target = out / "optimizer.safetensors"
-        st.save_file(flat, str(target), metadata={"param_groups": groups, "entry": opt_key})
-        _honour_umask(target)
-        written.append(target)
+        written.append(_write_optimizer(decode(entries[opt_key]["data"], tensors), out, opt_key))
     return written
+
+
+def _write_optimizer(state: dict[str, Any], out: Path, entry: str) -> Path:
+    """``out/optimizer.safetensors``: ``state.<param>.<key>`` tensors, the param groups as JSON
+    metadata."""
+    st = _safetensors()
+    out.mkdir(parents=True, exist_ok=True)
+    flat = {
+        f"state.{param}.{name}": value.contiguous()
+        for param, values in state.get("state", {}).items()
+        for name, value in values.items()
+        if isinstance(value, torch.Tensor)
+    }
+    groups = json.dumps(state.get("param_groups", []), default=list)
+    target = out / "optimizer.safetensors"
+    st.save_file(flat, str(target), metadata={"param_groups": groups, "entry": entry})
+    _honour_umask(target)
+    return target
+
+
+def write_checkpoint(foreign: dict[str, Any], out: Path, source: Path) -> Path:
+    """``foreign`` (what ``torchplug_read_checkpoint`` answered) as a portable checkpoint at
+    ``out`` with entries ``model``, ``optimizer`` (if any) and ``step``: load it with
+    ``engine.load(out, {"model": model, "optimizer": optimizer, "step": 0})`` under any
+    strategy."""
+    from torchplug.checkpoint import io
+    from torchplug.checkpoint.manifest import encode
+    from torchplug.core.engine import Engine
+
+    state: dict[str, Any] = {"model": foreign["model"], "step": foreign.get("step")}
+    if foreign.get("optimizer") is not None:
+        state["optimizer"] = foreign["optimizer"]
+
+    def entries_of(_: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        tensors: dict[str, torch.Tensor] = {}
+        kinds = {"model": "module", "optimizer": "optimizer", "step": "value"}
+        found = {k: {"kind": kinds[k], "data": encode(v, k, tensors)} for k, v in state.items()}
+        return found, tensors
+
+    metadata = {"converted_from": str(foreign.get("format", "unknown")), "source": str(source)}
+    with Engine("single") as engine:
+        io.save(engine, str(out), state, metadata, entries_of=entries_of)
+    return out
 
 
 CHUNK_BYTES = 256 * 2**20

@@ -27,7 +27,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser("plugins", help="list installed strategies and plugins")
     p.add_argument("-v", "--verbose", action="store_true", help="options, capabilities, hooks")
-    sub.add_parser("doctor", help="versions, devices, cluster, resolved settings and their sources")
+    p = sub.add_parser(
+        "doctor", help="versions, devices, cluster, resolved settings and their sources"
+    )
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import and register an in-house plugin module first (repeatable)",
+    )
     p = sub.add_parser(
         "check", help="run the conformance kit on a strategy (torchplug check ddp -n 2)"
     )
@@ -54,12 +63,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser(
         "convert",
-        help="turn a checkpoint into DST/model.safetensors (loadable without torchplug)",
+        help="turn a checkpoint into DST/model.safetensors (loadable without torchplug), or a "
+        "native DeepSpeed checkpoint into a portable one (--to checkpoint)",
     )
-    p.add_argument("source", help="a checkpoint directory written by engine.save")
-    p.add_argument("destination", help="directory to write model.safetensors into")
+    p.add_argument(
+        "source", help="a checkpoint directory written by engine.save (or by DeepSpeed itself)"
+    )
+    p.add_argument(
+        "destination", help="directory to write model.safetensors into (or the new checkpoint)"
+    )
     p.add_argument("--entry", default=None, help="which module entry (default: the only one)")
     p.add_argument("--optimizer", action="store_true", help="also write optimizer.safetensors")
+    p.add_argument(
+        "--to",
+        choices=("safetensors", "checkpoint"),
+        default="safetensors",
+        help="safetensors files (default), or a portable torchplug checkpoint (for a native "
+        "DeepSpeed checkpoint: model, optimizer state and step, loadable by every strategy)",
+    )
     p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -86,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "doctor":
         from torchplug.cli.doctor import doctor
 
-        return doctor()
+        return doctor(plugins=args.plugin)
     if args.command == "convert":
         from torchplug.cli.convert import convert
 

@@ -17,6 +17,7 @@ def convert(args: Any) -> int:
             entry=args.entry,
             optimizer=args.optimizer,
             progress=args.progress,
+            to=args.to,
         )
     except TorchplugError as exc:
         print(f"torchplug convert: {exc}", file=sys.stderr)

@@ -27,15 +27,23 @@ def _indented(rows: list[list[str]]) -> str:
     )
 
 
-def doctor() -> int:
-    """Print what torchplug sees; exit 1 when a resolved setting is invalid (a job would fail)."""
+def doctor(plugins: list[str] | None = None) -> int:
+    """Print what torchplug sees; exit 1 when a resolved setting is invalid (a job would fail),
+    2 when an in-house ``--plugin`` module cannot be loaded."""
     import pluggy
     import torch
 
     import torchplug
     from torchplug.core import cluster, config
     from torchplug.core.errors import TorchplugError
-    from torchplug.core.manager import get_registry
+    from torchplug.core.manager import get_registry, import_plugin_module
+
+    for module in plugins or ():
+        try:
+            import_plugin_module(get_registry(), module, strict=True)
+        except TorchplugError as exc:
+            print(f"torchplug doctor: {exc}", file=sys.stderr)
+            return 2
 
     print("versions")
     versions = [
@@ -92,8 +100,10 @@ def doctor() -> int:
         invalid += config.problems(settings, registry, env.world_size)
     print("plugins")
     print(f"  strategies usable here: {', '.join(registry.usable_names()) or 'none'}")
+    for line in registry.loading_state():
+        print(f"  {line}")
     for name, error in sorted(registry.errors.items()):
-        print(f"  failed: {name}: {error}")
+        print(f"  not loaded: {name}: {error}")
     if invalid:
         print("invalid")
         for problem in invalid:

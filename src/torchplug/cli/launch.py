@@ -242,14 +242,54 @@ def check_rendezvous(args: Any, argv: Sequence[str]) -> None:
         args.master_addr = os.environ["MASTER_ADDR"]
 
 
+def script_source(args: Any) -> str:
+    """The training script's text ('' when it cannot be read: an executable, a package)."""
+    try:
+        if args.module:
+            spec = importlib.util.find_spec(args.training_script)
+            origin = spec.origin if spec is not None else None
+            return Path(origin).read_text(errors="replace") if origin else ""
+        if not args.no_python:
+            return Path(args.training_script).read_text(errors="replace")
+    except (OSError, ImportError, ValueError):
+        pass
+    return ""
+
+
+def registered_in_script(args: Any, name: str) -> bool:
+    """Whether the script names strategy ``name`` as a string literal (so it may register it in
+    code, which this process cannot see without running the script)."""
+    text = script_source(args)
+    return any(f"{quote}{name}{quote}" in text for quote in ("'", '"'))
+
+
 def check_settings(args: Any, nprocs: str) -> Any:
-    """Resolve the settings as the processes will, and fail on anything wrong in them."""
+    """Resolve the settings as the processes will, and fail on anything wrong in them.
+
+    A strategy name no installed or ``--plugin`` module provides is accepted only when the
+    script itself names it (it may register it in code); the processes then check it, and a
+    name nobody registers fails there with the same did-you-mean message. Any other unknown
+    name is refused here, before a process starts.
+    """
     from torchplug.core import config
     from torchplug.core.manager import get_registry
 
     registry = get_registry()
     env = dict(os.environ)
-    if args.strategy:
+    if args.strategy and registry.canonical(args.strategy) is None:
+        if not registered_in_script(args, args.strategy):
+            raise LaunchError(
+                f"{registry.unknown_strategy_message(args.strategy)} If the script registers "
+                f"'{args.strategy}' through a module it imports, pass that module with --plugin "
+                f"MODULE."
+            )
+        print(
+            f"torchplug launch: strategy '{args.strategy}' is not installed here; the script "
+            f"names it, so it is taken as registered in code and checked in the processes.",
+            file=sys.stderr,
+        )
+        args.in_code_strategy = True
+    elif args.strategy:
         env[config.LAUNCH_ENV["strategy"]] = args.strategy
     if args.precision:
         env[config.LAUNCH_ENV["precision"]] = args.precision
@@ -263,6 +303,8 @@ def check_settings(args: Any, nprocs: str) -> Any:
     found = config.problems(settings, registry, world)
     if found:
         raise LaunchError(found[0])
+    if getattr(args, "in_code_strategy", False):
+        return None
     return registry.strategy(args.strategy) if args.strategy else None
 
 
@@ -329,7 +371,7 @@ def launch(argv: Sequence[str]) -> int:
         info = check_settings(args, args.nproc_per_node)
         check_loggers(args.logger)
         if args.strategy:
-            os.environ["TORCHPLUG_LAUNCH_STRATEGY"] = info.name
+            os.environ["TORCHPLUG_LAUNCH_STRATEGY"] = info.name if info else args.strategy
         if args.precision:
             from torchplug.core.registry import normalize_precision
 

@@ -24,14 +24,13 @@ def plugins(verbose: bool = False) -> int:
         provider = info.distribution or "in-house"
         if info.version:
             provider += f" {info.version}"
-        rows.append(
-            [
-                name,
-                ", ".join(info.aliases) or "-",
-                f"{provider} ({info.provider})",
-                "usable" if reason is None else f"unusable: {reason}",
-            ]
-        )
+        if reason is None:
+            status = "usable"
+        elif info.problem:
+            status = reason  # "broken: ..."
+        else:
+            status = f"unusable: {reason}"
+        rows.append([name, ", ".join(info.aliases) or "-", f"{provider} ({info.provider})", status])
     print(table(rows, ["strategy", "aliases", "provided by", "status"]))
     if registry.precisions:
         print()
@@ -74,17 +73,44 @@ def plugins(verbose: bool = False) -> int:
                 f"precisions: {', '.join(info.precisions)}"
             )
             print(f"  launcher: {info.launcher}; requires: {', '.join(info.requires) or '-'}")
+            if info.extends:
+                print(f"  extends: {info.extends}")
             for opt in info.options:
                 print(f"  option {opt.name}: {opt.type_name()} = {opt.default!r}  {opt.help}")
+            hooks = implemented_hooks(info.factory)
+            if hooks:
+                print("  hooks:")
+                for hook, where in hooks:
+                    print(f"    {hook}: {where}")
+            elif info.factory is not None:
+                print("  hooks: (made by a function: listed once an Engine creates it)")
         print("\nplugins and their hooks:")
         for plugin_name, plugin in sorted(registry.pm.list_name_plugin(), key=lambda x: str(x[0])):
             hooks = [h.name for h in registry.pm.get_hookcallers(plugin) or []]
             extension = " (extension: joins every Engine)" if set(hooks) & STRATEGY_HOOKS else ""
             print(f"  {plugin_name}{extension}: {', '.join(sorted(hooks))}")
     if registry.errors:
-        print("\nplugins that failed to load:")
+        print("\nplugins not loaded (or broken), and why:")
         for name, error in sorted(registry.errors.items()):
             print(f"  {name}: {error}")
-    if registry.blocked:
-        print(f"\nblocked: {', '.join(sorted(registry.blocked))}")
+    print("\nloading:")
+    for line in registry.loading_state():
+        print(f"  {line}")
     return 0
+
+
+def implemented_hooks(factory: object) -> list[tuple[str, str]]:
+    """For a strategy whose factory is a class: each strategy hook it implements, with the class
+    (``module:qualname``) whose method answers it, so an author sees what a subclass inherits."""
+    import inspect
+
+    from torchplug.core.manager import STRATEGY_HOOKS, qualified_name
+
+    if not inspect.isclass(factory):
+        return []
+    found = []
+    for hook in sorted(STRATEGY_HOOKS):
+        owner = next((c for c in factory.__mro__ if hook in vars(c)), None)
+        if owner is not None:
+            found.append((hook, qualified_name(owner)))
+    return found

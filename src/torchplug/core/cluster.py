@@ -2,7 +2,8 @@
 
 Detection is the firstresult hook ``torchplug_cluster_environment``: a plugin for a scheduler
 answers when its variables are present; the torchrun reading below answers last, and a plain
-process with no launcher is rank 0 of 1.
+process with no launcher is rank 0 of 1. Inside the workers torchrun starts, :func:`detect` reads
+torchrun's variables without asking the plugins (they describe the launcher process there).
 """
 
 from __future__ import annotations
@@ -25,17 +26,31 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class ClusterInfo:
-    """The identity of this process within its job."""
+    """The identity of this process within its job, as a cluster-environment plugin reads it.
 
+    Returned by ``torchplug_cluster_environment``. For a process a scheduler started as one task
+    of the job, describe that task; for a launcher process (``torchplug launch`` started once per
+    node by ``mpirun``/``srun``), describe the node: ``num_nodes``, ``node_rank``,
+    ``master_addr`` and ``master_port`` fill torchrun's multi-node flags.
+    """
+
+    #: This process's rank in the whole job, 0 to ``world_size - 1``.
     rank: int = 0
+    #: How many processes the job has in all.
     world_size: int = 1
+    #: This process's index among the processes on its node (chooses its GPU).
     local_rank: int = 0
+    #: How many processes run on this node.
     local_world_size: int = 1
+    #: This node's index, 0 to ``num_nodes - 1``.
     node_rank: int = 0
+    #: How many nodes the job spans.
     num_nodes: int = 1
+    #: Host of rank 0, where the process group's store listens; every process must agree.
     master_addr: str = "127.0.0.1"
+    #: That store's TCP port; ``None`` lets a single process pick a free one.
     master_port: int | None = None
-    #: Which environment answered, e.g. ``"torchrun"`` or ``"single process"``.
+    #: Which environment answered, e.g. ``"torchrun"`` or ``"SLURM"`` (shown by ``doctor``).
     source: str = "single process"
 
 
@@ -89,8 +104,19 @@ def checked(info: ClusterInfo) -> ClusterInfo:
     return info
 
 
+def inside_torchrun(env: Mapping[str, str]) -> bool:
+    """Whether this process is a worker that torchrun (or ``torchplug launch``) started."""
+    return "TORCHELASTIC_RUN_ID" in env and "RANK" in env and "WORLD_SIZE" in env
+
+
 @hookimpl(trylast=True)
 def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo:
+    return torchrun_environment(env)
+
+
+def torchrun_environment(env: Mapping[str, str]) -> ClusterInfo:
+    """The identity torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) give, or a single
+    process when they are absent."""
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE", 1)
         local_world = _int(env, "LOCAL_WORLD_SIZE", world)
@@ -109,10 +135,17 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo:
 
 
 def detect(env: Mapping[str, str] | None = None) -> ClusterInfo:
-    """Ask the installed cluster-environment plugins who this process is."""
+    """Ask the installed cluster-environment plugins who this process is.
+
+    Inside a worker torchrun started, torchrun's variables are the answer, whatever else the
+    environment holds: a scheduler's variables (SLURM's, ``mpirun``'s) are inherited from the
+    launcher process and describe it, not its workers. So a scheduler plugin answers for the
+    launcher process and is never asked in its workers; it need not step aside itself.
+    """
     from torchplug.core.manager import get_registry
 
-    answer = get_registry().pm.hook.torchplug_cluster_environment(
-        env=dict(os.environ if env is None else env)
-    )
+    env = dict(os.environ if env is None else env)
+    if inside_torchrun(env):
+        return checked(torchrun_environment(env))
+    answer = get_registry().pm.hook.torchplug_cluster_environment(env=env)
     return checked(answer) if answer is not None else ClusterInfo()

@@ -32,6 +32,10 @@ class Runtime:
     local_rank: int
     device: torch.device
     node_rank: int = 0
+    #: This rank's data-parallel replica and their number, when not every rank is one (tensor
+    #: parallelism: the ranks of a tensor-parallel group share their batches). None: rank/world.
+    data_parallel_rank: int | None = None
+    data_parallel_size: int | None = None
 
 
 class Engine:
@@ -40,7 +44,8 @@ class Engine:
     ``strategy`` is a registered name or alias, or ``"auto"`` (the launcher's, environment's or
     config file's choice, else ``ddp`` under a multi-process launcher, else ``single``).
     ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``plugins`` adds extension
-    plugins to this Engine only; ``loggers`` names the metric loggers :meth:`log` writes to
+    plugins to this Engine only (objects, or module names imported as ``python -m`` would, from
+    the current directory too); ``loggers`` names the metric loggers :meth:`log` writes to
     (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any a plugin registers; rank 0 only), under
     ``log_dir``; other keyword arguments are the strategy's options (``torchplug plugins
     --verbose`` lists them).
@@ -59,6 +64,8 @@ class Engine:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         resume: str | None = None,
         keep_last: int | None = None,
+        compile: bool | dict[str, Any] | None = None,  # noqa: A002 - Fabric's/Accelerate's name
+        activation_checkpointing: Iterable[type | str] | None = None,
         loggers: Iterable[str | object] | str | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         **strategy_options: Any,
@@ -86,6 +93,13 @@ class Engine:
         chosen = self.settings.for_strategy(self.info, registry.canonical)
         self.options = self.info.resolve_options({name: s.value for name, s in chosen.items()})
         self.seed = seed
+        from torchplug.core import scaling
+
+        #: torch.compile arguments (None: not compiled), applied after the backend's wrap.
+        self.compile_options = scaling.compile_options(compile)
+        #: Block classes whose activations are recomputed in backward instead of stored.
+        self.activation_checkpointing = scaling.block_classes(activation_checkpointing)
+        self._meta_rng: torch.Tensor | None = None
         self.precision_options: dict[str, Any] = {}
         self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
             weakref.WeakKeyDictionary()
@@ -143,7 +157,7 @@ class Engine:
                 )
             )
         active += [p for p in registry.extensions() if p not in active]
-        active += list(plugins)
+        active += [manager.load_extension(p) if isinstance(p, str) else p for p in plugins]
         self._pm = manager.new_plugin_manager()
         for plugin in active:
             manager.register_checked(self._pm, plugin)
@@ -210,10 +224,10 @@ class Engine:
         if unanswered:
             raise PluginError(
                 f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
-                f"{type(self.backend).__name__}) leaves {len(unanswered)} hook(s) unanswered: "
-                f"{', '.join(unanswered)}. Every action hook needs an answer: subclass "
-                f"torchplug.Strategy (or torchplug.core.strategy.DistributedStrategy) to inherit "
-                f"the defaults, or implement them."
+                f"{manager.qualified_name(self.backend)}) leaves {len(unanswered)} hook(s) "
+                f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer "
+                f"(docs/hooks.md): subclass torchplug.Strategy (or torchplug.DistributedStrategy) "
+                f"to inherit the defaults, or implement them."
             )
 
     def _answer(self, hook: str, result: Any, expected: Any, what: str) -> Any:
@@ -273,6 +287,19 @@ class Engine:
         return self.runtime.world_size
 
     @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this rank trains on (its rank, unless model parallelism
+        makes several ranks share one replica)."""
+        value = self.runtime.data_parallel_rank
+        return self.runtime.rank if value is None else value
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the data is split into (``world_size`` unless model parallel)."""
+        value = self.runtime.data_parallel_size
+        return self.runtime.world_size if value is None else value
+
+    @property
     def is_main(self) -> bool:
         return self.runtime.rank == 0
 
@@ -308,16 +335,62 @@ class Engine:
                 raise TypeError(
                     f"Engine.setup expects optimizers after the model, got {type(opt).__name__}."
                 )
+        from torchplug.core import scaling
+
+        if self.activation_checkpointing:  # before the wrap, as FSDP2 wants it
+            scaling.checkpoint_activations(self, model, self.activation_checkpointing)
+        meta = scaling.is_meta(model)
+        if meta and not getattr(self.backend, "wraps_meta_modules", False):
+            self._materialize(model, optimizers)  # replicated: the whole model, here
         result = self.hook.torchplug_wrap(engine=self, model=model, optimizers=list(optimizers))
         self._answer("torchplug_wrap", result, tuple, "(model, [optimizers])")
         wrapped, wrapped_optimizers = result
         self._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
+        if meta and scaling.is_meta(wrapped):
+            self._materialize(wrapped, wrapped_optimizers)  # sharded: each rank its shards
+        if self.compile_options is not None:
+            compiled = self.hook.torchplug_compile(
+                engine=self, model=wrapped, options=self.compile_options
+            )
+            if compiled is None:
+                self.restore_on_close(wrapped, "_compiled_call_impl")
+                wrapped.compile(**self.compile_options)
+            else:
+                wrapped = self._answer("torchplug_compile", compiled, torch.nn.Module, "a module")
         self._originals[wrapped] = self.unwrap(model)
         self._portable_state_dict(wrapped, self.unwrap(model))
         for opt in wrapped_optimizers:
             self._attach(opt)
             self._optimizer_models[id(opt)] = weakref.ref(wrapped)
         return (wrapped, *wrapped_optimizers) if optimizers else wrapped
+
+    def _materialize(
+        self, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+    ) -> None:
+        """Allocate a meta-device model and run its initialisation; optimizers made on the
+        meta parameters are pointed at the real ones."""
+        from torchplug.core import scaling
+        from torchplug.core.strategy import rebind_optimizer
+
+        names = {id(p): name for name, p in model.named_parameters()}
+        scaling.materialize(model, self.device, self._meta_rng)
+        params = dict(model.named_parameters())
+        for optimizer in optimizers:
+            rebind_optimizer(optimizer, names, params, "materialising creates the parameters")
+
+    @contextlib.contextmanager
+    def init_module(self, empty: bool = False) -> Iterator[None]:
+        """Build the model inside: on this rank's device, or with ``empty=True`` on the meta
+        device (no memory), to be materialised by :meth:`setup`: only each rank's shard under
+        sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere, initialised by each
+        module's ``reset_parameters()`` to the numbers an eager build would have."""
+        if not empty:
+            with torch.device(self.device):
+                yield
+            return
+        self._meta_rng = torch.get_rng_state()
+        with torch.device("meta"):
+            yield
 
     def _portable_state_dict(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
         """Make a wrapper's ``state_dict()`` / ``load_state_dict()`` those of the user's model.
@@ -491,8 +564,8 @@ class Engine:
         return EngineDataLoader(
             loader,  # type: ignore[arg-type]
             self.place_batch if move_to_device else None,
-            num_replicas=self.world_size,
-            rank=self.rank,
+            num_replicas=self.data_parallel_size,
+            rank=self.data_parallel_rank,
             seed=self.seed,
             use_distributed_sampler=use_distributed_sampler,
             gather=self.gather if self.world_size > 1 else None,

@@ -18,6 +18,7 @@ Environment controls, read when the registry is first built:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import sys
@@ -30,9 +31,9 @@ from typing import Any
 
 import pluggy
 
-from torchplug.core import spec
+from torchplug.core import apiversion, spec
 from torchplug.core.errors import ConfigurationError, PluginError, did_you_mean
-from torchplug.core.registry import LoggerInfo, PrecisionInfo, StrategyInfo
+from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
 
 ENTRY_POINT_GROUP = "torchplug"
 #: In-house plugin modules to import into every registry (``torchplug launch --plugin``).
@@ -46,8 +47,12 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("single", "torchplug.plugins.single"),
     ("ddp", "torchplug.plugins.ddp"),
     ("fsdp", "torchplug.plugins.fsdp"),
+    ("tensor_parallel", "torchplug.plugins.tensor_parallel"),
     ("fairscale", "torchplug.plugins.fairscale"),
     ("slurm", "torchplug.plugins.slurm"),
+    ("kubeflow", "torchplug.plugins.kubeflow"),
+    ("lsf", "torchplug.plugins.lsf"),
+    ("mpi", "torchplug.plugins.mpi"),
     ("deepspeed", "torchplug.plugins.deepspeed"),
     ("xla", "torchplug.plugins.xla"),
     ("amp", "torchplug.plugins.amp"),
@@ -66,12 +71,14 @@ STRATEGY_HOOKS = frozenset(
         "torchplug_register_loggers",
         "torchplug_cluster_environment",
         "torchplug_convert_checkpoint",
+        "torchplug_read_checkpoint",
     }
 )
 
 
 #: Hooks an Engine's active set must answer: every strategy hook but teardown (optional).
-ACTION_HOOKS = STRATEGY_HOOKS - {"torchplug_teardown"}
+#: (``torchplug_compile`` is optional: the Engine has a default for it.)
+ACTION_HOOKS = STRATEGY_HOOKS - {"torchplug_teardown", "torchplug_compile"}
 
 
 def _env_list(name: str) -> list[str]:
@@ -114,9 +121,12 @@ class PluginManager(pluggy.PluginManager):
             return
         answering = [self._label(i) for i in reversed(impls) if not (i.wrapper or i.hookwrapper)]
         who = answering[0] if len(answering) == 1 else f"one of {', '.join(answering)}"
+        wrappers = [self._label(i) for i in reversed(impls) if i.wrapper or i.hookwrapper]
+        # pluggy hands the monitor the outcome of the whole call: what the wrappers returned
+        around = f", final result after wrapper(s) {', '.join(wrappers)}" if wrappers else ""
         shown = repr(result)
         shown = shown if len(shown) < 60 else shown[:57] + "..."
-        sys.stderr.write(f"[torchplug] {hook}: answered by {who} -> {shown}\n")
+        sys.stderr.write(f"[torchplug] {hook}: answered by {who}{around} -> {shown}\n")
 
     def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)
@@ -130,6 +140,24 @@ class PluginManager(pluggy.PluginManager):
         return opts
 
 
+def qualified_name(plugin: object) -> str:
+    """``module:qualname`` of a plugin: a module's name, a class's (or an instance's class's)
+    module and qualified name; how errors and listings name a plugin that has no name."""
+    if inspect.ismodule(plugin):
+        return plugin.__name__
+    cls = plugin if inspect.isclass(plugin) else type(plugin)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def plugin_label(plugin: object, name: str | None = None) -> str:
+    """How a plugin is named to users: its registration name (an entry point's name) when it
+    has a real one, with the ``module:qualname`` it comes from."""
+    qualified = qualified_name(plugin)
+    if not name or name.isdigit() or name == qualified:
+        return qualified
+    return f"{name} ({qualified})"
+
+
 def _label(plugin: object, name: str) -> str:
     kind = getattr(plugin, "__name__", None) or type(plugin).__name__
     return kind if name.isdigit() or name.startswith("_") else f"{name} ({kind})"
@@ -140,33 +168,103 @@ def new_plugin_manager() -> PluginManager:
     return PluginManager()
 
 
-def register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None = None) -> None:
-    """Register ``plugin``; turn pluggy's validation errors into one naming plugin and hook."""
+def hook_signature(hook: str) -> str:
+    """``torchplug_wrap(engine: Engine, model: torch.nn.Module, ...) -> ...`` from the spec."""
+    function = getattr(spec, hook)
+    sig = inspect.signature(function)
+    params = ", ".join(
+        f"{p.name}: {p.annotation}" if p.annotation is not inspect.Parameter.empty else p.name
+        for p in sig.parameters.values()
+    )
+    returns = sig.return_annotation
+    shown = "" if returns is inspect.Signature.empty else f" -> {returns}"
+    return f"{hook}({params}){shown}"
+
+
+def _argnames(function: Any, drop_first: bool) -> list[str]:
+    """The arguments pluggy passes by name: those without defaults (as pluggy reads them)."""
     try:
-        pm.register(plugin, name=name)
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if drop_first and params:
+        params = params[1:]
+    return [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def hook_problems(plugin: object) -> list[str]:
+    """What in ``plugin`` (a module, class or object) does not match the hook specification:
+    unknown hook names, marked functions under no hook's name, arguments the hook does not pass,
+    wrappers that do not yield. Works on a class without making an instance, so a strategy's
+    class is checked when it is announced, long before an Engine creates it."""
+    known = sorted(n for n in dir(spec) if n.startswith("torchplug_"))
+    problems = []
+    for attr in sorted(dir(plugin)):
+        try:
+            value = inspect.getattr_static(plugin, attr)
+        except AttributeError:
+            continue
+        function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+        marked = getattr(function, f"{spec.PROJECT}_impl", None)
+        if not attr.startswith("torchplug_") and marked is None:
+            continue
+        if not callable(function):
+            continue
+        if isinstance(marked, dict) and marked.get("specname"):
+            attr = marked["specname"]  # @hookimpl(specname=...): implements that hook
+        if attr not in known:
+            if attr.startswith("torchplug_") or isinstance(marked, dict):
+                problems.append(
+                    f"'{attr}' is not a torchplug hook.{did_you_mean(attr, known)} "
+                    f"Rename it to a hook listed in docs/hooks.md, or remove its @hookimpl "
+                    f"marker (and the torchplug_ prefix) if it is a helper"
+                )
+            continue
+        # a method read from the class (getattr_static) still has its self/cls argument
+        drop_first = not inspect.ismodule(plugin) and not isinstance(value, staticmethod)
+        expected = _argnames(getattr(spec, attr), False)
+        extra = [a for a in _argnames(function, drop_first) if a not in expected]
+        if extra:
+            problems.append(
+                f"{attr} takes argument(s) {', '.join(repr(a) for a in extra)}, which the hook "
+                f"does not pass. Expected {hook_signature(attr)}; accept any of these arguments "
+                f"by name (see docs/hooks.md#{attr})"
+            )
+        if (
+            isinstance(marked, dict)
+            and marked.get("wrapper")
+            and not inspect.isgeneratorfunction(function)
+        ):
+            problems.append(
+                f"{attr} is marked @hookimpl(wrapper=True) but does not yield; a wrapper runs "
+                f"`result = yield` to call the next implementation and returns the result"
+            )
+    return problems
+
+
+def register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None = None) -> None:
+    """Register ``plugin``; refuse it, naming plugin, hook and the expected signature, when it
+    does not match the hook specification."""
+    label = plugin_label(plugin, name)
+    problems = hook_problems(plugin)
+    if problems:
+        raise PluginError(
+            f"Plugin '{label}' does not match the torchplug hook specification: "
+            + "; ".join(problems)
+            + "."
+        )
+    try:
+        pm.register(plugin, name=name)  # warns for deprecated hooks (pluggy's warn_on_impl)
     except pluggy.PluginValidationError as exc:
-        label = name or getattr(plugin, "__name__", type(plugin).__name__)
         raise PluginError(
             f"Plugin '{label}' does not follow the torchplug hook specification: {exc}. "
-            f"Fix the hook's name or arguments to match torchplug.core.spec."
+            f"Fix the hook's name or arguments as docs/hooks.md lists them."
         ) from None
-    if pm.get_name(plugin) is None:  # pm.register returns None for blocked names
-        return
-    unknown = [
-        attr for attr in dir(plugin) if attr.startswith("torchplug_") and not hasattr(spec, attr)
-    ]
-    # what pluggy's check_pending would find: functions marked @hookimpl under no hook's name
-    unknown += [
-        c.name for c in pm.get_hookcallers(plugin) or [] if c.spec is None and c.name not in unknown
-    ]
-    if unknown:
-        pm.unregister(plugin)
-        known = [n for n in dir(spec) if n.startswith("torchplug_")]
-        hints = "".join(did_you_mean(u, known) for u in unknown)
-        raise PluginError(
-            f"Plugin '{name or plugin}' implements unknown hook(s) {', '.join(unknown)}.{hints} "
-            f"Hooks are listed in torchplug.core.spec."
-        )
 
 
 @dataclass
@@ -183,6 +281,8 @@ class Registry:
     #: plugin name -> (distribution, version) for entry-point plugins
     origins: dict[str, tuple[str, str]] = field(default_factory=dict)
     blocked: set[str] = field(default_factory=set)
+    #: installed entry-point plugin -> why it was not loaded (allow-list, autoload off, blocked)
+    hidden: dict[str, str] = field(default_factory=dict)
 
     # -- registration -------------------------------------------------------------------------
 
@@ -197,23 +297,65 @@ class Registry:
 
         With ``strict``, a failure in its registration hooks is raised (in-house plugins: the
         user is right there); otherwise it is recorded and warned about (installed plugins: one
-        broken package must not break the others).
+        broken package must not break the others). Registering a plugin that is registered
+        already (the same object, or a class whose instance is) does nothing: re-running a
+        notebook cell must not fail.
         """
         if inspect.isclass(plugin):
+            existing = self.pm.get_plugin(name or qualified_name(plugin))
+            if type(existing) is plugin:
+                return self.pm.get_name(existing) or ""
             plugin = plugin()
+        if self.pm.is_registered(plugin):
+            return self.pm.get_name(plugin) or ""
+        label = plugin_label(plugin, name)
+        refusal = apiversion.incompatibility(
+            getattr(plugin, apiversion.ATTRIBUTE, None), f"Plugin '{label}'"
+        )
+        if refusal is not None:
+            raise PluginError(f"{refusal} It is not loaded.")
+        if name is None:
+            # named by module:qualname, not pluggy's id(), so errors and listings say which;
+            # a second object of the same class (e.g. made by a factory function) gets #2, ...
+            qualified = name = qualified_name(plugin)
+            count = 1
+            while self.pm.get_plugin(name) is not None or self.pm.is_blocked(name):
+                count += 1
+                name = f"{qualified}#{count}"
+        elif (other := self.pm.get_plugin(name)) is not None:
+            raise PluginError(
+                f"Another plugin is already registered as '{name}' ({qualified_name(other)}). "
+                f"Unregister it first (torchplug.unregister('{name}')), or give this one "
+                f"another name (torchplug.register(plugin, name=...))."
+            )
         register_checked(self.pm, plugin, name)
         plugin_name = self.pm.get_name(plugin)
         if plugin_name is None:
             raise PluginError(
-                f"Plugin '{name}' is blocked (TORCHPLUG_BLOCK_PLUGINS or torchplug.block); "
+                f"Plugin '{label}' is blocked (TORCHPLUG_BLOCK_PLUGINS or torchplug.block); "
                 f"unblock it to register it."
             )
         self.origins[plugin_name] = origin
         self._announce(plugin_name, plugin, strict)
         return plugin_name
 
-    def remove(self, name: str) -> None:
-        plugin = self.pm.get_plugin(name)
+    def remove(self, name: str | object) -> None:
+        """Unregister a plugin given by name or as the object (module, class or instance)
+        registered; its strategies and precisions go with it. Unknown plugins are an error."""
+        if isinstance(name, str):
+            plugin = self.pm.get_plugin(name)
+        elif inspect.isclass(name):
+            plugin = next((p for p in self.pm.get_plugins() if type(p) is name), None)
+        else:
+            plugin = name if self.pm.is_registered(name) else None
+        if not isinstance(name, str):
+            if plugin is None:
+                raise PluginError(
+                    f"Plugin '{qualified_name(name)}' is not registered, so it cannot be "
+                    f"unregistered. Registered: "
+                    f"{', '.join(sorted(str(n) for n, _ in self.pm.list_name_plugin()))}."
+                )
+            name = self.pm.get_name(plugin) or ""
         if plugin is not None:
             self.pm.unregister(plugin)
         for table in (self.strategies, self.precisions, self.loggers):
@@ -224,19 +366,52 @@ class Registry:
     def _announce(self, plugin_name: str, plugin: object, strict: bool) -> None:
         distribution, version = self.origins.get(plugin_name, ("", ""))
 
+        label = plugin_label(plugin, plugin_name)
+
         def add_strategy(info: StrategyInfo) -> None:
             if not isinstance(info, StrategyInfo):
                 raise PluginError(
-                    f"Plugin '{plugin_name}' registered {info!r}; expected a "
-                    f"torchplug.StrategyInfo."
+                    f"Plugin '{label}' registered {info!r}; expected a torchplug.StrategyInfo."
                 )
+            refusal = apiversion.incompatibility(info.api, f"Strategy '{info.name}'")
+            if refusal is not None:
+                raise PluginError(f"{refusal} It is not registered.")
+            if info.extends:
+                parent = self.canonical(info.extends)
+                if parent is None:
+                    raise PluginError(
+                        f"Strategy '{info.name}' of plugin '{label}' extends "
+                        f"'{info.extends}', which is not registered."
+                        f"{did_you_mean(info.extends, sorted(self.strategies))} Name an "
+                        f"installed strategy (torchplug plugins lists them)."
+                    )
+                info = info.inheriting(self.strategies[parent])
+            if inspect.isclass(info.factory):
+                problems = hook_problems(info.factory)
+                if problems:
+                    message = (
+                        f"its class {qualified_name(info.factory)} does not match the hook "
+                        f"specification: " + "; ".join(problems)
+                    )
+                    if strict:
+                        raise PluginError(f"Strategy '{info.name}' of plugin '{label}': {message}.")
+                    self.errors[plugin_name] = f"strategy '{info.name}': {message}"
+                    warnings.warn(
+                        f"torchplug plugin '{label}': strategy '{info.name}' is broken and "
+                        f"cannot be selected: {message}",
+                        stacklevel=2,
+                    )
+                    info = dataclasses.replace(info, problem=message)
             taken = {info.name, *info.aliases} & (set(self.strategies) | set(self.aliases))
             if taken:
                 owner = self.strategies.get(self.aliases.get(min(taken), min(taken)))
                 raise PluginError(
-                    f"Plugin '{plugin_name}' registers strategy name(s) {sorted(taken)} already "
+                    f"Plugin '{label}' registers strategy name(s) {sorted(taken)} already "
                     f"provided by plugin '{owner.provider if owner else '?'}'. Rename the "
-                    f"strategy, or block the other plugin with TORCHPLUG_BLOCK_PLUGINS."
+                    f"strategy, or block the other plugin with TORCHPLUG_BLOCK_PLUGINS; if it is "
+                    f"this plugin registered again (a re-run notebook cell made a new object), "
+                    f"unregister the old one first: torchplug.unregister("
+                    f"'{owner.provider if owner else '?'}')."
                 )
             self.strategies[info.name] = info.with_provider(plugin_name, distribution, version)
             for alias in info.aliases:
@@ -245,14 +420,13 @@ class Registry:
         def add_precision(info: PrecisionInfo) -> None:
             if not isinstance(info, PrecisionInfo):
                 raise PluginError(
-                    f"Plugin '{plugin_name}' registered {info!r}; expected a "
-                    f"torchplug.PrecisionInfo."
+                    f"Plugin '{label}' registered {info!r}; expected a torchplug.PrecisionInfo."
                 )
             taken = sorted(set(info.precisions) & set(self.precisions))
             if taken:
                 owner = self.precisions[taken[0]]
                 raise PluginError(
-                    f"Plugin '{plugin_name}' registers precision(s) {taken} already provided by "
+                    f"Plugin '{label}' registers precision(s) {taken} already provided by "
                     f"plugin '{owner.provider}' ({owner.name}). Register other precisions, or "
                     f"block the other plugin with TORCHPLUG_BLOCK_PLUGINS."
                 )
@@ -289,8 +463,7 @@ class Registry:
                     raise
                 self.errors[plugin_name] = f"{type(exc).__name__}: {exc}"
                 warnings.warn(
-                    f"torchplug plugin '{plugin_name}' failed in {hook_name}: {exc}",
-                    stacklevel=2,
+                    f"torchplug plugin '{label}' failed in {hook_name}: {exc}", stacklevel=2
                 )
 
     # -- discovery ------------------------------------------------------------------------------
@@ -329,10 +502,11 @@ class Registry:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
             name = self.pm.get_name(exc.plugin) or str(exc.plugin)
+            label = plugin_label(exc.plugin, name)
             self.errors[name] = (
-                f"{exc}. Fix the hook's name to match torchplug.core.spec, or remove its marker."
+                f"{exc}. Fix the hook's name as docs/hooks.md lists them, or remove its marker."
             )
-            warnings.warn(f"torchplug plugin '{name}' is skipped: {exc}", stacklevel=2)
+            warnings.warn(f"torchplug plugin '{label}' is skipped: {exc}", stacklevel=2)
             self.remove(name)
             self.check_pending()
 
@@ -348,8 +522,15 @@ class Registry:
             if own and ep.name in dict(BUILTIN_PLUGINS):
                 continue  # registered from BUILTIN_PLUGINS already (or blocked)
             if ep.name in self.blocked or self.pm.is_blocked(ep.name):
+                self.hidden[ep.name] = "blocked (TORCHPLUG_BLOCK_PLUGINS or torchplug.block)"
                 continue
-            if not own and (builtins_only or (allow and ep.name not in allow)):
+            if not own and builtins_only:
+                self.hidden[ep.name] = "autoload is off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
+                continue
+            if not own and allow and ep.name not in allow:
+                self.hidden[ep.name] = (
+                    f"not in the allow-list TORCHPLUG_PLUGINS={','.join(sorted(allow))}"
+                )
                 continue
             if self.pm.has_plugin(ep.name):
                 continue
@@ -370,6 +551,21 @@ class Registry:
             except PluginError as exc:
                 self.errors[ep.name] = str(exc)
                 warnings.warn(str(exc), stacklevel=2)
+
+    def loading_state(self) -> list[str]:
+        """Lines saying how plugins are loaded here (autoload, allow-list, blocks) and which
+        installed plugins that hides, for ``torchplug plugins`` and ``doctor``."""
+        autoload = (
+            "off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
+            if _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD")
+            else "on"
+        )
+        allow = ", ".join(_env_list("TORCHPLUG_PLUGINS")) or "none (every installed plugin)"
+        lines = [f"autoload: {autoload}", f"allow-list (TORCHPLUG_PLUGINS): {allow}"]
+        if self.blocked:
+            lines.append(f"blocked: {', '.join(sorted(self.blocked))}")
+        lines += [f"hidden: {name}: {why}" for name, why in sorted(self.hidden.items())]
+        return lines
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -429,6 +625,12 @@ class Registry:
                 + "; ".join(f"{n} ({e})" for n, e in sorted(self.errors.items()))
                 + "."
             )
+        if self.hidden:
+            lines.append(
+                "Installed plugins not loaded: "
+                + "; ".join(f"{n} ({why})" for n, why in sorted(self.hidden.items()))
+                + ": one of them may provide it."
+            )
         if not self.strategies:
             lines.append(
                 "No strategies are registered at all: are torchplug's own plugins blocked "
@@ -468,17 +670,19 @@ def _is_own(ep: metadata.EntryPoint) -> bool:
 #: in-house module imported while the registry is built may call torchplug.register().
 _lock = threading.RLock()
 _registry: Registry | None = None
+#: The registry being built (plugins announcing may ask it for a parent's options).
+_building: Registry | None = None
 _pending_blocks: set[str] = set()
 
 
 def get_registry() -> Registry:
     """The process-wide registry, built on first use (so ``import torchplug`` loads no plugin)."""
-    global _registry
+    global _registry, _building
     if _registry is None:
         with _lock:
             if _registry is None:
                 pm = new_plugin_manager()
-                registry = Registry(pm)
+                registry = _building = Registry(pm)
                 for name in {*_env_list("TORCHPLUG_BLOCK_PLUGINS"), *_pending_blocks}:
                     pm.set_blocked(name)
                     registry.blocked.add(name)
@@ -489,6 +693,7 @@ def get_registry() -> Registry:
                 registry.load_entry_points()
                 registry.check_pending()
                 _registry = registry
+                _building = None
                 # An in-house module may call torchplug.register() on import (same thread:
                 # the lock is reentrant).
                 for module in _env_list(PLUGIN_MODULES_ENV):
@@ -507,7 +712,7 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
 
     try:
         if os.getcwd() not in sys.path:
-            sys.path.append(os.getcwd())
+            sys.path.insert(0, os.getcwd())  # as `python -m` does: the current directory first
         plugin = importlib.import_module(module)
         if not registry.pm.is_registered(plugin) and registry.pm.get_plugin(module) is None:
             registry.add(plugin, name=module)
@@ -515,8 +720,9 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
         if strict:
             raise PluginError(
                 f"Plugin module '{module}' could not be loaded: {type(exc).__name__}: {exc}. "
-                f"Check the module name (it is imported like `import {module}`, from the "
-                f"current directory too) and that it imports cleanly."
+                f"Expected a module importable as `import {module}` from the current directory "
+                f"({os.getcwd()}) or an installed package; check the name (a module name, "
+                f"not a file path) and that it imports cleanly."
             ) from exc
         registry.errors[module] = f"{type(exc).__name__}: {exc}"
         warnings.warn(
@@ -524,6 +730,23 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
             f"skipped: {type(exc).__name__}: {exc}",
             stacklevel=2,
         )
+
+
+def load_extension(module: str) -> object:
+    """``Engine(plugins=["my_pkg.guard"])``: the module of that name (a class in it is not
+    guessed: the module itself is the plugin), imported from the current directory too."""
+    import importlib
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise PluginError(
+            f"Extension plugin module '{module}' (Engine(plugins=[...])) could not be imported: "
+            f"{exc}. Expected a module importable as `import {module}` from the current "
+            f"directory ({os.getcwd()}) or an installed package; or pass the plugin object."
+        ) from exc
 
 
 def reset_registry(forget_blocks: bool = False) -> None:
@@ -551,11 +774,27 @@ def register(plugin: Any, name: str | None = None) -> str:
         return registry.add(plugin, name=name)
 
 
-def unregister(name: str) -> None:
-    """Remove a plugin registered earlier, and the strategies it announced."""
+def unregister(name: str | object) -> None:
+    """Remove a plugin registered earlier (by name, or the module/class/object registered),
+    and the strategies it announced."""
     registry = get_registry()
     with _lock:
         registry.remove(name)
+
+
+def options_of(strategy: str) -> tuple[Option, ...]:
+    """The options a registered strategy declares, to build on in a strategy that extends it:
+    ``StrategyInfo(..., options=(*tp.options_of("ddp"), Option("extra", int, 0)))``.
+    (``StrategyInfo(extends="ddp")`` does this and inherits the capabilities as well.)"""
+    registry = _building if _building is not None else get_registry()
+    canonical = registry.canonical(strategy)
+    if canonical is None:
+        raise PluginError(
+            f"options_of({strategy!r}): no strategy of that name is registered (yet)."
+            f"{did_you_mean(strategy, sorted(registry.strategies))} Name an installed strategy; "
+            f"torchplug's own strategies are always registered before third-party plugins."
+        )
+    return registry.strategies[canonical].options
 
 
 def block(names: Iterable[str] | str) -> None:

@@ -155,15 +155,29 @@ class StrategyInfo:
     #: How far results may stray from the single-process reference (lossy communication such
     #: as gradient compression declares more); ``None``: check convergence instead.
     tolerance: float | None = 1e-5
+    #: Whether a run resumed from a checkpoint repeats the uninterrupted run exactly (the kit's
+    #: ``resume`` property, to 1e-6, whatever ``tolerance`` says). ``False`` only for a strategy
+    #: whose communication keeps state that checkpoints do not carry (e.g. PowerSGD's).
+    resume_exact: bool = True
     #: For a strategy that owns precision: the ``Engine(precision_options=...)`` it understands
     #: (the backend reads the resolved values from ``engine.precision_options`` in setup).
     precision_options: tuple[Option, ...] = ()
     #: Extra usability test; returns why the strategy cannot run here, or ``None``.
     check: Callable[[], str | None] | None = None
+    #: The name of a registered strategy whose options, capabilities and defaults this one
+    #: inherits: its own options are added to (or replace, by name) the parent's, and every
+    #: field left at its default takes the parent's value. For a subclass of the parent's class.
+    extends: str = ""
+    #: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
+    #: :data:`torchplug.core.spec.API_VERSION`); outside it the strategy is not registered.
+    api: str = ""
     #: Filled in by the plugin manager: which plugin and distribution announced it.
     provider: str = ""
     distribution: str = ""
     version: str = ""
+    #: Filled in by the plugin manager: why the strategy is broken (e.g. a misspelled hook on
+    #: its class), so that it is listed as broken with the reason and never selected.
+    problem: str = ""
 
     def option(self, name: str) -> Option | None:
         return next((o for o in self.options if o.name == name), None)
@@ -171,6 +185,8 @@ class StrategyInfo:
     def unusable_reason(self) -> str | None:
         """Why this strategy cannot run on this machine, or ``None`` if it can (the machine's
         reason first: installing a package does not help where the device is missing)."""
+        if self.problem:
+            return f"broken: {self.problem}"
         device = self.device_reason()
         if device is not None:
             return device
@@ -206,6 +222,34 @@ class StrategyInfo:
         return dataclasses.replace(
             self, provider=provider, distribution=distribution, version=version
         )
+
+    def inheriting(self, parent: StrategyInfo) -> StrategyInfo:
+        """This strategy with what it left at the defaults taken from ``parent`` (``extends``):
+        the parent's options first, this one's added or replacing them by name."""
+        own = {o.name for o in self.options}
+        changes: dict[str, Any] = {
+            "options": (*(o for o in parent.options if o.name not in own), *self.options)
+        }
+        inherited = {
+            "requires",
+            "install_hint",
+            "precisions",
+            "owns_precision",
+            "shards_parameters",
+            "shards_optimizer",
+            "supports_cpu",
+            "supports_cuda",
+            "distributed",
+            "launcher",
+            "tolerance",
+            "resume_exact",
+            "precision_options",
+            "check",
+        }
+        for f in dataclasses.fields(self):
+            if f.name in inherited and getattr(self, f.name) == f.default:
+                changes[f.name] = getattr(parent, f.name)
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)

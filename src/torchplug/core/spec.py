@@ -46,6 +46,31 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 #: Marks a plugin function as a torchplug hook implementation.
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+#: The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
+#: version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
+#: removes or changes them. A plugin declares the range it supports, e.g.
+#: ``TORCHPLUG_API = ">=1.0,<2"`` in its module (or ``StrategyInfo(api=...)``); one whose range
+#: excludes this version is not loaded, and ``torchplug plugins`` says why (docs/plugins.md).
+API_VERSION = "1.0"
+
+#: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
+#: the API version that removes it). An entry stays for one minor version, with a hookspec under
+#: the old name made by :func:`deprecated_hookspec`, before the old hook is removed.
+RETIRED_HOOKS: dict[str, tuple[str, str]] = {}
+
+
+def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], Any]:
+    """A hookspec marker for a hook being renamed or retired: implementing it still works for
+    one minor version, with a DeprecationWarning at registration (pluggy's ``warn_on_impl``)
+    naming the replacement, so plugin authors learn of it before the hook is removed."""
+    instead = f"implement {replacement} instead" if replacement else "it has no replacement"
+    return hookspec(
+        warn_on_impl=DeprecationWarning(
+            f"this torchplug hook is deprecated and is removed in plugin API {removed_in}; "
+            f"{instead} (see docs/hooks.md)"
+        )
+    )
+
 
 # --------------------------------------------------------------------------------------------------
 # Registration hooks: called once per installed plugin, on the global plugin manager.
@@ -117,6 +142,19 @@ def torchplug_wrap(
 
     Returns ``(model, optimizers)``. Wrappers post-process the backend's answer, e.g. AMP runs the
     wrapped model's forward under autocast.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_compile(
+    engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+) -> torch.nn.Module | None:
+    """Apply ``torch.compile`` (``options`` are its arguments) to the wrapped ``model`` where
+    this backend wants it: the whole DDP module, each FSDP unit; raise ``ConfigurationError``
+    where it cannot be compiled. Return the model to use. Optional: unanswered, the Engine calls
+    ``model.compile(**options)`` (in place, so parameter names stay the model's).
+
+    Called on every rank, after :func:`torchplug_wrap`, when ``Engine(compile=...)`` asks.
     """
 
 
@@ -262,6 +300,21 @@ def torchplug_reads_in_place(engine: Engine, kind: str) -> bool | None:
     tensors the state hook returns (resharding in place), or into fresh CPU tensors handed to the
     load hook. A backend whose tensors DCP cannot write (XLA), or whose optimizer holds only part
     of the state (FairScale OSS), answers ``False``."""
+
+
+@hookspec(firstresult=True)
+def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] | None:
+    """Read a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) as portable state,
+    or return ``None`` if the directory is not yours.
+
+    The answer is ``{"model": {name: tensor}, "optimizer": {"state": {name: {...}},
+    "param_groups": [{..., "params": [names]}]} or None, "step": int or None, "format": str}``,
+    the layout :func:`torchplug_model_state` and :func:`torchplug_optimizer_state` produce;
+    ``optimizer=False`` lets a reader skip the (slower) optimizer state. ``torchplug convert``
+    calls it on every installed plugin and writes the answer as a portable checkpoint or as
+    safetensors. The user chose to convert this directory, so the reader may use its library's
+    own loaders; import nothing heavy unless the directory is yours.
+    """
 
 
 @hookspec(firstresult=True)

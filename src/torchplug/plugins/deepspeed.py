@@ -128,6 +128,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         config: dict[str, Any] | str | None = None,
         process_group_backend: str | None = None,
         timeout: float = 1800.0,
+        native_checkpoint: bool = False,
         _named: bool = False,
     ) -> None:
         super().__init__(process_group_backend, timeout)
@@ -137,6 +138,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         self.nvme_path = nvme_path
         self.config_arg = config
         self.stage_fixed_by_name = _named
+        self.native_checkpoint = native_checkpoint
         self.ds_engine: Any = None
         self.optimizers: list[Any] = []
 
@@ -293,6 +295,14 @@ class DeepSpeedStrategy(DistributedStrategy):
                     f"{type(optimizers[0]).__name__} because your DeepSpeed config sets "
                     f'"zero_allow_untested_optimizer": false. Remove that key, or use Adam/AdamW.'
                 )
+        # Parameter names by group, taken before DeepSpeed flattens the groups: the portable
+        # optimizer state is keyed by them.
+        self.params = dict(model.named_parameters())
+        by_id = {id(p): name for name, p in self.params.items()}
+        self.group_names = [
+            [by_id[id(p)] for p in group["params"] if id(p) in by_id]
+            for group in (optimizers[0].param_groups if optimizers else [])
+        ]
         ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizers[0] if optimizers else None,
@@ -324,6 +334,16 @@ class DeepSpeedStrategy(DistributedStrategy):
         skipped = getattr(ds_engine, "skipped_steps", 0)
         ds_engine.step()
         return getattr(ds_engine, "skipped_steps", 0) == skipped
+
+    @hookimpl
+    def torchplug_compile(
+        self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+    ) -> torch.nn.Module:
+        raise ConfigurationError(
+            "Engine(compile=...) is not supported with DeepSpeed: its engine hooks ZeRO into the "
+            "module's parameters in ways torch.compile does not trace. Drop compile=, or use "
+            "'fsdp' (which compiles each unit)."
+        )
 
     @hookimpl
     def torchplug_no_sync(self, engine: Engine, model: torch.nn.Module) -> Any:
@@ -373,30 +393,69 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    def _module(self) -> torch.nn.Module:
+        return self._engine_for("engine.save/load").module
+
+    def _ds_optimizer(self, optimizer: Any) -> Any:
+        if not any(optimizer is o for o in self.optimizers):
+            raise CheckpointError(
+                "This optimizer was not set up with this DeepSpeed Engine; pass the optimizer "
+                "engine.setup returned."
+            )
+        return self.optimizers[-1]
+
+    @hookimpl
+    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+        # DeepSpeed's partitions are flat slices, not tensors DCP can read into.
+        return False
+
     @hookimpl
     def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
-        """Full fp32 model state (ZeRO-3 gathers its partitions)."""
-        import deepspeed
+        """Full fp32 model state: DeepSpeed's master weights (ZeRO-3 gathers its partitions)."""
+        from torchplug.plugins import deepspeed_state
 
         module = getattr(model, "module", model)
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return deepspeed_state.model_state(module, engine.precision in ("bf16", "fp16"))
+
+    @hookimpl
+    def torchplug_load_model_state(
+        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+    ) -> bool:
+        from torchplug.plugins import deepspeed_state
+
+        deepspeed_state.load_model_state(getattr(model, "module", model), state, strict)
+        return True
 
     @hookimpl
     def torchplug_optimizer_state(
         self, engine: Engine, model: torch.nn.Module, optimizer: Any
-    ) -> Any:
-        raise CheckpointError(
-            "DeepSpeed's optimizer state is partitioned its own way; it is saved in DeepSpeed's "
-            "native checkpoint by engine.save and restored by engine.load with deepspeed."
+    ) -> dict[str, Any]:
+        """The torch optimizer's state by parameter name, gathered from ZeRO's partitions."""
+        from torchplug.plugins import deepspeed_state
+
+        return deepspeed_state.optimizer_state(
+            self._ds_optimizer(optimizer), self.optimizers[0], self.group_names, self.params
         )
+
+    @hookimpl
+    def torchplug_load_optimizer_state(
+        self, engine: Engine, model: torch.nn.Module, optimizer: Any, state: dict[str, Any]
+    ) -> bool:
+        from torchplug.plugins import deepspeed_state
+
+        deepspeed_state.load_optimizer_state(
+            self._ds_optimizer(optimizer), self.optimizers[0], self.group_names, self.params, state
+        )
+        return True
 
     @hookimpl
     def torchplug_save(
         self, engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
     ) -> bool:
         ds_engine = self._engine_for("engine.save")
+        if not self.native_checkpoint:
+            checkpoint.save(engine, path, state, metadata)
+            return True
         header = {
             "deepspeed": {
                 "dir": NATIVE,
@@ -410,40 +469,19 @@ class DeepSpeedStrategy(DistributedStrategy):
             state,
             metadata,
             native=lambda tmp: ds_engine.save_checkpoint(str(tmp / NATIVE), tag=TAG),
-            entries_of=lambda tmp: self._portable(engine, tmp, state),
             header=header,
         )
         return True
-
-    def _portable(
-        self, engine: Engine, tmp: Path, state: dict[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The consolidated fp32 model (zero_to_fp32, on rank 0), and the other entries."""
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        entries: dict[str, Any] = {}
-        tensors: dict[str, torch.Tensor] = {}
-        for key, obj in state.items():
-            if obj is self.ds_engine:
-                full = (
-                    _quietly(get_fp32_state_dict_from_zero_checkpoint, str(tmp / NATIVE), tag=TAG)
-                    if engine.is_main
-                    else {}
-                )
-                entries[key] = {"kind": "module", "data": checkpoint.encode(full, key, tensors)}
-            elif any(obj is o for o in self.optimizers):
-                entries[key] = {"kind": "deepspeed-optimizer", "data": NATIVE}
-            else:
-                kind = checkpoint.kind_of(obj)
-                payload = obj.state_dict() if kind == "stateful" else obj
-                entries[key] = {"kind": kind, "data": checkpoint.encode(payload, key, tensors)}
-        return entries, tensors
 
     @hookimpl
     def torchplug_load(
         self, engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
     ) -> dict[str, Any]:
+        """The portable entries, from any strategy and world size; with native_checkpoint=True
+        and a native part of the same stage and world size, DeepSpeed's own resume instead."""
         ds_engine = self._engine_for("engine.load")
+        if not self.native_checkpoint or state is None:
+            return checkpoint.load(engine, path, state, strict)
         root, manifest = checkpoint.open_checkpoint(path, engine.checkpoint_key)
         native = manifest.get("deepspeed")
         stage = self.config["zero_optimization"]["stage"]
@@ -451,19 +489,11 @@ class DeepSpeedStrategy(DistributedStrategy):
             isinstance(native, dict)
             and native.get("dir") == NATIVE
             and isinstance(native.get("tag"), str)
-            and native.get("stage") in (0, 1, 2, 3)
+            and native.get("stage") == stage
+            and manifest["world_size"] == engine.world_size
         )
-        if not valid or manifest["world_size"] != engine.world_size or native["stage"] != stage:
-            saved = (
-                f"stage {native['stage']} on {manifest['world_size']} ranks"
-                if valid
-                else f"strategy {manifest['strategy']['name']}"
-            )
-            raise CheckpointError(
-                f"Checkpoint {root} was written by {saved}; deepspeed resumes only its own native "
-                f"checkpoints of the same stage and world size ({stage} on {engine.world_size}). "
-                f"Load its model into another strategy, or resume with the original settings."
-            )
+        if not valid:  # another strategy, stage or world size: the portable part
+            return checkpoint.load(engine, path, state, strict)
         native_dir = checkpoint.files.confined(root, native["dir"], "the DeepSpeed directory")
         unlisted = [
             p.relative_to(root).as_posix()
@@ -482,10 +512,9 @@ class DeepSpeedStrategy(DistributedStrategy):
             load_optimizer_states=True,
             load_lr_scheduler_states=True,
         )
-        restored = ("module", "deepspeed-optimizer")
-        return checkpoint.load(
-            engine, path, state, strict, skip=lambda key, entry: entry["kind"] in restored
-        )
+        restored = [key for key, obj in state.items() if obj is ds_engine]
+        restored += [key for key, obj in state.items() if any(obj is o for o in self.optimizers)]
+        return checkpoint.load(engine, path, state, strict, skip=lambda key, _: key in restored)
 
 
 def _named(stage: int, **preset: Any) -> Callable[..., DeepSpeedStrategy]:
@@ -512,6 +541,12 @@ def _options(with_stage: bool, with_offload: bool = True) -> tuple[Option, ...]:
     options += [
         Option("nvme_path", (str, type(None)), None, "directory for nvme offload"),
         Option("config", (dict, str, type(None)), None, "DeepSpeed config: a dict or JSON path"),
+        Option(
+            "native_checkpoint",
+            bool,
+            False,
+            "also write DeepSpeed's own checkpoint (same-topology resume unpickles it)",
+        ),
     ]
     return tuple(options)
 
@@ -569,19 +604,135 @@ def _quietly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return function(*args, **kwargs)
 
 
+def _native_tag(source: Path) -> tuple[Path, str] | None:
+    """``(checkpoint directory, tag)`` of a native DeepSpeed checkpoint: the directory that
+    ``engine.save_checkpoint(dir)`` wrote (with its ``latest`` file), or one tag inside it."""
+    if (source / "latest").is_file():
+        tag = (source / "latest").read_text().strip()
+        return source, tag
+    if any(source.glob("*model_states.pt")) and any(source.glob("*optim_states.pt")):
+        return source.parent, source.name
+    return None
+
+
 @hookimpl
-def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] | None:
-    """A native DeepSpeed checkpoint directory (with its ``latest`` file), consolidated by
-    DeepSpeed's own zero_to_fp32."""
-    if not (source / "latest").is_file():
+def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] | None:
+    """A native DeepSpeed checkpoint (any ZeRO stage and world size) as portable state: the fp32
+    model by DeepSpeed's zero_to_fp32, the optimizer state by its universal-checkpoint
+    conversion (ds_to_universal), both DeepSpeed's own readers."""
+    found = _native_tag(source)
+    if found is None:
         return None
+    _quiet_deepspeed()
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ModuleNotFoundError:
         raise CheckpointError(
-            f"{source} is a native DeepSpeed checkpoint; converting it needs deepspeed: {INSTALL}."
+            f"{source} is a native DeepSpeed checkpoint; reading it needs deepspeed: {INSTALL}."
         ) from None
-    from torchplug.checkpoint.convert import write_safetensors
+    root, tag = found
+    if not (root / tag).is_dir():
+        raise CheckpointError(
+            f"{root}/latest names tag {tag!r}, but {root / tag} does not exist. Pass the tag "
+            f"directory you want to convert instead."
+        )
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        model = _quietly(get_fp32_state_dict_from_zero_checkpoint, str(root), tag=tag)
+    model = {k: v.float() if v.is_floating_point() else v for k, v in model.items()}
+    result: dict[str, Any] = {"model": model, "optimizer": None, "step": None}
+    shapes, steps, stage = _native_header(root / tag)
+    result["format"] = f"DeepSpeed ZeRO-{stage} checkpoint"
+    result["step"] = steps
+    if optimizer:
+        result["optimizer"] = _universal_optimizer(root / tag, model, shapes)
+    return result
 
-    state = _quietly(get_fp32_state_dict_from_zero_checkpoint, str(source))
-    return [write_safetensors(state, destination, source, "deepspeed")]
+
+def _native_header(tag_dir: Path) -> tuple[list[list[str]], int | None, int]:
+    """Parameter names per group, global step and ZeRO stage, from rank 0's model states file
+    (a pickle of DeepSpeed's: the user chose to convert this checkpoint)."""
+    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        raise CheckpointError(f"{tag_dir} holds no DeepSpeed model states file; is it complete?")
+    header = torch.load(files[0], map_location="cpu", weights_only=False)
+    groups = [list(group) for group in header.get("param_shapes", [])]
+    step = header.get("global_steps")
+    optim = sorted(tag_dir.glob("*optim_states.pt"))
+    stage = 3 if any("zero_pp_rank" in f.name for f in files) else 2
+    if optim:
+        state = torch.load(optim[0], map_location="cpu", weights_only=False)
+        with contextlib.suppress(AttributeError, KeyError, TypeError, ValueError):
+            stage = int(state["optimizer_state_dict"]["zero_stage"])
+    return groups, step if isinstance(step, int) else None, stage
+
+
+def _universal_optimizer(
+    tag_dir: Path, model: dict[str, torch.Tensor], groups: list[list[str]]
+) -> dict[str, Any]:
+    """The optimizer state by parameter name, through DeepSpeed's ds_to_universal."""
+    import argparse
+    import shutil
+    import tempfile
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    work = Path(tempfile.mkdtemp(prefix="torchplug-universal-"))
+    try:
+        args = argparse.Namespace(
+            input_folder=str(tag_dir),
+            output_folder=str(work / "universal"),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,  # plain DeepSpeed runs do not record it
+        )
+        with contextlib.redirect_stderr(io.StringIO()):
+            _quietly(ds_to_universal.main, args)
+        zero = work / "universal" / "zero"
+        common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
+        saved_groups = common.get("param_groups") or []
+        if len(saved_groups) != len(groups):
+            raise CheckpointError(
+                f"{tag_dir}: {len(saved_groups)} optimizer parameter groups but "
+                f"{len(groups)} groups of parameter names; cannot tell which is which."
+            )
+        steps = [
+            v.get("step")
+            for v in (common.get("optimizer_state_dict") or {}).get("state", {}).values()
+        ]
+        state: dict[str, dict[str, Any]] = {}
+        for names in groups:
+            for name in names:
+                folder = zero / name
+                if not folder.is_dir():
+                    continue
+                entry: dict[str, Any] = {}
+                for file in sorted(folder.glob("*.pt")):
+                    value = torch.load(file, map_location="cpu", weights_only=False)
+                    if isinstance(value, dict):
+                        value = value.get("param")
+                    if file.stem == "fp32" or value is None:
+                        continue
+                    if file.stem == "step":
+                        entry["step"] = torch.as_tensor(value, dtype=torch.float32).clone()
+                    else:
+                        entry[file.stem] = value.reshape(model[name].shape).float().clone()
+                if "step" not in entry and steps and steps[0] is not None:
+                    entry["step"] = torch.as_tensor(steps[0], dtype=torch.float32).clone()
+                state[name] = entry
+        param_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+            for g, names in zip(saved_groups, groups, strict=True)
+        ]
+        return {"state": state, "param_groups": param_groups}
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"DeepSpeed's universal-checkpoint conversion of {tag_dir} failed "
+            f"({type(exc).__name__}: {exc}). Convert the model alone: torchplug convert SRC DST "
+            f"(model.safetensors)."
+        ) from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -45,6 +45,9 @@ def shard_units(
 
 
 class FSDPStrategy(DistributedStrategy):
+    #: fully_shard takes a model built on the meta device; the Engine materialises the shards.
+    wraps_meta_modules = True
+
     def __init__(
         self,
         process_group_backend: str | None = None,
@@ -83,10 +86,11 @@ class FSDPStrategy(DistributedStrategy):
         from torch.distributed.fsdp import fully_shard
 
         names = {id(p): name for name, p in model.named_parameters()}
-        if not self.cpu_offload:
+        if not self.cpu_offload and not any(p.is_meta for p in model.parameters()):
             model = model.to(engine.device)
         kwargs = self._fully_shard_kwargs(engine)
-        for unit in shard_units(model, self.shard_classes, self.min_params):
+        self.units = shard_units(model, self.shard_classes, self.min_params)
+        for unit in self.units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
         _accept_full_tensors(engine, model)
@@ -96,6 +100,16 @@ class FSDPStrategy(DistributedStrategy):
                 optimizer, names, params, "fsdp replaces the model's parameters with shards"
             )
         return model, optimizers
+
+    @hookimpl
+    def torchplug_compile(
+        self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+    ) -> torch.nn.Module:
+        """Each FSDP unit compiled on its own (as torch recommends for FSDP2), else the model."""
+        for unit in getattr(self, "units", None) or [model]:
+            engine.restore_on_close(unit, "_compiled_call_impl")
+            unit.compile(**options)
+        return model
 
     @hookimpl
     def torchplug_no_sync(

@@ -90,6 +90,16 @@ def _to_cpu(value: Any) -> Any:
 
 class XLAStrategy(Strategy):
     @hookimpl
+    def torchplug_compile(
+        self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+    ) -> torch.nn.Module:
+        raise ConfigurationError(
+            "Engine(compile=...) is not for XLA: XLA traces and compiles the step graph itself "
+            "(lazy tensors). Drop compile=; torch_xla's own torch.compile(backend='openxla') "
+            "can be applied to the model you pass to setup if you need it."
+        )
+
+    @hookimpl
     def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
         # torch.distributed.checkpoint cannot write into XLA tensors: state goes through the CPU.
         return False

@@ -5,7 +5,6 @@ Module-level functions, so that :class:`~torchplug.testing.RankPool` workers can
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +44,36 @@ def register(plugins: Sequence[str]) -> None:
     registry = manager.get_registry()
     for name in plugins:
         if not registry.pm.has_plugin(name):
-            tp.register(importlib.import_module(name), name=name)
+            # from the current directory too, as `python -m` imports (torchplug check --plugin)
+            manager.import_plugin_module(registry, name, strict=True)
+
+
+class NaNGuard:
+    """An extension that skips the optimizer step when any rank's gradients hold NaN or inf:
+    the pattern docs/plugins.md documents, checked on every backend by the kit's ``nan_skip``.
+
+    A wrapper cannot leave out the backend (it must yield), so it makes the backend's step a
+    no-update step with ``engine.skipping_updates`` and returns ``False`` ("skipped"), which
+    ``optimizer.step_was_skipped`` then reports. The ranks agree through ``engine.reduce``: a
+    step skipped on one rank only would leave the replicas apart.
+    """
+
+    @tp.hookimpl(wrapper=True)
+    def torchplug_optimizer_step(
+        self, engine: tp.Engine, optimizer: torch.optim.Optimizer, closure: Any
+    ) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        bad = any(
+            not (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).isfinite().all()
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        )
+        bad = engine.reduce(torch.tensor(float(bad)), op="max").item() > 0
+        with engine.skipping_updates(optimizer, bad):
+            stepped = yield
+        return bool(stepped) and not bad
 
 
 def full_state(engine: tp.Engine, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -81,6 +109,7 @@ def reference(
     accumulate: int = 1,
     scheduler: str | None = None,
     inf_at_step: int | None = None,
+    nan_at_step: int | None = None,
 ) -> dict[str, Any]:
     """The same run as :func:`train` in plain PyTorch: one process, the combined batch, no
     torchplug at all (no Engine, no optimizer patch, no loader wrapper, no state gathering), so a
@@ -101,6 +130,8 @@ def reference(
             part = torch.nn.functional.mse_loss(out.float(), ys) / accumulate
             if inf_at_step == step:
                 part = part * float("inf")
+            if nan_at_step == step:
+                part = part * float("nan")
             (scaler.scale(part) if scaler else part).backward()
             parts.append(part.detach())
         if clip is not None:
@@ -112,6 +143,10 @@ def reference(
             scaler.step(opt)
             scaler.update()
             skipped.append(scaler.get_scale() < scale)
+        elif nan_at_step is not None and any(
+            not p.grad.isfinite().all() for p in model.parameters() if p.grad is not None
+        ):
+            skipped.append(True)  # what NaNGuard does: no update
         else:
             opt.step()
             skipped.append(False)
@@ -144,6 +179,8 @@ def train(
     accumulate: int = 1,
     scheduler: str | None = None,
     inf_at_step: int | None = None,
+    nan_at_step: int | None = None,
+    nan_guard: bool = False,
     probe_sync: bool = False,
     width: int = 16,
     global_batch: int = GLOBAL_BATCH,
@@ -168,7 +205,10 @@ def train(
         names = {o.name for o in info.precision_options}
         if not info.owns_precision or "init_scale" in names:
             extra["precision_options"] = {"init_scale": FP16_SCALE}
-    with tp.Engine(strategy, precision=precision, **extra, **(options or {})) as engine:
+    guard = [NaNGuard()] if nan_guard else []
+    with tp.Engine(
+        strategy, precision=precision, plugins=guard, **extra, **(options or {})
+    ) as engine:
         model = make_model(width=width)
         opt = _optimizer(optimizer, model.parameters(), lr)
         if scheduler == "before":
@@ -181,7 +221,7 @@ def train(
             engine.load(load_from, state)
             assert state["step"] == first_step, (state["step"], first_step)
         losses, norms, skipped, lrs, synced, scales, checksums = [], [], [], [], [], [], []
-        batches = _batches(engine.world_size, global_batch)
+        batches = _batches(engine.data_parallel_size, global_batch)
         for step, (x, y) in enumerate(engine.setup_dataloader(batches)):
             if step < first_step:
                 continue
@@ -195,6 +235,8 @@ def train(
                     part = torch.nn.functional.mse_loss(model(xs), ys) / len(micro)
                     if inf_at_step == step and engine.rank == 0:
                         part = part * float("inf")
+                    if nan_at_step == step and engine.rank == 0:
+                        part = part * float("nan")
                     engine.backward(part)
                 if probe_sync and not last and step == first_step:
                     synced.append(_grads_agree(engine, model))
@@ -335,7 +377,7 @@ def data_order(
     with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
         dataset = TensorDataset(torch.arange(ORDER_SAMPLES))
         loader = engine.setup_dataloader(
-            DataLoader(dataset, batch_size=ORDER_BATCH // engine.world_size, shuffle=True)
+            DataLoader(dataset, batch_size=ORDER_BATCH // engine.data_parallel_size, shuffle=True)
         )
         next(iter(loader))  # a probe: it must not shift any later epoch
         model = make_model()
@@ -346,9 +388,14 @@ def data_order(
         first_epoch = loader.epoch
         steps: list[list[int]] = []
         done = 0
+        # One row per data-parallel replica (the ranks of a model-parallel group share batches).
+        replicas = engine.gather(torch.tensor([engine.data_parallel_rank], device=engine.device))
+        rows = sorted(
+            {int(r): i for i, r in reversed(list(enumerate(replicas.flatten())))}.values()
+        )
         for _ in range(first_epoch, epochs):
             for (batch,) in loader:
-                everyone = engine.gather(batch.to(engine.device)).flatten().tolist()
+                everyone = engine.gather(batch.to(engine.device))[rows].flatten().tolist()
                 steps.append(sorted(int(i) for i in everyone))
                 done += 1
                 if save_to is not None and done == save_at:

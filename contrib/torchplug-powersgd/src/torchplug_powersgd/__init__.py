@@ -1,11 +1,11 @@
 """torchplug strategy ``powersgd``: torch DDP whose gradients are compressed with PowerSGD."""
 
 import torchplug as tp
-from torchplug.core.strategy import distributed_options
-from torchplug.plugins.ddp import DDPStrategy
+
+TORCHPLUG_API = ">=1.0,<2"
 
 
-class PowerSGD(DDPStrategy):
+class PowerSGD(tp.DDPStrategy):
     def __init__(self, rank: int = 1, warm_up: int = 2, **ddp_options):
         super().__init__(**ddp_options)
         self.rank, self.warm_up = rank, warm_up
@@ -31,11 +31,12 @@ def torchplug_register_strategies(register):
             name="powersgd",
             factory=PowerSGD,
             description="DDP with PowerSGD low-rank gradient compression (lossy).",
+            extends="ddp",  # DDP's options (find_unused_parameters, ...) and capabilities
             options=(
-                *distributed_options(),
                 tp.Option("rank", int, 1, "rank of the gradient approximation"),
                 tp.Option("warm_up", int, 2, "plain all-reduce steps before compressing (>= 2)"),
             ),
             tolerance=None,  # lossy: the kit checks convergence instead of parity
+            resume_exact=False,  # PowerSGD's error-feedback state is not checkpointed
         )
     )

@@ -1,0 +1,36 @@
+"""DDP with bf16-compressed gradient all-reduce: a third-party torchplug backend."""
+
+import torch
+
+import torchplug as tp
+
+TORCHPLUG_API = ">=1.0,<2"  # the plugin API versions this module is written for
+
+
+def bf16_allreduce(group, bucket):
+    """DDP communication hook: average the bucket as bf16 (half the bytes, a little rounding)."""
+    grads = bucket.buffer()
+    half = grads.to(torch.bfloat16).div_(torch.distributed.get_world_size())
+    done = torch.distributed.all_reduce(half, group=group, async_op=True).get_future()
+    return done.then(lambda fut: grads.copy_(fut.value()[0]))
+
+
+class BF16CommDDP(tp.DDPStrategy):
+    @tp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        model, optimizers = super().torchplug_wrap(engine, model, optimizers)
+        model.register_comm_hook(None, bf16_allreduce)
+        return model, optimizers
+
+
+@tp.hookimpl
+def torchplug_register_strategies(register):
+    register(
+        tp.StrategyInfo(
+            name="ddp-bf16comm",
+            factory=BF16CommDDP,
+            extends="ddp",
+            description="DDP, gradients all-reduced in bf16",
+            tolerance=1e-2,
+        )
+    )

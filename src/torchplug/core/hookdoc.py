@@ -1,0 +1,286 @@
+"""Generate the hook reference (docs/hooks.md) from the hook specification.
+
+``python -m torchplug.core.hookdoc > docs/hooks.md``. Every hook found in
+:mod:`torchplug.core.spec` is listed, with its signature, return value, calling semantics
+(firstresult or not, wrappers), who calls it on which ranks, its default implementation and an
+example, so the reference cannot drift from the specification (a test compares them). Hooks this
+module has no notes for still get a complete entry built from the specification alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+from torchplug.core import spec
+
+#: Who calls a hook and when, by kind; :data:`CALLED` refines it per hook.
+KIND_CALLED = {
+    "registration": "Once per process on every installed plugin, when the registry is built: in "
+    "the launcher, in `torchplug plugins`/`doctor`/`check`, and in every rank. Keep it cheap.",
+    "strategy": "On every rank, by the Engine, on its active set (the chosen backend, the "
+    "precision plugin, extensions).",
+    "installed plugins": "On every installed plugin, in the process that needs the answer.",
+}
+
+#: Per-hook notes on who calls it and when.
+CALLED: dict[str, str] = {
+    "torchplug_cluster_environment": "In every process before its Engine exists, and in the "
+    "`torchplug launch` process (to fill `--nnodes`, `--node-rank`, `--master-addr`). Never in "
+    "the workers torchrun starts: there the manager reads torchrun's variables first, so a "
+    "scheduler plugin answers for the launcher process only and need not step aside itself.",
+    "torchplug_setup": "On every rank, once, inside `Engine(...)`.",
+    "torchplug_wrap": "On every rank, by `engine.setup(model, *optimizers)`.",
+    "torchplug_place_batch": "On every rank, for each batch of a loader returned by "
+    "`engine.setup_dataloader`.",
+    "torchplug_backward": "On every rank, by `engine.backward(loss)`.",
+    "torchplug_optimizer_step": "On every rank, whenever the user calls `optimizer.step()` on an "
+    "optimizer returned by `engine.setup`.",
+    "torchplug_clip_grad_norm": "On every rank, by `engine.clip_grad_norm_(...)`.",
+    "torchplug_no_sync": "On every rank, by `engine.no_sync(model)`.",
+    "torchplug_autocast": "On every rank, by `engine.autocast()`.",
+    "torchplug_reduce": "On every rank (a collective: all ranks must call it), by `engine.reduce`.",
+    "torchplug_gather": "On every rank (a collective), by `engine.gather`.",
+    "torchplug_barrier": "On every rank (a collective), by `engine.barrier()`.",
+    "torchplug_save": "On every rank (a collective), by `engine.save` / `save_checkpoint`.",
+    "torchplug_load": "On every rank (a collective), by `engine.load` / `resume`.",
+    "torchplug_model_state": "On every rank, by the default save and by `engine.full_state`.",
+    "torchplug_load_model_state": "On every rank, by the default load.",
+    "torchplug_optimizer_state": "On every rank, by the default save and `engine.full_state`.",
+    "torchplug_load_optimizer_state": "On every rank, by the default load.",
+    "torchplug_reads_in_place": "On every rank, by the default load, once per entry kind.",
+    "torchplug_convert_checkpoint": "By `torchplug convert`, in one process, on every installed "
+    "plugin until one answers (only when no `torchplug_read_checkpoint` answered).",
+    "torchplug_read_checkpoint": "By `torchplug convert` on a directory that is not a torchplug "
+    "checkpoint, in one process, on every installed plugin until one answers.",
+    "torchplug_compile": "On every rank, by `engine.setup`, after `torchplug_wrap`, when "
+    "`Engine(compile=...)` is set.",
+    "torchplug_teardown": "On every rank, by `engine.close()` (and when setup fails), on every "
+    "plugin of the active set.",
+}
+
+#: Hand-written examples; other hooks get one made from their signature.
+EXAMPLES: dict[str, str] = {
+    "torchplug_register_strategies": """\
+        @tp.hookimpl
+        def torchplug_register_strategies(register):
+            register(tp.StrategyInfo(
+                name="ddp-bf16comm", factory=MyDDP, extends="ddp",
+                description="DDP with bf16-compressed all-reduce", tolerance=1e-2,
+            ))
+        """,
+    "torchplug_cluster_environment": """\
+        @tp.hookimpl
+        def torchplug_cluster_environment(env):
+            if "MY_SCHED_RANK" not in env:
+                return None                      # not my scheduler: let the others answer
+            return tp.ClusterInfo(
+                rank=int(env["MY_SCHED_RANK"]), world_size=int(env["MY_SCHED_SIZE"]),
+                master_addr=env["MY_SCHED_HEAD"], master_port=29500, source="my scheduler",
+            )
+        """,
+    "torchplug_wrap": """\
+        class MyDDP(tp.DDPStrategy):
+            @tp.hookimpl
+            def torchplug_wrap(self, engine, model, optimizers):
+                model, optimizers = super().torchplug_wrap(engine, model, optimizers)
+                model.register_comm_hook(None, my_hook)
+                return model, optimizers
+        """,
+    "torchplug_optimizer_step": """\
+        class NaNGuard:
+            \"\"\"Skip the update when any rank's gradients hold NaN/inf.\"\"\"
+
+            @tp.hookimpl(wrapper=True)
+            def torchplug_optimizer_step(self, engine, optimizer, closure):
+                bad = any(not p.grad.isfinite().all() for g in optimizer.param_groups
+                          for p in g["params"] if p.grad is not None)
+                bad = engine.reduce(torch.tensor(float(bad)), op="max").item() > 0
+                with engine.skipping_updates(optimizer, bad):   # the real step does nothing
+                    stepped = yield                             # the backend still runs
+                return stepped and not bad                      # False: "skipped"
+        """,
+    "torchplug_backward": """\
+        class LossLogger:
+            @tp.hookimpl(wrapper=True)
+            def torchplug_backward(self, engine, loss, model):
+                print(f"rank {engine.rank}: loss {loss.item():.4f}")
+                return (yield)
+        """,
+}
+
+
+def _kind(name: str) -> str:
+    if name.startswith("torchplug_register_"):
+        return "registration"
+    from torchplug.core.manager import STRATEGY_HOOKS
+
+    return "strategy" if name in STRATEGY_HOOKS else "installed plugins"
+
+
+def hooks() -> list[tuple[str, Callable[..., Any]]]:
+    """Every hook of the specification, in the order spec.py defines them."""
+    return [
+        (name, value)
+        for name, value in vars(spec).items()
+        if name.startswith("torchplug_")
+        and callable(value)
+        and getattr(value, f"{spec.PROJECT}_spec", None) is not None
+    ]
+
+
+def _default(name: str) -> str:
+    """Where torchplug's default answer lives, if any."""
+    from torchplug.core import cluster
+    from torchplug.core.strategy import DistributedStrategy, Strategy
+
+    for cls in (Strategy, DistributedStrategy):
+        if name in vars(cls):
+            return (
+                f"`{cls.__module__}.{cls.__qualname__}.{name}` (subclass "
+                f"`torchplug.{cls.__qualname__}` to inherit it; marked `trylast` where any other "
+                f"answer should win)."
+            )
+    if hasattr(cluster, name):
+        return (
+            "`torchplug.core.cluster` reads torchrun's variables (`RANK`, `WORLD_SIZE`, "
+            "`LOCAL_RANK`, `MASTER_ADDR`, ...) and answers last; without them the process is "
+            "rank 0 of 1. Built-in schedulers: SLURM, Kubeflow PyTorchJob, LSF, mpirun."
+        )
+    if name == "torchplug_compile":
+        return (
+            "the Engine's: `model.compile(**options)` on the wrapped model (in place). FSDP "
+            "compiles each unit; DeepSpeed and XLA refuse."
+        )
+    return "None: a plugin that does not implement it is simply not called."
+
+
+def _example(name: str, function: Callable[..., Any], firstresult: bool) -> str:
+    if name in EXAMPLES:
+        return textwrap.dedent(EXAMPLES[name])
+    args = ", ".join(inspect.signature(function).parameters)
+    if firstresult and _kind(name) == "strategy":
+        return (
+            f"class Watch:\n"
+            f"    @tp.hookimpl(wrapper=True)          # runs around the backend's answer\n"
+            f"    def {name}(self, {args}):\n"
+            f"        result = yield                  # the backend (or the next wrapper)\n"
+            f"        return result                   # or a changed answer\n"
+        )
+    return f"@tp.hookimpl\ndef {name}({args}):\n    ...\n"
+
+
+def _semantics(name: str, opts: dict[str, Any]) -> str:
+    if opts.get("historic"):
+        return "historic: also called for plugins registered later."
+    if opts.get("firstresult"):
+        text = (
+            "firstresult: implementations are called last-registered first, and the first "
+            "answer that is not `None` is the result. Wrappers (`@hookimpl(wrapper=True)`) run "
+            "around it: code before `yield` runs first, `yield` returns the answer (or raises "
+            "its exception), and the wrapper returns the final result, which may differ."
+        )
+        from torchplug.core.manager import ACTION_HOOKS
+
+        if name in ACTION_HOOKS:
+            text += " The Engine refuses to start when no plugin of its active set answers it."
+        elif _kind(name) == "strategy":
+            text += " Optional: the Engine has its own answer when no plugin gives one."
+        return text
+    return (
+        "every implementation is called; the results (other than `None`) come back as a list, "
+        "and an exception in one stops the call."
+    )
+
+
+def _signature(name: str, function: Callable[..., Any]) -> str:
+    from torchplug.core.manager import hook_signature
+
+    params = inspect.signature(function).parameters
+    if len(hook_signature(name)) <= 96:
+        return hook_signature(name)
+    lines = [
+        f"    {p.name}: {p.annotation}," if p.annotation is not inspect.Parameter.empty else p.name
+        for p in params.values()
+    ]
+    returns = inspect.signature(function).return_annotation
+    shown = "" if returns is inspect.Signature.empty else f" -> {returns}"
+    return f"{name}(\n" + "\n".join(lines) + f"\n){shown}"
+
+
+def render() -> str:
+    """The whole of docs/hooks.md."""
+    out = [
+        "# Hook reference",
+        "",
+        "<!-- Generated by `python -m torchplug.core.hookdoc > docs/hooks.md` from",
+        "     src/torchplug/core/spec.py; do not edit by hand (a test compares them). -->",
+        "",
+        f"Plugin API version **{spec.API_VERSION}** (`torchplug.API_VERSION`). A plugin is a "
+        "module, class or object whose functions are named like the hooks below and marked "
+        "`@torchplug.hookimpl` (unmarked `torchplug_*` functions are accepted too).",
+        "",
+        "- **Arguments are passed by name.** An implementation accepts any subset of the hook's "
+        "arguments, spelled as below; an argument the hook does not pass is refused at "
+        "registration, naming the plugin and showing the expected signature.",
+        "- **firstresult hooks** have one answer: the first implementation returning something "
+        "other than `None`. Wrappers (`@hookimpl(wrapper=True)`) surround it; a wrapper cannot "
+        "skip the backend (it must `yield` exactly once), but it may change the answer, e.g. "
+        "return `False` from `torchplug_optimizer_step` to report a skipped step.",
+        "- **Order**: the last registered implementation runs first; `tryfirst`/`trylast` "
+        "change that. torchplug's defaults are `trylast`.",
+        "- **Which ranks**: every strategy hook runs on every rank; the collectives (reduce, "
+        "gather, barrier, save, load) must be called by all ranks in the same order.",
+        "- `TORCHPLUG_TRACE=1` prints each call, the wrappers around it and the final result.",
+        "",
+        "Renamed or retired hooks keep working for one minor version with a "
+        "`DeprecationWarning` (pluggy's `warn_on_impl`) naming the replacement "
+        "(see [plugins.md](plugins.md#8-versioning)).",
+        "",
+    ]
+    if spec.RETIRED_HOOKS:
+        out += ["| deprecated hook | replacement | removed in API |", "| --- | --- | --- |"]
+        out += [
+            f"| `{old}` | {f'`{new}`' if new else '(none)'} | {removed} |"
+            for old, (new, removed) in sorted(spec.RETIRED_HOOKS.items())
+        ]
+        out.append("")
+    listed = hooks()
+    out += ["## Contents", ""]
+    out += [f"- [`{name}`](#{name}) ({_kind(name)})" for name, _ in listed]
+    out.append("")
+    for name, function in listed:
+        opts = getattr(function, f"{spec.PROJECT}_spec", {}) or {}
+        returns = inspect.signature(function).return_annotation
+        doc = inspect.getdoc(function) or "(undocumented)"
+        out += [
+            f"## {name}",
+            "",
+            "```python",
+            _signature(name, function),
+            "```",
+            "",
+            doc,
+            "",
+            f"- **Kind**: {_kind(name)} hook."
+            if _kind(name) != "installed plugins"
+            else "- **Kind**: called on every installed plugin (not on an Engine's active set).",
+            f"- **Returns**: `{returns}`.",
+            f"- **Semantics**: {_semantics(name, opts)}",
+            f"- **Called**: {CALLED.get(name, KIND_CALLED[_kind(name)])}",
+            f"- **Default implementation**: {_default(name)}",
+        ]
+        if opts.get("warn_on_impl") is not None:
+            out.append(f"- **Deprecated**: {opts['warn_on_impl']}")
+        out += ["", "Example:", "", "```python", _example(name, function, opts.get("firstresult"))]
+        out[-1] = out[-1].rstrip("\n")
+        out += ["```", ""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(render())

@@ -1,0 +1,70 @@
+"""``mpirun``/``mpiexec``: who am I, from the variables Open MPI or MPICH/Intel MPI set.
+
+Open MPI sets ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK``
+and ``OMPI_COMM_WORLD_LOCAL_SIZE``; MPICH's and Intel MPI's Hydra launcher set ``PMI_RANK``,
+``PMI_SIZE``, ``MPI_LOCALRANKID`` and ``MPI_LOCALNRANKS``. Both place ranks on nodes in blocks
+(the default mapping), so the node rank is ``rank // local size``.
+
+MPI says nothing about a TCP address for torch's store: give ``MASTER_ADDR`` (the first node)
+with ``mpirun -x MASTER_ADDR=host`` (Open MPI) or ``-genv MASTER_ADDR host`` (MPICH) when the job
+spans nodes; on one node it is 127.0.0.1. The port is ``MASTER_PORT`` if set, else 29500.
+
+Two patterns work: ``mpirun -np 8 python train.py`` (each MPI rank is a training process) and
+``mpirun -np 2 --map-by node torchplug launch -n 4 train.py`` (one launcher per node; torchrun's
+variables describe its workers, which the manager reads first inside them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torchplug.core.cluster import ClusterInfo, _int, master_port
+from torchplug.core.errors import ConfigurationError
+from torchplug.core.spec import hookimpl
+
+DEFAULT_PORT = 29500
+
+#: (implementation, rank, size, local rank, local size) variables, in the order they are tried.
+FLAVOURS = (
+    (
+        "Open MPI",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    ("MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+@hookimpl
+def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
+    for flavour, rank_key, size_key, local_key, local_size_key in FLAVOURS:
+        if rank_key not in env or size_key not in env:
+            continue
+        rank, world = _int(env, rank_key, 0), _int(env, size_key, 1)
+        local_world = max(1, _int(env, local_size_key, world))
+        nodes = max(1, -(-world // local_world))
+        address = env.get("MASTER_ADDR", "")
+        if not address:
+            if nodes > 1:
+                raise ConfigurationError(
+                    f"mpirun ({flavour}) started {world} ranks on {nodes} nodes, but MASTER_ADDR "
+                    f"is not set, and MPI does not say which host rank 0 is on. Pass it on: "
+                    f"mpirun -x MASTER_ADDR=<first node> (Open MPI) or -genv MASTER_ADDR "
+                    f"<first node> (MPICH/Intel MPI)."
+                )
+            address = "127.0.0.1"
+        port = master_port(env.get("MASTER_PORT"))
+        return ClusterInfo(
+            rank=rank,
+            world_size=world,
+            local_rank=_int(env, local_key, 0),
+            local_world_size=local_world,
+            node_rank=rank // local_world,
+            num_nodes=nodes,
+            master_addr=address,
+            master_port=port if port is not None else DEFAULT_PORT,
+            source=f"mpirun ({flavour})",
+        )
+    return None

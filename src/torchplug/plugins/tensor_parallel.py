@@ -1,0 +1,291 @@
+"""``tp`` and ``fsdp-tp``: tensor parallelism (torch's ``parallelize_module``) on a DeviceMesh,
+alone or with FSDP2 over the data-parallel dimension (2-D parallelism).
+
+The mesh has named dims ``("dp", "tp")``; rank ``r`` sits at ``(r // tp, r % tp)``, so a
+tensor-parallel group is ``tp`` consecutive ranks (one node's GPUs, where TP's frequent
+collectives are cheapest). Ranks of one ``tp`` group see the same batches:
+``engine.setup_dataloader`` shards over ``dp`` only. ``engine.reduce``/``gather`` cover every
+rank (the ``tp`` ranks of a group hold equal losses, so a mean is unchanged).
+
+The plan says which submodules are split, by name pattern (``parallelize_module``'s syntax,
+``*`` matches one name): ``{"layers.*.attn.q": "colwise", "layers.*.attn.o": "rowwise"}``, with
+torch ``ParallelStyle`` objects allowed as values, or a callable ``plan(model, tp_mesh)`` that
+parallelises the model itself and returns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchplug.core.cluster import ClusterInfo
+from torchplug.core.engine import Engine, Runtime
+from torchplug.core.errors import ConfigurationError
+from torchplug.core.registry import Option, StrategyInfo
+from torchplug.core.spec import hookimpl
+from torchplug.core.strategy import distributed_options, rebind_optimizer
+from torchplug.plugins.fsdp import FSDPStrategy, _accept_full_tensors, shard_units
+
+STYLES = ("colwise", "rowwise", "sequence")
+
+
+def _style(name: str, value: Any) -> Any:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if isinstance(value, ParallelStyle):
+        return value
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+    if isinstance(value, str) and value in styles:
+        return styles[value]()
+    raise ConfigurationError(
+        f"tp_plan[{name!r}] is {value!r}; expected one of {', '.join(STYLES)} or a torch "
+        f"ParallelStyle (e.g. ColwiseParallel(use_local_output=False))."
+    )
+
+
+class TensorParallelStrategy(FSDPStrategy):
+    """Tensor parallel over ``tp``; with ``fsdp=True`` also FSDP2 over ``dp``."""
+
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        timeout: float = 1800.0,
+        tp_plan: dict[str, Any] | Callable[..., Any] | None = None,
+        tp_size: int | None = None,
+        dp_size: int | None = None,
+        shard_classes: list[str] | tuple[str, ...] = (),
+        reshard_after_forward: bool = True,
+        fsdp: bool = True,
+    ) -> None:
+        super().__init__(
+            process_group_backend,
+            timeout,
+            shard_classes=shard_classes,
+            reshard_after_forward=reshard_after_forward,
+        )
+        self.tp_plan = tp_plan
+        self.tp_size = tp_size
+        self.dp_size = dp_size
+        self.fsdp = fsdp
+        self.name = "fsdp-tp" if fsdp else "tp"
+        self.mesh: Any = None
+
+    def _sizes(self, world: int, local_world: int) -> tuple[int, int]:
+        tp, dp = self.tp_size, self.dp_size
+        if world == 1 and (tp or 1) * (dp or 1) != 1:
+            # python train.py on a script written for many ranks: run it, as every strategy does
+            warnings.warn(
+                f"{self.name} with dp_size={dp}, tp_size={tp} runs in a single process here: "
+                f"using dp_size=1, tp_size=1. Start it with torchplug launch -n "
+                f"{(tp or 1) * (dp or 1)} for the sizes you asked for.",
+                stacklevel=4,
+            )
+            return 1, 1
+        if not self.fsdp:
+            if dp not in (None, 1) or tp not in (None, world):
+                raise ConfigurationError(
+                    f"'tp' uses every rank for tensor parallelism (tp_size={world}); got "
+                    f"tp_size={tp}, dp_size={dp}. Use strategy 'fsdp-tp' to combine it with "
+                    f"data parallelism."
+                )
+            return 1, world
+        if tp is None and dp is None:
+            tp = max(1, min(local_world, world))  # TP within a node, FSDP across nodes
+        if tp is None:
+            tp = world // dp if dp and world % dp == 0 else 0
+        if dp is None:
+            dp = world // tp if tp and world % tp == 0 else 0
+        if not tp or not dp or tp * dp != world:
+            raise ConfigurationError(
+                f"fsdp-tp needs dp_size × tp_size = the world size ({world}); got dp_size="
+                f"{self.dp_size}, tp_size={self.tp_size}. Pass sizes that multiply to {world}, "
+                f"e.g. Engine('fsdp-tp', dp_size={world // _divisor(world)}, "
+                f"tp_size={_divisor(world)})."
+            )
+        return dp, tp
+
+    @hookimpl
+    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+        if self.tp_plan is None:
+            raise ConfigurationError(
+                f"'{self.name}' needs tp_plan: which submodules to split, e.g. "
+                f"Engine('{self.name}', tp_plan={{'layers.*.up': 'colwise', "
+                f"'layers.*.down': 'rowwise'}}) or a callable plan(model, tp_mesh)."
+            )
+        if not (callable(self.tp_plan) or isinstance(self.tp_plan, dict)):
+            raise ConfigurationError(
+                f"tp_plan must be a dict of name pattern -> style or a callable, got "
+                f"{type(self.tp_plan).__name__}."
+            )
+        if isinstance(self.tp_plan, dict):
+            for name, value in self.tp_plan.items():
+                _style(name, value)  # bad styles fail here, before any process group exists
+        self.dp, self.tp = self._sizes(cluster.world_size, cluster.local_world_size)
+        runtime = super().torchplug_setup(engine, cluster)
+        return dataclasses.replace(
+            runtime, data_parallel_rank=runtime.rank // self.tp, data_parallel_size=self.dp
+        )
+
+    @hookimpl
+    def torchplug_wrap(
+        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        names = {id(p): name for name, p in model.named_parameters()}
+        if not any(p.is_meta for p in model.parameters()):
+            model = model.to(engine.device)
+        self.mesh = init_device_mesh(
+            engine.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp")
+        )
+        if callable(self.tp_plan):
+            model = self.tp_plan(model, self.mesh["tp"]) or model
+        else:
+            plan = {name: _style(name, value) for name, value in self.tp_plan.items()}
+            matched = _check_plan(model, plan)
+            if not matched:
+                raise ConfigurationError(
+                    f"tp_plan matches no submodule of {type(model).__name__}: "
+                    f"{sorted(plan)}. Submodule names look like "
+                    f"{[n for n, _ in model.named_modules() if n][:6]}."
+                )
+            parallelize_module(model, self.mesh["tp"], plan)
+        if self.fsdp:
+            kwargs = self._fully_shard_kwargs(engine)
+            kwargs["mesh"] = self.mesh["dp"]
+            self.units = shard_units(model, self.shard_classes, 0)
+            for unit in self.units:
+                fully_shard(unit, **kwargs)
+            fully_shard(model, **kwargs)
+        _accept_full_tensors(engine, model)
+        params = dict(model.named_parameters())
+        for optimizer in optimizers:
+            rebind_optimizer(optimizer, names, params, f"{self.name} replaces the parameters")
+        return model, optimizers
+
+    @hookimpl
+    def torchplug_clip_grad_norm(
+        self,
+        engine: Engine,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> torch.Tensor:
+        """The norm over every parameter's full gradient: sharded (DTensor) gradients reduce
+        their norms across both mesh dims, replicated ones count once."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms = []
+        for grad in grads:
+            norm = torch.linalg.vector_norm(grad.detach(), norm_type)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if not norms:
+            return torch.zeros(())
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.detach().mul_(coef.to(grad.device))
+        return total
+
+    @hookimpl
+    def torchplug_no_sync(self, engine: Engine, model: torch.nn.Module) -> Any:
+        if not self.fsdp:
+            import contextlib
+
+            return contextlib.nullcontext()  # one data-parallel replica: nothing to synchronise
+        return super().torchplug_no_sync(engine, model)
+
+
+def _divisor(world: int) -> int:
+    """A tensor-parallel size to suggest: the largest power of two up to sqrt(world)."""
+    size = 1
+    while world % (size * 2) == 0 and (size * 2) ** 2 <= world:
+        size *= 2
+    return size
+
+
+def _check_plan(model: torch.nn.Module, plan: dict[str, Any]) -> list[str]:
+    """The submodule names the plan's patterns match (``*`` is one name, as in torch)."""
+    import fnmatch
+
+    names = [n for n, _ in model.named_modules() if n]
+    matched = []
+    for pattern in plan:
+        parts = pattern.split(".")
+        hits = [
+            n
+            for n in names
+            if len(n.split(".")) == len(parts)
+            and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), parts, strict=True))
+        ]
+        matched += hits
+    return matched
+
+
+def _factory(fsdp: bool) -> Callable[..., TensorParallelStrategy]:
+    def factory(**options: Any) -> TensorParallelStrategy:
+        return TensorParallelStrategy(fsdp=fsdp, **options)
+
+    return factory
+
+
+@hookimpl
+def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
+    plan = Option(
+        "tp_plan",
+        (dict, type(None), Callable),
+        None,
+        "submodule name pattern -> 'colwise'/'rowwise'/'sequence' (or a ParallelStyle), "
+        "or a callable plan(model, tp_mesh)",
+    )
+    register(
+        StrategyInfo(
+            name="tp",
+            aliases=("tensor-parallel",),
+            factory=_factory(False),
+            description="Tensor parallelism over every rank (torch parallelize_module).",
+            options=(*distributed_options(), plan),
+            precisions=("32",),
+            owns_precision=False,
+            shards_parameters=True,
+            shards_optimizer=True,
+        )
+    )
+    register(
+        StrategyInfo(
+            name="fsdp-tp",
+            aliases=("2d",),
+            factory=_factory(True),
+            description="2-D parallelism: FSDP2 over 'dp' × tensor parallelism over 'tp'.",
+            options=(
+                *distributed_options(),
+                plan,
+                Option("tp_size", (int, type(None)), None, "ranks per tensor-parallel group"),
+                Option("dp_size", (int, type(None)), None, "data-parallel (FSDP) replicas"),
+                Option(
+                    "shard_classes",
+                    (list, tuple),
+                    (),
+                    "class names of submodules to shard as FSDP units",
+                ),
+                Option("reshard_after_forward", bool, True, "free gathered params after forward"),
+            ),
+            precisions=("32", "bf16"),
+            owns_precision=True,
+            shards_parameters=True,
+            shards_optimizer=True,
+        )
+    )

@@ -1,0 +1,104 @@
+"""``tp`` (2 ranks) and ``fsdp-tp`` (4 ranks, dp=2 × tp=2) against the single-process reference,
+through the conformance kit, plus the checkpoint round trip fsdp-tp@4 -> single -> fsdp@2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import torchplug as tp
+from torchplug.testing import RankPool, bodies
+from torchplug.testing.conformance import classes
+from torchplug.testing.processes import default_sys_path
+
+#: The kit's model is Linear -> Tanh -> Linear: the classic Megatron MLP split.
+PLAN = {"0": "colwise", "2": "rowwise"}
+TWO_D = {"tp_plan": PLAN, "dp_size": 2, "tp_size": 2}
+
+globals().update(classes("tp", ("32",), options={"tp_plan": PLAN}))
+globals().update(classes("fsdp-tp", ("32", "bf16"), options=TWO_D, nprocs=4))
+
+
+@pytest.fixture(scope="module")
+def four() -> Iterator[RankPool]:
+    pool = RankPool(4, sys_path=default_sys_path())
+    yield pool
+    pool.stop()
+
+
+def test_fsdp_tp_checkpoint_moves_to_single_and_fsdp_bit_exact(four, ranks, tmp_path):
+    path, again = str(tmp_path / "2d"), str(tmp_path / "single")
+    saved = four.run(bodies.train, "fsdp-tp", options=TWO_D, steps=3, save_to=path, timeout=300)
+    saved = saved[0]
+    in_single = bodies.load("single", path)
+    for key, value in saved["params"].items():
+        assert torch.equal(in_single["params"][key], value), key
+    assert in_single["optimizer"].keys() == saved["optimizer"].keys() != set()
+    for key, value in saved["optimizer"].items():
+        assert torch.equal(in_single["optimizer"][key], value), key
+    # single saves it again; fsdp on 2 ranks loads that
+    with tp.Engine("single") as engine:
+        model = bodies.make_model(seed=5)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model, optimizer = engine.setup(model, optimizer)
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        engine.load(path, state)
+        engine.save(again, state)
+    for loaded in ranks.run(bodies.load, "fsdp", again, timeout=300):
+        for key, value in saved["params"].items():
+            assert torch.equal(loaded["params"][key], value), key
+        for key, value in saved["optimizer"].items():
+            assert torch.equal(loaded["optimizer"][key], value), key
+    # and back into fsdp-tp on 4 ranks
+    for loaded in four.run(bodies.load, "fsdp-tp", again, options=TWO_D, timeout=300):
+        for key, value in saved["params"].items():
+            assert torch.equal(loaded["params"][key], value), key
+
+
+def batches_seen(strategy: str, options: dict[str, Any]) -> list[float]:
+    with tp.Engine(strategy, timeout=60.0, **options) as engine:
+        data = bodies.make_dataset(64)
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+        return [x.sum().item() for x, _ in engine.setup_dataloader(loader)]
+
+
+def test_ranks_of_one_tensor_parallel_group_see_the_same_batches(four):
+    seen = four.run(batches_seen, "fsdp-tp", TWO_D, timeout=300)
+    assert seen[0] == seen[1] and seen[2] == seen[3]  # tp groups {0, 1} and {2, 3}
+    assert seen[0] != seen[2] and len(seen[0]) == 64 // 4 // 2
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options", "message"),
+    [
+        ("tp", {}, "'tp' needs tp_plan"),
+        ("tp", {"tp_plan": {"0": "diagonal"}}, "expected one of colwise, rowwise, sequence"),
+    ],
+)
+def test_wrong_plans_and_sizes_are_refused_with_the_fix(strategy, options, message):
+    with pytest.raises(tp.ConfigurationError, match=message):
+        tp.Engine(strategy, **options)
+
+
+def test_a_plan_that_matches_nothing_names_the_submodules():
+    with tp.Engine("tp", tp_plan={"layers.*.q": "colwise"}) as engine:
+        model = bodies.make_model()
+        with pytest.raises(tp.ConfigurationError, match=r"matches no submodule.*\['0', '1', '2'\]"):
+            engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def refusal(strategy: str, options: dict[str, Any]) -> str:
+    try:
+        tp.Engine(strategy, timeout=60.0, **options).close()
+    except tp.ConfigurationError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_sizes_that_do_not_multiply_to_the_world_size_are_refused(ranks):
+    for message in ranks.run(refusal, "fsdp-tp", {"tp_plan": PLAN, "dp_size": 3}):
+        assert "dp_size × tp_size = the world size (2)" in message
+        assert "dp_size=2, tp_size=1" in message or "dp_size=1, tp_size=2" in message
