@@ -226,3 +226,19 @@ def test_plugins_command_lists_the_loggers():
     rows = {line.split()[0]: line for line in lines[header + 2 :] if line.strip()}
     assert "usable" in rows["csv"] and "torchplug" in rows["csv"]
     assert {"csv", "jsonl", "tensorboard"} <= set(rows)
+
+
+def tensor_parallel_gather() -> list:
+    # one data-parallel replica over 2 ranks
+    with tp.Engine("tp", timeout=60.0, tp_plan={"up": "colwise"}) as engine:
+        data = TensorDataset(torch.arange(7))
+        loader = engine.setup_dataloader(DataLoader(data, batch_size=4))
+        items = []
+        for (index,) in loader:
+            items += engine.gather_for_metrics(index).tolist()
+        return items
+
+
+def test_gather_for_metrics_counts_a_tensor_parallel_replica_once(ranks):
+    results = ranks.run(tensor_parallel_gather, timeout=60)
+    assert results[0] == results[1] == list(range(7))

@@ -725,7 +725,9 @@ class Engine:
         :meth:`setup_dataloader` (or the last ``padding`` rows, when given), then gathers:
         ``data`` is a tensor or tensors nested in tuples, lists and dicts (returned in the same
         structure), and first dimensions may differ between ranks (the last batch). A 0-d tensor
-        or a number becomes one row per rank. Call it on every rank.
+        or a number becomes one row per rank. Under tensor parallelism the ranks of one
+        data-parallel replica hold the same data: each replica's values appear once. Call it on
+        every rank.
         """
         if padding is None:
             loader = self._last_loader() if self._last_loader is not None else None
@@ -738,7 +740,7 @@ class Engine:
 
         def one(value: torch.Tensor) -> torch.Tensor:
             if value.dim() == 0:
-                return self.gather(value)
+                return self._gather_uneven(value.unsqueeze(0))
             if padding:
                 value = value[: max(0, value.shape[0] - padding)]
             return self._gather_uneven(value)
@@ -775,12 +777,13 @@ class Engine:
                 f"gather_for_metrics supports up to {self._MAX_DIMS} dimensions, got shape "
                 f"{tuple(tensor.shape)}. Flatten the trailing dimensions first."
             )
-        shape = torch.full((self._MAX_DIMS + 1,), -1, dtype=torch.int64)
+        shape = torch.full((self._MAX_DIMS + 2,), -1, dtype=torch.int64)
         shape[0] = tensor.dim()
         shape[1 : tensor.dim() + 1] = torch.tensor(tensor.shape, dtype=torch.int64)
+        shape[-1] = self.data_parallel_rank  # ranks of one data-parallel replica hold one copy
         shapes = self.gather(shape).cpu()
         if not bool((shapes[:, 0] == shapes[0, 0]).all()) or not bool(
-            (shapes[:, 2:] == shapes[0, 2:]).all()
+            (shapes[:, 2:-1] == shapes[0, 2:-1]).all()
         ):
             seen = [tuple(int(d) for d in row[1 : int(row[0]) + 1]) for row in shapes]
             raise ConfigurationError(
@@ -792,7 +795,12 @@ class Engine:
         padded = tensor.new_zeros((longest, *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor.detach()
         stacked = self.gather(padded)
-        return torch.cat([stacked[r, : int(shapes[r, 1])] for r in range(self.world_size)])
+        first_of_replica: dict[int, int] = {}
+        for r in range(self.world_size):
+            first_of_replica.setdefault(int(shapes[r, -1]), r)
+        return torch.cat(
+            [stacked[r, : int(shapes[r, 1])] for _, r in sorted(first_of_replica.items())]
+        )
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Send ``metrics`` (name -> number or one-element tensor) to the loggers at ``step``.
