@@ -527,3 +527,73 @@ def test_parameter_groups_momentum_and_scheduler_move_between_strategies(
     assert_close_dicts(resumed["params"], whole["params"], atol=1e-6)
     assert any(k.endswith("momentum_buffer") for k in whole["optimizer"])
     assert_close_dicts(resumed["optimizer"], whole["optimizer"], atol=1e-6)
+
+
+for _cls_name, _cls in classes("deepspeed-zero3-offload").items():
+    globals()[_cls_name] = needs_deepspeed(_cls)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("strategy", ["deepspeed-zero2", "deepspeed-zero3"])
+def test_accumulate_on_deepspeed_equals_one_large_batch(ranks, strategy):
+    from test_helpers import accumulated_training, large_batch_reference
+
+    results = ranks.run(accumulated_training, 2, strategy, timeout=180)
+    assert results[0][-1] == [True, False, True, False]
+    assert results[0][:-1] == pytest.approx(large_batch_reference(), abs=1e-5)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("script", "args", "expected"),
+    [
+        ("inhouse_plugin.py", [], "steps skipped by the guard: 1; weights finite: True"),
+        ("char_lm.py", ["--steps", "10", "--trainer"], "sample: 'Beautiful is "),
+    ],
+)
+def test_examples_run_unchanged_under_deepspeed(tmp_path, script, args, expected):
+    import subprocess
+    import sys
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPLUG_")}
+    command = [
+        sys.executable, "-m", "torchplug", "launch", "-n", "2", "--strategy", "deepspeed-zero2",
+        str(examples / script), *args,
+    ]  # fmt: skip
+    run = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert expected in run.stdout
+
+
+def trainer_clipping_on_deepspeed() -> str:
+    from trainer_body import data, model_and_optimizer
+
+    model, optimizer = model_and_optimizer()
+    trainer = tp.Trainer(
+        model,
+        optimizer,
+        torch.nn.functional.cross_entropy,
+        DataLoader(data(), batch_size=8),
+        strategy="deepspeed-zero2",
+        clip_grad_norm=1.0,
+        timeout=60.0,
+    )
+    with trainer:
+        try:
+            trainer.fit()
+        except tp.ConfigurationError as exc:
+            return str(exc)
+    return "no error"
+
+
+@needs_deepspeed
+def test_trainer_clipping_on_deepspeed_says_where_to_clip(ranks):
+    message = ranks.run(trainer_clipping_on_deepspeed, timeout=180)[0]
+    assert message.startswith(
+        "Trainer(clip_grad_norm=1.0) cannot clip on strategy 'deepspeed-zero2'"
+    )
+    assert '"gradient_clipping": MAX_NORM in the DeepSpeed config' in message
+    assert "pass clip_grad_norm=None" in message

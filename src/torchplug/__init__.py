@@ -18,6 +18,14 @@ _EXPORTS = {
     "StrategyInfo": "torchplug.core.registry",
     "PrecisionInfo": "torchplug.core.registry",
     "Option": "torchplug.core.registry",
+    "LoggerInfo": "torchplug.core.registry",
+    "seed_everything": "torchplug.core.seeding",
+    "seed_worker": "torchplug.core.seeding",
+    "Logger": "torchplug.loggers",
+    "Trainer": "torchplug.trainer.loop",
+    "launch": "torchplug.core.launcher",
+    "RankFailedError": "torchplug.core.launcher",
+    "accuracy": "torchplug.trainer.loop",
     "Strategy": "torchplug.core.strategy",
     "DistributedStrategy": "torchplug.core.strategy",
     "DDPStrategy": "torchplug.plugins.ddp",
@@ -45,11 +53,15 @@ if TYPE_CHECKING:
         PluginError,
         TorchplugError,
     )
+    from torchplug.core.launcher import RankFailedError, launch
     from torchplug.core.manager import block, options_of, register, unregister
-    from torchplug.core.registry import Option, PrecisionInfo, StrategyInfo
+    from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
+    from torchplug.core.seeding import seed_everything, seed_worker
     from torchplug.core.spec import API_VERSION, hookimpl
     from torchplug.core.strategy import DistributedStrategy, Strategy, distributed_options
+    from torchplug.loggers import Logger
     from torchplug.plugins.ddp import DDPStrategy
+    from torchplug.trainer.loop import Trainer, accuracy
 
 
 def __getattr__(name: str) -> Any:

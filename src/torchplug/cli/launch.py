@@ -23,7 +23,7 @@ from typing import Any
 from torchplug.core.errors import TorchplugError
 
 #: torchplug's own launcher flags; written after the script they would reach the script instead.
-OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug")
+OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug", "--logger")
 #: Variables the launcher hands to the processes it starts.
 PLUGIN_ENV = "TORCHPLUG_PLUGIN_MODULES"
 DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
@@ -88,6 +88,14 @@ def launch_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="import an in-house plugin module (from the current directory too) here and in "
         "every process, so its strategies can be named (repeatable)",
+    )
+    own.add_argument(
+        "--logger",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a metric logger for engine.log / the Trainer in the script, e.g. --logger csv "
+        "(repeatable; Engine(loggers=...) in the code wins)",
     )
     own.add_argument(
         "--debug",
@@ -300,6 +308,20 @@ def check_settings(args: Any, nprocs: str) -> Any:
     return registry.strategy(args.strategy) if args.strategy else None
 
 
+def check_loggers(names: Sequence[str]) -> None:
+    """Every ``--logger`` names an installed, usable logger."""
+    if not names:
+        return
+    from torchplug.core.manager import get_registry
+
+    registry = get_registry()
+    for name in names:
+        try:
+            registry.logger(name)
+        except TorchplugError as exc:
+            raise LaunchError(f"--logger {name}: {exc}") from None
+
+
 # -- run ------------------------------------------------------------------------------------------
 
 
@@ -347,6 +369,7 @@ def launch(argv: Sequence[str]) -> int:
         apply_cluster(args, parser, cluster.detect())
         warn_flags_after_script(args)
         info = check_settings(args, args.nproc_per_node)
+        check_loggers(args.logger)
         if args.strategy:
             os.environ["TORCHPLUG_LAUNCH_STRATEGY"] = info.name if info else args.strategy
         if args.precision:
@@ -365,6 +388,8 @@ def launch(argv: Sequence[str]) -> int:
         return 2
     if args.debug:
         os.environ[DEBUG_ENV] = "1"
+    if args.logger:
+        os.environ["TORCHPLUG_LAUNCH_LOGGERS"] = ",".join(args.logger)
     os.environ[LAUNCHED_ENV] = "1"
     return _run(args)
 

@@ -43,6 +43,21 @@ def plugins(verbose: bool = False) -> int:
                 ["precision", "plugin", "provided by"],
             )
         )
+    if registry.loggers:
+        print()
+        print(
+            table(
+                [
+                    [
+                        name,
+                        f"{i.distribution or 'in-house'} {i.version}".strip() + f" ({i.provider})",
+                        "usable" if (r := i.unusable_reason()) is None else f"unusable: {r}",
+                    ]
+                    for name, i in sorted(registry.loggers.items())
+                ],
+                ["logger", "provided by", "status"],
+            )
+        )
     if verbose:
         for name, info in sorted(registry.strategies.items()):
             print(f"\n{name}: {info.description}")

@@ -48,7 +48,7 @@ def _with_distributed_sampler(
         "pin_memory": loader.pin_memory,
         "drop_last": loader.drop_last,
         "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
+        "worker_init_fn": loader.worker_init_fn or _worker_seeding(loader),
         "multiprocessing_context": loader.multiprocessing_context,
         "generator": loader.generator,
         "persistent_workers": loader.persistent_workers,
@@ -56,6 +56,35 @@ def _with_distributed_sampler(
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return DataLoader(loader.dataset, **kwargs)
+
+
+def _worker_seeding(loader: DataLoader) -> Callable[[int], None] | None:
+    """``seed_worker`` for a loader with workers after ``seed_everything(..., workers=True)``."""
+    from torchplug.core.seeding import seed_worker, seeding_workers
+
+    return seed_worker if loader.num_workers > 0 and seeding_workers() else None
+
+
+def padding_per_batch(
+    sampler: Any, batch_size: int | None, drop_last: bool
+) -> Callable[[int], int]:
+    """For batch ``i`` of this rank, how many of its samples are padding: ``DistributedSampler``
+    repeats samples so every rank gets as many; those repeats sit at the end of the ranks whose
+    share is short, one each, and must not be counted twice in metrics."""
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not batch_size:
+        return lambda i: 0
+    size = len(sampler.dataset)  # type: ignore[arg-type]
+    real = len(range(sampler.rank, size, sampler.num_replicas))
+    total = sampler.num_samples
+
+    def padding(i: int) -> int:
+        start = i * batch_size
+        end = min(start + batch_size, total)
+        if drop_last and end - start < batch_size:
+            return 0
+        return max(0, end - max(start, real))
+
+    return padding
 
 
 def _default_sampler(loader: DataLoader) -> bool:
@@ -82,8 +111,13 @@ class EngineDataLoader:
         seed: int = 0,
         use_distributed_sampler: bool = True,
         gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        on_batch: Callable[[EngineDataLoader], None] | None = None,
     ) -> None:
         self._shard_batches = 1
+        self._on_batch = on_batch
+        #: Samples at the end of the batch handed out last that are padding (repeats the
+        #: distributed sampler added); ``engine.gather_for_metrics`` drops them.
+        self.batch_padding = 0
         self._gather = gather
         self._rank = rank
         self._own_sampler = False
@@ -104,6 +138,11 @@ class EngineDataLoader:
                 self._shard_batches = num_replicas
         self.loader = loader
         self.place = place
+        self._padding = padding_per_batch(
+            getattr(loader, "sampler", None),
+            getattr(loader, "batch_size", None),
+            bool(getattr(loader, "drop_last", False)),
+        )
         self.epoch = 0
         #: Batches handed out in the pass in progress (``None``: no pass in progress).
         self._consumed: int | None = None
@@ -185,7 +224,10 @@ class EngineDataLoader:
                     torch.set_rng_state(resume_rng)
                     resume_rng = None
                 continue
+            self.batch_padding = self._padding(self._consumed)
             self._consumed += 1
+            if self._on_batch is not None:
+                self._on_batch(self)
             yield self.place(batch) if self.place is not None else batch
         if resume_rng is not None:  # the pass was shorter than the batches to skip
             torch.set_rng_state(resume_rng)
@@ -196,6 +238,6 @@ class EngineDataLoader:
         return len(self.loader) // self._shard_batches
 
     def __getattr__(self, name: str) -> Any:
-        if name == "loader":  # not set yet (unpickling): no recursion
+        if name in ("loader", "_on_batch"):  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)

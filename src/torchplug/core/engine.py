@@ -45,8 +45,10 @@ class Engine:
     config file's choice, else ``ddp`` under a multi-process launcher, else ``single``).
     ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``plugins`` adds extension
     plugins to this Engine only (objects, or module names imported as ``python -m`` would, from
-    the current directory too); other keyword arguments are the strategy's options
-    (``torchplug plugins --verbose`` lists them).
+    the current directory too); ``loggers`` names the metric loggers :meth:`log` writes to
+    (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any a plugin registers; rank 0 only), under
+    ``log_dir``; other keyword arguments are the strategy's options (``torchplug plugins
+    --verbose`` lists them).
     """
 
     def __init__(
@@ -64,6 +66,8 @@ class Engine:
         keep_last: int | None = None,
         compile: bool | dict[str, Any] | None = None,  # noqa: A002 - Fabric's/Accelerate's name
         activation_checkpointing: Iterable[type | str] | None = None,
+        loggers: Iterable[str | object] | str | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
         **strategy_options: Any,
     ) -> None:
         from torchplug.checkpoint.options import key_from, timeout_from
@@ -111,6 +115,13 @@ class Engine:
 
         self.checkpoints = CheckpointPolicy.checked(checkpoint_dir, resume, keep_last)
         self._checker: faults.CollectiveChecker | None = None
+        from torchplug.core.metrics import LoggerSet
+
+        #: The loggers ``engine.log`` writes to (names checked now, files opened on first log).
+        self.loggers = LoggerSet(loggers, log_dir, registry)
+        self._last_loader: weakref.ref[Any] | None = None
+        self._accumulation: dict[int, int] = {}
+        self._accumulating: tuple[int, bool] | None = None
 
         self.backend = self.info.factory(**self.options)
         active: list[object] = [self.backend]
@@ -451,6 +462,9 @@ class Engine:
                 return None  # a precision plugin found inf/NaN gradients: no update
             if inside or engine is None or engine._raw_steps:
                 return real_step(closure) if closure is not None else real_step()
+            if engine._accumulating is not None and not engine._accumulating[1]:
+                opt.step_was_skipped = True  # an accumulation step: no update yet
+                return None
             inside = True
             try:
                 stepped = engine.hook.torchplug_optimizer_step(
@@ -559,7 +573,11 @@ class Engine:
             seed=self.seed,
             use_distributed_sampler=use_distributed_sampler,
             gather=self.gather if self.world_size > 1 else None,
+            on_batch=self._note_loader,
         )
+
+    def _note_loader(self, loader: Any) -> None:
+        self._last_loader = weakref.ref(loader)
 
     def place_batch(self, batch: Any) -> Any:
         """Put a batch where the backend wants it (device, and sharding for SPMD backends)."""
@@ -568,7 +586,13 @@ class Engine:
     # -- training step ----------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
-        """``loss.backward()`` as the backend and precision need it (scaling, sharding)."""
+        """``loss.backward()`` as the backend and precision need it (scaling, sharding).
+
+        Inside :meth:`accumulate` the loss is divided by the number of accumulated steps, so the
+        accumulated gradient is the mean over the micro-batches, as one large batch would give.
+        """
+        if self._accumulating is not None:
+            loss = loss / self._accumulating[0]
         done = self.hook.torchplug_backward(engine=self, loss=loss, model=model)
         self._answer("torchplug_backward", done, bool, "True")
 
@@ -597,6 +621,66 @@ class Engine:
         )
         with context:
             yield
+
+    @contextlib.contextmanager
+    def accumulate(self, model: torch.nn.Module, steps: int) -> Iterator[None]:
+        """Accumulate gradients over ``steps`` micro-batches; wrap each micro-batch's step in it.
+
+        The loop stays as it was::
+
+            for x, y in loader:
+                with engine.accumulate(model, steps=4):
+                    engine.backward(loss_fn(model(x), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+        On the first ``steps - 1`` calls backward skips gradient synchronization (the backend's
+        ``no_sync``; DeepSpeed marks them as no accumulation boundary), and ``optimizer.step()``
+        and ``optimizer.zero_grad()`` do nothing; on every ``steps``-th call all three run. Each
+        loss is divided by ``steps``, so the update equals one on the ``steps`` times larger
+        batch. ``optimizer.step_was_skipped`` is ``True`` after an accumulation step (step a
+        scheduler only when it is ``False``). The count is kept per model.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigurationError(
+                f"engine.accumulate: steps={steps!r} is not a number of micro-batches; expected a "
+                f"whole number of 1 or more. Fix: e.g. engine.accumulate(model, steps=4)."
+            )
+        if self._accumulating is not None:
+            raise ConfigurationError(
+                "engine.accumulate() was entered inside another engine.accumulate(). Use one "
+                "block per micro-batch."
+            )
+        key = id(model)
+        count = self._accumulation.get(key, 0) + 1
+        sync = count % steps == 0
+        self._accumulation[key] = 0 if sync else count
+        for optimizer in self._optimizers:
+            self._attach_zero_grad(optimizer)
+        self._accumulating = (steps, sync)
+        try:
+            with self.no_sync(model, enabled=not sync):
+                yield
+        finally:
+            self._accumulating = None
+
+    def _attach_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.zero_grad()`` that does nothing on an accumulation step."""
+        if getattr(optimizer, "_torchplug_zero_grad", False):
+            return
+        real_zero_grad = optimizer.zero_grad
+        engine_ref = weakref.ref(self)
+
+        def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+            engine = engine_ref()
+            if engine is not None and engine._accumulating and not engine._accumulating[1]:
+                return
+            real_zero_grad(set_to_none=set_to_none)
+
+        for name in ("zero_grad", "_torchplug_zero_grad"):
+            self.restore_on_close(optimizer, name)
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+        optimizer._torchplug_zero_grad = True
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Apply the active precision to code outside the model's forward (e.g. the loss)."""
@@ -635,6 +719,107 @@ class Engine:
             "gather", lambda: self.hook.torchplug_gather(engine=self, tensor=tensor)
         )
         return self._answer("torchplug_gather", result, torch.Tensor, "a tensor")
+
+    def gather_for_metrics(self, data: Any, padding: int | None = None) -> Any:
+        """Every rank's ``data`` joined along the first dimension, without the padding.
+
+        A distributed sampler repeats a few samples so that every rank gets as many; a plain
+        :meth:`gather` would count them twice (a 7-item eval set on 2 ranks gathers 8). This
+        drops the repeats in the batch last handed out by a loader from
+        :meth:`setup_dataloader` (or the last ``padding`` rows, when given), then gathers:
+        ``data`` is a tensor or tensors nested in tuples, lists and dicts (returned in the same
+        structure), and first dimensions may differ between ranks (the last batch). A 0-d tensor
+        or a number becomes one row per rank. Under tensor parallelism the ranks of one
+        data-parallel replica hold the same data: each replica's values appear once. Call it on
+        every rank.
+        """
+        if padding is None:
+            loader = self._last_loader() if self._last_loader is not None else None
+            padding = int(getattr(loader, "batch_padding", 0) or 0)
+        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+            raise ConfigurationError(
+                f"gather_for_metrics: padding={padding!r} must be a whole number of 0 or more "
+                f"(rows at the end of this rank's data that are padding), or None."
+            )
+
+        def one(value: torch.Tensor) -> torch.Tensor:
+            if value.dim() == 0:
+                return self._gather_uneven(value.unsqueeze(0))
+            if padding:
+                value = value[: max(0, value.shape[0] - padding)]
+            return self._gather_uneven(value)
+
+        def prepare(value: Any) -> Any:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return torch.tensor(value)
+            if isinstance(value, dict):
+                return {key: prepare(item) for key, item in value.items()}
+            if isinstance(value, tuple) and hasattr(value, "_fields"):
+                return type(value)(*(prepare(v) for v in value))
+            if isinstance(value, (list, tuple)):
+                return type(value)(prepare(v) for v in value)
+            if isinstance(value, torch.Tensor):
+                return value
+            raise TypeError(
+                f"gather_for_metrics expects tensors or numbers (alone or in tuples, lists and "
+                f"dicts), got {type(value).__name__}."
+            )
+
+        from torchplug.core.nested import map_tensors
+
+        return map_tensors(prepare(data), one)
+
+    _MAX_DIMS = 8
+
+    def _gather_uneven(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``tensor`` from every rank along dim 0; first dimensions may differ."""
+        tensor = self._as_tensor(tensor)
+        if self.world_size == 1:
+            return tensor.detach().clone()
+        if tensor.dim() > self._MAX_DIMS:
+            raise ConfigurationError(
+                f"gather_for_metrics supports up to {self._MAX_DIMS} dimensions, got shape "
+                f"{tuple(tensor.shape)}. Flatten the trailing dimensions first."
+            )
+        shape = torch.full((self._MAX_DIMS + 2,), -1, dtype=torch.int64)
+        shape[0] = tensor.dim()
+        shape[1 : tensor.dim() + 1] = torch.tensor(tensor.shape, dtype=torch.int64)
+        shape[-1] = self.data_parallel_rank  # ranks of one data-parallel replica hold one copy
+        shapes = self.gather(shape).cpu()
+        if not bool((shapes[:, 0] == shapes[0, 0]).all()) or not bool(
+            (shapes[:, 2:-1] == shapes[0, 2:-1]).all()
+        ):
+            seen = [tuple(int(d) for d in row[1 : int(row[0]) + 1]) for row in shapes]
+            raise ConfigurationError(
+                f"gather_for_metrics: the ranks' shapes differ beyond the first dimension: "
+                f"{seen} (rank 0 first). Only the first dimension (the batch) may differ; make "
+                f"the other dimensions equal (pad sequences to one length) before gathering."
+            )
+        longest = int(shapes[:, 1].max())
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor.detach()
+        stacked = self.gather(padded)
+        first_of_replica: dict[int, int] = {}
+        for r in range(self.world_size):
+            first_of_replica.setdefault(int(shapes[r, -1]), r)
+        return torch.cat(
+            [stacked[r, : int(shapes[r, 1])] for _, r in sorted(first_of_replica.items())]
+        )
+
+    def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Send ``metrics`` (name -> number or one-element tensor) to the loggers at ``step``.
+
+        Rank 0 writes (loggers that declare ``all_ranks`` write on every rank); other ranks
+        return at once, so reduce values first (``engine.reduce``) if they differ per rank.
+        Without ``step``, the step after the last one logged. Call it on any rank: it is not a
+        collective.
+        """
+        if not isinstance(metrics, Mapping):
+            raise TypeError(
+                f"engine.log expects a dict of metric names to numbers, e.g. "
+                f"engine.log({{'loss': 0.5}}, step=10), got {type(metrics).__name__}."
+            )
+        self.loggers.log(self.rank, metrics, step)
 
     def barrier(self) -> None:
         """Wait until every rank arrives here."""
@@ -807,6 +992,7 @@ class Engine:
         if not self._closed:
             self._closed = True
             try:
+                self.loggers.close()
                 self.hook.torchplug_teardown(engine=self)
             finally:
                 while self._undo:  # what setup patched on user objects, newest first

@@ -258,6 +258,7 @@ def render() -> str:
         out += [
             f"## {name}",
             "",
+            "<!-- not run: the hook's signature, not a program -->",
             "```python",
             _signature(name, function),
             "```",
@@ -274,7 +275,8 @@ def render() -> str:
         ]
         if opts.get("warn_on_impl") is not None:
             out.append(f"- **Deprecated**: {opts['warn_on_impl']}")
-        out += ["", "Example:", "", "```python", _example(name, function, opts.get("firstresult"))]
+        out += ["", "Example:", "", "<!-- not run: a hook implementation, for a plugin -->"]
+        out += ["```python", _example(name, function, opts.get("firstresult"))]
         out[-1] = out[-1].rstrip("\n")
         out += ["```", ""]
     return "\n".join(out).rstrip("\n") + "\n"

@@ -33,7 +33,7 @@ import pluggy
 
 from torchplug.core import apiversion, spec
 from torchplug.core.errors import ConfigurationError, PluginError, did_you_mean
-from torchplug.core.registry import Option, PrecisionInfo, StrategyInfo
+from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
 
 ENTRY_POINT_GROUP = "torchplug"
 #: In-house plugin modules to import into every registry (``torchplug launch --plugin``).
@@ -56,6 +56,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("deepspeed", "torchplug.plugins.deepspeed"),
     ("xla", "torchplug.plugins.xla"),
     ("amp", "torchplug.plugins.amp"),
+    ("loggers", "torchplug.loggers.builtin"),
 )
 
 #: Hooks that make a plugin part of an Engine's active set when it is registered globally.
@@ -67,6 +68,7 @@ STRATEGY_HOOKS = frozenset(
     not in {
         "torchplug_register_strategies",
         "torchplug_register_precisions",
+        "torchplug_register_loggers",
         "torchplug_cluster_environment",
         "torchplug_convert_checkpoint",
         "torchplug_read_checkpoint",
@@ -273,6 +275,7 @@ class Registry:
     strategies: dict[str, StrategyInfo] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     precisions: dict[str, PrecisionInfo] = field(default_factory=dict)
+    loggers: dict[str, LoggerInfo] = field(default_factory=dict)
     #: plugin name -> why it could not be loaded or registered
     errors: dict[str, str] = field(default_factory=dict)
     #: plugin name -> (distribution, version) for entry-point plugins
@@ -355,7 +358,7 @@ class Registry:
             name = self.pm.get_name(plugin) or ""
         if plugin is not None:
             self.pm.unregister(plugin)
-        for table in (self.strategies, self.precisions):
+        for table in (self.strategies, self.precisions, self.loggers):
             for key in [k for k, v in table.items() if v.provider == name]:
                 del table[key]
         self.aliases = {a: n for a, n in self.aliases.items() if n in self.strategies}
@@ -430,9 +433,23 @@ class Registry:
             for precision in info.precisions:
                 self.precisions[precision] = info.with_provider(plugin_name, distribution, version)
 
+        def add_logger(info: LoggerInfo) -> None:
+            if not isinstance(info, LoggerInfo):
+                raise PluginError(
+                    f"Plugin '{plugin_name}' registered {info!r}; expected a torchplug.LoggerInfo."
+                )
+            if info.name in self.loggers:
+                raise PluginError(
+                    f"Plugin '{plugin_name}' registers logger '{info.name}' already provided by "
+                    f"plugin '{self.loggers[info.name].provider}'. Rename the logger, or block "
+                    f"the other plugin with TORCHPLUG_BLOCK_PLUGINS."
+                )
+            self.loggers[info.name] = info.with_provider(plugin_name, distribution, version)
+
         for hook_name, callback in (
             ("torchplug_register_strategies", add_strategy),
             ("torchplug_register_precisions", add_precision),
+            ("torchplug_register_loggers", add_logger),
         ):
             # Through the plugin manager (tracing, blocking and hookimpl options apply), limited
             # to this plugin so that what it registers is attributed to it.
@@ -572,6 +589,22 @@ class Registry:
             )
         return info
 
+    def logger(self, name: str) -> LoggerInfo:
+        """The logger called ``name``, usable here; else an error naming the fix."""
+        key = name.strip().lower()
+        info = self.loggers.get(key)
+        if info is None:
+            names = sorted(self.loggers)
+            raise ConfigurationError(
+                f"Unknown logger '{name}'.{did_you_mean(key, names)} Installed loggers: "
+                f"{', '.join(names) or 'none'}. Pick one of those, or pip install the plugin "
+                f"that provides '{name}' (`torchplug plugins` lists them)."
+            )
+        reason = info.unusable_reason()
+        if reason is not None:
+            raise ConfigurationError(f"Logger '{info.name}' is installed but cannot run: {reason}.")
+        return info
+
     def usable_names(self) -> list[str]:
         return sorted(n for n, i in self.strategies.items() if i.unusable_reason() is None)
 
@@ -614,7 +647,10 @@ class Registry:
         A plugin that announces strategies or precisions is a provider, not an extension: its
         hooks run only through the objects its factories make, for the Engines that select them.
         """
-        providers = {i.provider for i in (*self.strategies.values(), *self.precisions.values())}
+        providers = {
+            i.provider
+            for i in (*self.strategies.values(), *self.precisions.values(), *self.loggers.values())
+        }
         return [
             plugin
             for name, plugin in self.pm.list_name_plugin()

@@ -272,3 +272,43 @@ class PrecisionInfo:
         return dataclasses.replace(
             self, provider=provider, distribution=distribution, version=version
         )
+
+
+@dataclass(frozen=True)
+class LoggerInfo:
+    """A metric logger (experiment tracker) as announced through ``torchplug_register_loggers``.
+
+    ``factory(log_dir)`` returns an object with ``log_metrics(metrics, step)`` and ``close()``
+    (and optionally ``log_hyperparams(params)``), see :class:`torchplug.loggers.Logger`. It is
+    called only when a user selects the logger, on rank 0 unless ``all_ranks``.
+    """
+
+    name: str
+    factory: Callable[..., object]
+    description: str = ""
+    #: Importable module names the logger needs; checked without importing them.
+    requires: tuple[str, ...] = ()
+    #: What to run when a required module is missing, e.g. ``pip install torchplug[tensorboard]``.
+    install_hint: str = ""
+    #: Log on every rank (each rank writes its own directory ``rank-N``), not rank 0 only.
+    all_ranks: bool = False
+    provider: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def unusable_reason(self) -> str | None:
+        """Why this logger cannot run here (a missing package), or ``None``."""
+        for module in self.requires:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                hint = self.install_hint or f"pip install {module}"
+                return f"package '{module}' not installed — {hint}"
+        return None
+
+    def with_provider(self, provider: str, distribution: str, version: str) -> LoggerInfo:
+        return dataclasses.replace(
+            self, provider=provider, distribution=distribution, version=version
+        )

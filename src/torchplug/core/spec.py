@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from torchplug.core.cluster import ClusterInfo
     from torchplug.core.engine import Engine, Runtime
-    from torchplug.core.registry import PrecisionInfo, StrategyInfo
+    from torchplug.core.registry import LoggerInfo, PrecisionInfo, StrategyInfo
 
 PROJECT = "torchplug"
 
@@ -95,6 +95,18 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
 
     Call ``register(PrecisionInfo(...))`` with the precisions it implements (``"bf16"``,
     ``"fp16"``).
+    """
+
+
+@hookspec
+def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
+    """Announce the metric loggers (experiment trackers) this plugin provides.
+
+    Call ``register(LoggerInfo(...))`` once per logger: its name (``Engine(loggers=["csv"])``,
+    ``torchplug launch --logger csv``), the packages it needs and a ``factory`` called with the
+    log directory only when a user selects it, so the tracker's package is imported there,
+    never here. Loggers are added exactly as strategies are: a built-in module, an entry point
+    of an installed package, or ``torchplug.register`` in your own code.
     """
 
 

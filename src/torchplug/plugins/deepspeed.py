@@ -347,10 +347,24 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_no_sync(self, engine: Engine, model: torch.nn.Module) -> Any:
-        raise ConfigurationError(
-            "engine.no_sync() is not available with DeepSpeed (ZeRO partitions gradients as they "
-            "are reduced). Set gradient_accumulation_steps in the DeepSpeed config instead."
-        )
+        if engine._accumulating is None:
+            raise ConfigurationError(
+                "engine.no_sync() is not available with DeepSpeed (ZeRO partitions gradients as "
+                "they are reduced). Use engine.accumulate(model, steps) (it works on every "
+                "strategy), or set gradient_accumulation_steps in the DeepSpeed config."
+            )
+        return self._not_a_boundary()
+
+    @contextlib.contextmanager
+    def _not_a_boundary(self) -> Any:
+        """An accumulation micro-step under engine.accumulate: DeepSpeed keeps the gradients
+        (ZeRO reduces them into its partitions as usual) and does not step."""
+        ds_engine = self._engine_for("engine.accumulate()")
+        ds_engine.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            ds_engine.set_gradient_accumulation_boundary(True)
 
     @hookimpl
     def torchplug_clip_grad_norm(self, engine: Engine, **_: Any) -> torch.Tensor:

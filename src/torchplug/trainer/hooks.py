@@ -1,0 +1,55 @@
+"""The Trainer's events, as pluggy hooks: a callback is a plugin like everything else.
+
+A callback is any object (or module) with some of these functions, marked with
+``@torchplug.hookimpl``, passed as ``Trainer(callbacks=[...])``. Every callback is called for
+every event (none is ``firstresult``); what a hook returns is ignored, except that
+``on_step_end`` may return ``True`` to stop training after that step. They are a separate
+specification from :mod:`torchplug.core.spec`: these events exist only in the Trainer's loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torchplug.core.spec import hookspec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torchplug.trainer.loop import Trainer
+
+
+@hookspec
+def on_train_start(trainer: Trainer) -> None:
+    """Before the first step (after a resume: ``trainer.step`` is the checkpoint's step)."""
+
+
+@hookspec
+def on_epoch_start(trainer: Trainer, epoch: int) -> None:
+    """Before each pass over the training data."""
+
+
+@hookspec
+def on_step_end(trainer: Trainer, step: int, loss: float) -> bool | None:
+    """After each optimizer step; ``loss`` is this rank's loss of the step (micro-batches
+    averaged). Return ``True`` to stop training after this step."""
+
+
+@hookspec
+def on_eval_end(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """After each evaluation, with the metrics reduced over all ranks (the same on every rank)."""
+
+
+@hookspec
+def on_checkpoint(trainer: Trainer, path: Path) -> None:
+    """After a checkpoint was written (on every rank)."""
+
+
+@hookspec
+def on_epoch_end(trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+    """After each pass over the training data (and its evaluation, if any)."""
+
+
+@hookspec
+def on_train_end(trainer: Trainer, metrics: dict[str, Any]) -> None:
+    """After the last step, with what :meth:`Trainer.fit` returns."""

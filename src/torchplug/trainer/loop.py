@@ -1,0 +1,370 @@
+"""``torchplug.Trainer``: a small ready loop on the Engine, for those who do not want to write one.
+
+The Engine stays the primary API; the Trainer is about 200 lines of ordinary Engine calls, so
+what it does can be read and copied into a hand-written loop. It adds: gradient accumulation
+and clipping, an LR scheduler stepped once per optimizer step, evaluation with metrics over the
+whole eval set (padding dropped, reduced over every rank), metrics to the Engine's loggers, a
+progress bar on rank 0, numbered checkpoints with automatic resume, and callbacks as pluggy
+hook implementations (:mod:`torchplug.trainer.hooks`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pluggy
+import torch
+
+from torchplug.core.engine import Engine
+from torchplug.core.errors import ConfigurationError
+from torchplug.core.spec import PROJECT
+from torchplug.trainer import hooks
+from torchplug.trainer.progress import Progress, wanted
+
+Metric = Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(
+            f"Trainer: {name}={value!r} must be a whole number of 1 or more"
+            + (" (or None)" if allow_none else "")
+            + f". Fix: e.g. {name}=1."
+        )
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """Fraction of rows whose highest output is the target class (a ready ``metrics`` entry)."""
+    return (outputs.argmax(-1) == targets).float().mean().item()
+
+
+class Trainer:
+    """Train ``model`` with ``optimizer`` on ``train_data`` (a DataLoader of ``(inputs,
+    targets)`` batches), on any strategy; ``fit()`` runs it.
+
+    ``loss_fn(model(inputs), targets)`` is the loss; for other batch layouts subclass and
+    override :meth:`training_step` (and :meth:`eval_outputs`). ``scheduler`` is an LR scheduler
+    made on ``optimizer`` (or a function ``optimizer -> scheduler``), stepped once per optimizer
+    step. ``metrics`` maps names to ``fn(outputs, targets)`` run on the whole gathered eval set
+    (:func:`accuracy` is one). With ``checkpoint_dir``, a checkpoint is written every
+    ``checkpoint_every`` steps and at the end, and ``resume="latest"`` continues from the newest
+    one: running the same command again after a crash carries on from its last checkpoint.
+    ``callbacks`` are objects with ``@torchplug.hookimpl`` functions named as in
+    :mod:`torchplug.trainer.hooks`. Further keyword arguments go to the :class:`Engine` (or
+    pass ``engine=`` one you made).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        train_data: Iterable[Any] | None = None,
+        eval_data: Iterable[Any] | None = None,
+        *,
+        strategy: str = "auto",
+        precision: str | int | None = None,
+        max_epochs: int = 1,
+        max_steps: int | None = None,
+        grad_accum: int = 1,
+        clip_grad_norm: float | None = None,
+        scheduler: Any = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
+        resume: str | None = "latest",
+        keep_last: int | None = None,
+        loggers: Iterable[str | object] | str | None = None,
+        log_dir: str | Path | None = None,
+        log_every: int = 10,
+        metrics: Mapping[str, Metric] | None = None,
+        callbacks: Iterable[object] = (),
+        progress: bool | None = None,
+        engine: Engine | None = None,
+        **engine_options: Any,
+    ) -> None:
+        if train_data is None:
+            raise ConfigurationError(
+                "Trainer needs train_data: a DataLoader of (inputs, targets) batches, e.g. "
+                "Trainer(model, optimizer, loss_fn, DataLoader(dataset, batch_size=32))."
+            )
+        _positive("max_epochs", max_epochs)
+        _positive("max_steps", max_steps, allow_none=True)
+        _positive("grad_accum", grad_accum)
+        _positive("checkpoint_every", checkpoint_every, allow_none=True)
+        _positive("log_every", log_every)
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ConfigurationError(
+                "Trainer: checkpoint_every needs checkpoint_dir, the directory to write to. "
+                "Fix: Trainer(..., checkpoint_dir='checkpoints', checkpoint_every=100)."
+            )
+        if engine is None:
+            engine = Engine(
+                strategy,
+                precision,
+                checkpoint_dir=checkpoint_dir,
+                resume=resume if checkpoint_dir is not None else None,
+                keep_last=keep_last,
+                loggers=loggers,
+                log_dir=log_dir,
+                **engine_options,
+            )
+        self.engine = engine
+        self.loss_fn = loss_fn
+        self.max_epochs = max_epochs
+        self.max_steps = max_steps
+        self.grad_accum = grad_accum
+        self.clip_grad_norm = clip_grad_norm
+        self.checkpoint_every = checkpoint_every
+        self.log_every = log_every
+        self.metrics = dict(metrics or {})
+        self.model, self.optimizer = engine.setup(model, optimizer)
+        self.scheduler = scheduler(self.optimizer) if callable(scheduler) else scheduler
+        self.train_loader = engine.setup_dataloader(train_data)
+        self.eval_loader = engine.setup_dataloader(eval_data) if eval_data is not None else None
+        self.step = 0
+        self.epoch = 0
+        self.progress = Progress(wanted(progress, engine.is_main))
+        self.callbacks = pluggy.PluginManager(PROJECT)
+        self.callbacks.add_hookspecs(hooks)
+        for callback in callbacks:
+            self.callbacks.register(callback)
+        self.hook = self.callbacks.hook
+        self._warn_accelerate_schedule()
+
+    # -- overridable steps ------------------------------------------------------------------------
+
+    def _split(self, batch: Any) -> tuple[Any, Any]:
+        if isinstance(batch, (list, tuple)) and len(batch) == 2 and self.loss_fn is not None:
+            return batch[0], batch[1]
+        raise ConfigurationError(
+            f"Trainer's default step expects (inputs, targets) batches and a loss_fn; got a "
+            f"{type(batch).__name__} batch and loss_fn={self.loss_fn!r}. Pass loss_fn=..., or "
+            f"subclass Trainer and override training_step(batch) and eval_outputs(batch)."
+        )
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch (override for other batch layouts)."""
+        inputs, targets = self._split(batch)
+        assert self.loss_fn is not None
+        return self.loss_fn(self.model(inputs), targets)
+
+    def eval_outputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(outputs, targets)`` of one eval batch (override for other batch layouts)."""
+        inputs, targets = self._split(batch)
+        return self.model(inputs), targets
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "loader": self.train_loader,
+            "step": self.step,
+        }
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler
+        return state
+
+    def fit(self) -> dict[str, Any]:
+        """Train until ``max_epochs`` (or ``max_steps``); return the final metrics:
+        ``step``, ``epoch``, ``train_loss`` (the last epoch's mean over steps and ranks) and
+        the last evaluation's ``eval_*`` values."""
+        engine = self.engine
+        state = self._state()
+        resumed = engine.resume(state) if engine.checkpoints.directory is not None else None
+        self.step = int(state["step"])
+        if resumed is not None:
+            engine.print(f"resumed from step {resumed}")
+        self.hook.on_train_start(trainer=self)
+        result: dict[str, Any] = {}
+        stop = self._done()
+        last_saved = self.step if resumed is not None else None
+        while not stop and self.train_loader.epoch < self.max_epochs:
+            self.epoch = self.train_loader.epoch
+            self.hook.on_epoch_start(trainer=self, epoch=self.epoch)
+            losses, stop, last_saved = self._train_epoch(state, last_saved)
+            epoch_metrics: dict[str, float] = {}
+            if losses:
+                mean = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
+                epoch_metrics["train_loss"] = engine.reduce(mean, "mean").item()
+            if self.eval_loader is not None:
+                epoch_metrics.update(self.evaluate())
+            if epoch_metrics:
+                engine.log({f"epoch/{k}": v for k, v in epoch_metrics.items()}, step=self.step)
+                engine.print(
+                    f"epoch {self.epoch + 1}  step {self.step}  "
+                    + "  ".join(f"{k} {v:.4f}" for k, v in epoch_metrics.items())
+                )
+            self.hook.on_epoch_end(trainer=self, epoch=self.epoch, metrics=epoch_metrics)
+            result.update(epoch_metrics)
+        if engine.checkpoints.directory is not None and last_saved != self.step:
+            self._checkpoint(state)
+        result.update({"step": self.step, "epoch": self.train_loader.epoch})
+        self.hook.on_train_end(trainer=self, metrics=result)
+        return result
+
+    def _done(self) -> bool:
+        return self.max_steps is not None and self.step >= self.max_steps
+
+    def _train_epoch(
+        self, state: dict[str, Any], last_saved: int | None
+    ) -> tuple[list[float], bool, int | None]:
+        engine, model, optimizer = self.engine, self.model, self.optimizer
+        total = (
+            len(self.train_loader) // self.grad_accum
+            if hasattr(self.train_loader, "__len__")
+            else None
+        )
+        self.progress.start(self.epoch, total)
+        model.train()
+        losses: list[float] = []
+        micro: list[torch.Tensor] = []
+        window: list[float] = []
+        samples, started = 0, time.perf_counter()
+        stop = False
+        try:
+            for batch in self.train_loader:
+                sync = (len(micro) + 1) % self.grad_accum == 0
+                with engine.accumulate(model, self.grad_accum):
+                    with engine.autocast():  # the forward and loss; backward runs outside
+                        loss = self.training_step(batch)
+                    engine.backward(loss)
+                    if sync and self.clip_grad_norm is not None:
+                        self._clip()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                micro.append(loss.detach().float())
+                samples += _batch_size(batch)
+                if not sync:
+                    continue
+                self.step += 1
+                state["step"] = self.step
+                if self.scheduler is not None and not optimizer.step_was_skipped:
+                    self.scheduler.step()
+                step_loss = torch.stack(micro).mean().item()
+                micro = []
+                losses.append(step_loss)
+                window.append(step_loss)
+                rate = samples * engine.world_size / max(time.perf_counter() - started, 1e-9)
+                self.progress.update(step_loss, rate)
+                if self.step % self.log_every == 0:
+                    mean = torch.tensor(sum(window) / len(window), dtype=torch.float64)
+                    engine.log(
+                        {
+                            "train/loss": engine.reduce(mean, "mean").item(),
+                            "train/lr": float(optimizer.param_groups[0]["lr"]),
+                            "train/samples_per_s": rate,
+                        },
+                        step=self.step,
+                    )
+                    window = []
+                if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+                    self._checkpoint(state)
+                    last_saved = self.step
+                stop = self._done() or self._stop_requested(step_loss)
+                if stop:
+                    break
+        finally:
+            self.progress.end()
+        return losses, stop, last_saved
+
+    def _clip(self) -> None:
+        try:
+            self.engine.clip_grad_norm_(
+                self.model, float(self.clip_grad_norm or 0), optimizer=self.optimizer
+            )
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"Trainer(clip_grad_norm={self.clip_grad_norm}) cannot clip on strategy "
+                f"'{self.engine.strategy}': {exc} With the Trainer: pass clip_grad_norm=None and "
+                f"configure clipping in the strategy instead."
+            ) from None
+
+    def _stop_requested(self, loss: float) -> bool:
+        answers = self.hook.on_step_end(trainer=self, step=self.step, loss=loss)
+        if not self.hook.on_step_end.get_hookimpls():
+            return False
+        # Every rank must stop at the same step, whichever rank's callback asked.
+        flag = torch.tensor(1.0 if any(a is True for a in answers) else 0.0)
+        return bool(self.engine.reduce(flag, "max").item() > 0)
+
+    def _checkpoint(self, state: dict[str, Any]) -> None:
+        path = self.engine.save_checkpoint(state)
+        self.hook.on_checkpoint(trainer=self, path=path)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss (and ``metrics``) over the whole eval set, the same on every rank."""
+        if self.eval_loader is None:
+            raise ConfigurationError("Trainer.evaluate() needs eval_data=... in the Trainer.")
+        engine = self.engine
+        self.model.eval()
+        outputs: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        try:
+            for batch in self.eval_loader:
+                with engine.autocast():
+                    out, target = self.eval_outputs(batch)
+                out, target = engine.gather_for_metrics((out.float(), target))
+                outputs.append(out)
+                targets.append(target)
+        finally:
+            self.model.train()
+        everything, truth = torch.cat(outputs), torch.cat(targets)
+        metrics: dict[str, float] = {}
+        if self.loss_fn is not None:
+            metrics["eval_loss"] = float(self.loss_fn(everything, truth))
+        for name, fn in self.metrics.items():
+            metrics[f"eval_{name}"] = float(fn(everything, truth))
+        self.hook.on_eval_end(trainer=self, metrics=metrics)
+        return metrics
+
+    def close(self) -> None:
+        """Close the Engine (process group, loggers)."""
+        self.engine.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.engine.__exit__(kind, *exc)
+
+    # -- a scheduler set up for Accelerate's convention -----------------------------------------
+
+    def _warn_accelerate_schedule(self) -> None:
+        """Accelerate steps a prepared scheduler once per process per step, so Accelerate
+        scripts size schedules by ``steps * num_processes``; here a scheduler steps once per
+        step. A OneCycleLR sized that way would run 1/world_size of its schedule: say so."""
+        total = getattr(self.scheduler, "total_steps", None)
+        world = self.engine.world_size
+        if not isinstance(total, int) or world == 1 or not hasattr(self.train_loader, "__len__"):
+            return
+        planned = self.max_steps or self.max_epochs * (len(self.train_loader) // self.grad_accum)
+        if planned and total == planned * world:
+            warnings.warn(
+                f"The scheduler is sized for {total} steps = {planned} steps x {world} "
+                f"processes, Accelerate's convention (it steps schedulers once per process). "
+                f"torchplug steps it once per optimizer step, so only 1/{world} of the schedule "
+                f"would run. Size it for {planned} steps.",
+                stacklevel=3,
+            )
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, Mapping) and batch:
+        return _batch_size(next(iter(batch.values())))
+    return 0
+
+
+__all__ = ["Trainer", "accuracy"]

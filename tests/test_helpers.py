@@ -1,0 +1,244 @@
+"""The helpers users expect from Accelerate and Fabric: gather_for_metrics, accumulate,
+seed_everything, engine.log, on real ranks where it matters."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchplug as tp
+
+
+def eval_gather(batch_size: int) -> dict:
+    """A 7-item eval set over the ranks: every item once, nested outputs, uneven batches."""
+    with tp.Engine("ddp", timeout=60.0) as engine:
+        data = TensorDataset(torch.arange(7), torch.arange(7).float() * 10)
+        loader = engine.setup_dataloader(DataLoader(data, batch_size=batch_size))
+        items, nested, plain = [], [], 0
+        for index, value in loader:
+            got = engine.gather_for_metrics(index)
+            items += got.tolist()
+            out = engine.gather_for_metrics((index, {"value": value[:, None], "n": len(index)}))
+            nested.append((out[0].tolist(), out[1]["value"].squeeze(1).tolist(), out[1]["n"]))
+            plain += engine.gather(index.new_tensor(len(index))).sum().item()
+        uneven = engine.gather_for_metrics(torch.ones(engine.rank + 1, 3), padding=0)
+        try:
+            engine.gather_for_metrics(torch.ones(2, engine.rank + 1), padding=0)
+            mismatch = None
+        except tp.ConfigurationError as exc:
+            mismatch = str(exc)
+        return {
+            "items": items,
+            "nested": nested,
+            "plain": plain,
+            "uneven": tuple(uneven.shape),
+            "mismatch": mismatch,
+        }
+
+
+@pytest.mark.parametrize("batch_size", [2, 4])
+def test_gather_for_metrics_returns_exactly_the_eval_set(ranks, batch_size):
+    results = ranks.run(eval_gather, batch_size, timeout=60)
+    out = results[0]
+    assert out["plain"] == 8  # what gather counts: the padded sample twice
+    assert sorted(out["items"]) == list(range(7))  # gather_for_metrics: exactly 7
+    assert results[1]["items"] == out["items"]
+    for index, value, n in out["nested"]:
+        assert [v / 10 for v in value] == index
+        assert n.tolist() == [batch_size] * 2 or len(n) == 2
+    assert out["uneven"] == (3, 3)  # 1 row from rank 0, 2 from rank 1
+    assert "differ beyond the first dimension: [(2, 1), (2, 2)]" in out["mismatch"]
+
+
+def accumulated_training(steps: int, strategy: str = "ddp") -> list[float]:
+    """``strategy`` with accumulate(steps) over micro-batches of 2 per rank."""
+    with tp.Engine(strategy, timeout=60.0) as engine:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = engine.setup(model, optimizer)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(16, 3, generator=g), torch.randn(16, 1, generator=g)
+        loader = engine.setup_dataloader(DataLoader(TensorDataset(x, y), batch_size=2))
+        skipped = []
+        for xb, yb in loader:
+            with engine.accumulate(model, steps=steps):
+                engine.backward(torch.nn.functional.mse_loss(model(xb), yb))
+                optimizer.step()
+                skipped.append(optimizer.step_was_skipped)
+                optimizer.zero_grad()
+        params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        return [*params.tolist(), skipped]
+
+
+def test_accumulate_equals_one_large_batch(ranks):
+    results = ranks.run(accumulated_training, 2, timeout=60)
+    assert results[0] == results[1]
+    skipped = results[0][-1]
+    assert skipped == [True, False, True, False]
+    assert results[0][:-1] == pytest.approx(large_batch_reference(), abs=1e-6)
+
+
+def large_batch_reference() -> list[float]:
+    """Plain PyTorch, two steps on the global batches of 8 (4 micro-batches of 2 over 2 ranks;
+    DistributedSampler interleaves, so each step sees 8 consecutive items)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 3, generator=g), torch.randn(16, 1, generator=g)
+    for start in (0, 8):
+        torch.nn.functional.mse_loss(model(x[start : start + 8]), y[start : start + 8]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def test_accumulate_rejects_a_bad_count():
+    with tp.Engine("single") as engine:
+        model = engine.setup(torch.nn.Linear(1, 1))
+        with pytest.raises(tp.ConfigurationError, match="steps=0 is not a number of micro"):
+            engine.accumulate(model, 0).__enter__()
+
+
+def test_seed_everything_repeats_random_torch_and_numpy():
+    def draw():
+        return (random.random(), torch.rand(1).item(), numpy.random.rand())
+
+    assert tp.seed_everything(7) == 7
+    first = draw()
+    tp.seed_everything(7)
+    assert draw() == first
+    with pytest.raises(ValueError, match="seed -1 is not a whole number"):
+        tp.seed_everything(-1)
+
+
+def test_seed_worker_differs_per_rank_and_worker():
+    from torchplug.core.seeding import worker_seed
+
+    seeds = {worker_seed(3, rank, worker) for rank in range(4) for worker in range(4)}
+    assert len(seeds) == 16
+
+
+def logging_on_ranks(log_dir: str) -> int:
+    with tp.Engine("ddp", timeout=60.0, loggers=["csv", "jsonl"], log_dir=log_dir) as engine:
+        for step in range(3):
+            engine.log({"loss": torch.tensor(1.0 / (step + 1)), "rank": engine.rank}, step=step)
+        engine.log({"eval_accuracy": 0.5})
+        return engine.rank
+
+
+def test_log_writes_csv_and_jsonl_on_rank_zero_only(ranks, tmp_path):
+    ranks.run(logging_on_ranks, str(tmp_path), timeout=60)
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,name,value,time"
+    assert [r.split(",")[:3] for r in rows[1:3]] == [["0", "loss", "1.0"], ["0", "rank", "0.0"]]
+    assert rows[-1].split(",")[:3] == ["3", "eval_accuracy", "0.5"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert {r.get("rank") for r in records[:3]} == {0}  # rank 1 wrote nothing
+    assert not list(tmp_path.glob("rank-*"))
+
+
+class ListLogger:
+    """A third-party tracker: collects what it is given."""
+
+    seen: list = []
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+
+    def log_metrics(self, metrics, step):
+        ListLogger.seen.append((step, dict(metrics)))
+
+    def close(self):
+        ListLogger.seen.append("closed")
+
+
+@tp.hookimpl
+def torchplug_register_loggers(register):
+    register(tp.LoggerInfo("list", ListLogger, "collects metrics in a list"))
+
+
+def test_a_logger_plugin_is_selected_by_name_like_a_strategy(tmp_path, monkeypatch):
+    import sys
+
+    ListLogger.seen = []
+    tp.register(sys.modules[__name__], name="list-logger")
+    monkeypatch.setenv("TORCHPLUG_LAUNCH_LOGGERS", "list")
+    with tp.Engine("single", log_dir=tmp_path) as engine:
+        assert engine.loggers.source == "torchplug launch --logger"
+        engine.log({"loss": 2})
+    assert ListLogger.seen == [(0, {"loss": 2.0}), "closed"]
+
+
+def test_unknown_and_unusable_loggers_are_named(monkeypatch):
+    with pytest.raises(tp.ConfigurationError, match=r"Unknown logger 'cvs'. Did you mean 'csv'"):
+        tp.Engine("single", loggers=["cvs"])
+    from torchplug.core.manager import get_registry
+
+    info = get_registry().loggers["tensorboard"]
+    assert info.install_hint == "pip install torchplug[tensorboard]"
+    monkeypatch.setenv("TORCHPLUG_LOGGERS", "nope")
+    with pytest.raises(tp.ConfigurationError, match="came from environment TORCHPLUG_LOGGERS"):
+        tp.Engine("single")
+
+
+def test_tensorboard_logger_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    with tp.Engine("single", loggers="tensorboard", log_dir=tmp_path) as engine:
+        engine.log({"loss": 1.5}, step=4)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_metric_values_must_be_numbers(tmp_path):
+    with (
+        tp.Engine("single", loggers=["jsonl"], log_dir=tmp_path) as engine,
+        pytest.raises(TypeError, match="tensor of shape \\(2,\\); expected one number"),
+    ):
+        engine.log({"loss": torch.ones(2)})
+
+
+def test_launch_refuses_an_unknown_logger_before_starting(tmp_path):
+    from test_cli import torchplug
+
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    run = torchplug("launch", "-n", "2", "--logger", "tensorbord", str(script))
+    assert run.returncode == 2, run.stderr
+    assert "--logger tensorbord: Unknown logger 'tensorbord'. Did you mean 'tensorboard'" in (
+        run.stderr
+    )
+
+
+def test_plugins_command_lists_the_loggers():
+    from test_cli import torchplug
+
+    run = torchplug("plugins")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("logger "))
+    rows = {line.split()[0]: line for line in lines[header + 2 :] if line.strip()}
+    assert "usable" in rows["csv"] and "torchplug" in rows["csv"]
+    assert {"csv", "jsonl", "tensorboard"} <= set(rows)
+
+
+def tensor_parallel_gather() -> list:
+    # one data-parallel replica over 2 ranks
+    with tp.Engine("tp", timeout=60.0, tp_plan={"up": "colwise"}) as engine:
+        data = TensorDataset(torch.arange(7))
+        loader = engine.setup_dataloader(DataLoader(data, batch_size=4))
+        items = []
+        for (index,) in loader:
+            items += engine.gather_for_metrics(index).tolist()
+        return items
+
+
+def test_gather_for_metrics_counts_a_tensor_parallel_replica_once(ranks):
+    results = ranks.run(tensor_parallel_gather, timeout=60)
+    assert results[0] == results[1] == list(range(7))
