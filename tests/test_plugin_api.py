@@ -453,7 +453,9 @@ def test_launch_accepts_a_strategy_the_script_registers_in_code(tmp_path):
 def test_a_third_party_ddp_subclass_installed_with_pip_passes_check_and_launches(tmp_path):
     from installing import installed
 
-    assert len((BF16COMM / "torchplug_bf16comm.py").read_text().splitlines()) <= 25
+    source = (BF16COMM / "torchplug_bf16comm.py").read_text().splitlines()
+    code = [line for line in source if line.strip() and not line.strip().startswith("#")]
+    assert len(code) <= 25, len(code)  # lines of Python, blank and comment lines aside
     with installed(BF16COMM):
         env = {"PYTHONPATH": os.environ["PYTHONPATH"]}
         listing = torchplug("plugins", env=env)

@@ -8,7 +8,7 @@ TORCHPLUG_API = ">=1.0,<2"  # the plugin API versions this module is written for
 
 
 def bf16_allreduce(group, bucket):
-    """DDP communication hook: average the bucket as bf16 (half the bytes, a little rounding)."""
+    # a DDP communication hook: average the bucket as bf16 (half the bytes, a little rounding)
     grads = bucket.buffer()
     half = grads.to(torch.bfloat16).div_(torch.distributed.get_world_size())
     done = torch.distributed.all_reduce(half, group=group, async_op=True).get_future()
@@ -25,12 +25,6 @@ class BF16CommDDP(tp.DDPStrategy):
 
 @tp.hookimpl
 def torchplug_register_strategies(register):
-    register(
-        tp.StrategyInfo(
-            name="ddp-bf16comm",
-            factory=BF16CommDDP,
-            extends="ddp",
-            description="DDP, gradients all-reduced in bf16",
-            tolerance=1e-2,
-        )
-    )
+    about = "DDP, gradients all-reduced in bf16"
+    info = dict(name="ddp-bf16comm", factory=BF16CommDDP, extends="ddp", description=about)
+    register(tp.StrategyInfo(**info, tolerance=1e-2))
