@@ -52,6 +52,20 @@ def test_char_lm(strategy, trainer, tmp_path):
     assert "sample: 'Beautiful is " in out
 
 
+@pytest.mark.parametrize(
+    ("strategy", "n", "options"), [("fsdp-tp", 4, ["--option", "tp_size=2"]), ("ddp", 2, [])]
+)
+def test_gpt_fsdp_tp(strategy, n, options, tmp_path):
+    out = run(
+        sys.executable, "-m", "torchplug", "launch", "-n", str(n), "--strategy", strategy,
+        *options, str(EXAMPLES / "gpt_fsdp_tp.py"), "--steps", "40", cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    losses = [
+        float(line.split("loss")[1].split()[0]) for line in out.splitlines() if "loss" in line
+    ]
+    assert len(losses) == 2 and losses[-1] < 2.3, out
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_inhouse_plugin(strategy, tmp_path):
     out = launch(strategy, "inhouse_plugin.py", cwd=tmp_path)
