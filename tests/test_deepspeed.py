@@ -597,3 +597,18 @@ def test_trainer_clipping_on_deepspeed_says_where_to_clip(ranks):
     )
     assert '"gradient_clipping": MAX_NORM in the DeepSpeed config' in message
     assert "pass clip_grad_norm=None" in message
+
+
+def built_partitioned() -> list[Any]:
+    with tp.Engine("deepspeed-zero3", timeout=120.0) as engine:
+        with engine.init_module(empty=True):  # ZeRO-3: zero.Init partitions while building
+            model = bodies.make_model()
+        local = [(hasattr(p, "ds_id"), p.numel(), p.ds_numel) for p in model.parameters()]
+        model, _ = engine.setup(model, torch.optim.AdamW(model.parameters()))
+        return local
+
+
+@needs_deepspeed
+def test_zero3_builds_the_model_partitioned_under_init_module(ranks):
+    for local in ranks.run(built_partitioned, timeout=300):
+        assert all(has_id and numel == 0 and full > 0 for has_id, numel, full in local), local

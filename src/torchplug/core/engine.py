@@ -387,9 +387,15 @@ class Engine:
         """Build the model inside: on this rank's device, or with ``empty=True`` on the meta
         device (no memory), to be materialised by :meth:`setup`: only each rank's shard under
         sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere, initialised by each
-        module's ``reset_parameters()`` to the numbers an eager build would have."""
+        module's ``reset_parameters()`` to the numbers an eager build would have. DeepSpeed
+        ZeRO-3 partitions the model as it is built instead (its ``zero.Init``)."""
         if not empty:
             with torch.device(self.device):
+                yield
+            return
+        own = self.hook.torchplug_init_module(engine=self)
+        if own is not None:  # the backend partitions as the model is built (DeepSpeed ZeRO-3)
+            with own:
                 yield
             return
         self._meta_rng = torch.get_rng_state()

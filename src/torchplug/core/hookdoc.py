@@ -55,6 +55,8 @@ CALLED: dict[str, str] = {
     "plugin until one answers (only when no `torchplug_read_checkpoint` answered).",
     "torchplug_read_checkpoint": "By `torchplug convert` on a directory that is not a torchplug "
     "checkpoint, in one process, on every installed plugin until one answers.",
+    "torchplug_init_module": "On every rank, by `engine.init_module(empty=True)`, before the "
+    "model is built.",
     "torchplug_compile": "On every rank, by `engine.setup`, after `torchplug_wrap`, when "
     "`Engine(compile=...)` is set.",
     "torchplug_teardown": "On every rank, by `engine.close()` (and when setup fails), on every "
@@ -148,6 +150,11 @@ def _default(name: str) -> str:
             "`torchplug.core.cluster` reads torchrun's variables (`RANK`, `WORLD_SIZE`, "
             "`LOCAL_RANK`, `MASTER_ADDR`, ...) and answers last; without them the process is "
             "rank 0 of 1. Built-in schedulers: SLURM, Kubeflow PyTorchJob, LSF, mpirun."
+        )
+    if name == "torchplug_init_module":
+        return (
+            "the Engine's: build on the meta device, materialise in `setup` (each rank's "
+            "shards after the wrap when the backend takes meta modules, else all before it)."
         )
     if name == "torchplug_compile":
         return (

@@ -77,8 +77,8 @@ STRATEGY_HOOKS = frozenset(
 
 
 #: Hooks an Engine's active set must answer: every strategy hook but teardown (optional).
-#: (``torchplug_compile`` is optional: the Engine has a default for it.)
-ACTION_HOOKS = STRATEGY_HOOKS - {"torchplug_teardown", "torchplug_compile"}
+#: (``torchplug_compile`` and ``torchplug_init_module`` are optional: the Engine has defaults.)
+ACTION_HOOKS = STRATEGY_HOOKS - {"torchplug_teardown", "torchplug_compile", "torchplug_init_module"}
 
 
 def _env_list(name: str) -> list[str]:

@@ -25,6 +25,7 @@ Hook names carry the ``torchplug_`` prefix so that a plugin can also hold other 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -142,6 +143,16 @@ def torchplug_wrap(
 
     Returns ``(model, optimizers)``. Wrappers post-process the backend's answer, e.g. AMP runs the
     wrapped model's forward under autocast.
+    """
+
+
+@hookspec(firstresult=True)
+def torchplug_init_module(engine: Engine) -> contextlib.AbstractContextManager[None] | None:
+    """A context manager in which a model built with ``engine.init_module(empty=True)`` is
+    created already partitioned the backend's own way (DeepSpeed ZeRO-3: ``zero.Init``).
+    Optional: unanswered, the model is built on the meta device and materialised by setup.
+
+    Called on every rank, by ``engine.init_module(empty=True)``.
     """
 
 

@@ -336,6 +336,15 @@ class DeepSpeedStrategy(DistributedStrategy):
         return getattr(ds_engine, "skipped_steps", 0) == skipped
 
     @hookimpl
+    def torchplug_init_module(self, engine: Engine) -> Any:
+        """ZeRO-3 builds the model partitioned (``deepspeed.zero.Init``): each module is
+        initialised in full, as an eager build does, then only this rank's partition is kept."""
+        if self.config["zero_optimization"]["stage"] != 3:
+            return None
+        deepspeed = _import_deepspeed()
+        return deepspeed.zero.Init(config_dict_or_path=self.config, remote_device=None)
+
+    @hookimpl
     def torchplug_compile(
         self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
     ) -> torch.nn.Module:
