@@ -1,0 +1,198 @@
+"""Import time, CLI start and launch-to-first-step, each contestant in fresh processes,
+interleaved round by round (run in the runner's own process; it starts the subprocesses).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import interleaved, record
+
+HEAVY = ("deepspeed", "fairscale", "torch_xla")
+
+IMPORT_PROBE = textwrap.dedent(
+    """
+    import sys, time
+    start = time.perf_counter()
+    import {module}
+    took = time.perf_counter() - start
+    heavy = [m for m in {heavy!r} if m in sys.modules]
+    print(took, ",".join(heavy))
+    """
+)
+
+
+def _python_import(module: str) -> tuple[float, list[str]]:
+    """Seconds ``import module`` takes in a fresh interpreter, and heavy modules it loaded."""
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE.format(module=module, heavy=HEAVY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    return float(out[0]), [m for m in (out[1].split(",") if len(out) > 1 else []) if m]
+
+
+def imports(rounds: int, have: set[str]) -> list[dict[str, Any]]:
+    """``import torch`` against ``import torchplug`` (and the alternatives), fresh interpreters."""
+    modules = ["torch", "torchplug"] + [
+        m for m, c in (("accelerate", "accelerate"), ("lightning_fabric", "fabric")) if c in have
+    ]
+    loaded: dict[str, list[str]] = {}
+
+    def probe(module: str) -> float:
+        took, heavy = _python_import(module)
+        loaded[module] = heavy
+        return took * 1e3
+
+    results = interleaved({m: (lambda m=m: probe(m)) for m in modules}, rounds, lambda: None)
+    records = []
+    for module, values in results.items():
+        target = None
+        if module == "torchplug":
+            target = {"max": 30.0, "note": "no " + "/".join(HEAVY) + " loaded"}
+        rec = record(
+            "import",
+            "import in a fresh interpreter, over import torch",
+            f"import {module}",
+            "ms",
+            values,
+            results["torch"],
+            "import torch",
+            target,
+            mode="diff",
+        )
+        rec["heavy_loaded"] = loaded.get(module, [])
+        records.append(rec)
+    return records
+
+
+def _wall(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    took = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"benchmark command {' '.join(cmd)} failed with exit code {proc.returncode}:\n"
+            f"{(proc.stdout + proc.stderr)[-2000:]}"
+        )
+    return took
+
+
+def _bin(name: str) -> str:
+    """A console script of this interpreter's environment (not whatever PATH finds first)."""
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+def cli(rounds: int, have: set[str]) -> list[dict[str, Any]]:
+    """Wall time of ``torchplug --help`` and ``torchplug plugins`` against Accelerate's CLI."""
+    commands = {
+        "torchplug --help": [_bin("torchplug"), "--help"],
+        "torchplug plugins": [_bin("torchplug"), "plugins"],
+    }
+    if "accelerate" in have:
+        commands["accelerate --help"] = [_bin("accelerate"), "--help"]
+        commands["accelerate env"] = [_bin("accelerate"), "env"]
+    results = interleaved(
+        {name: (lambda c=c: _wall(c)) for name, c in commands.items()}, rounds, lambda: None
+    )
+    return [
+        record("cli", "command wall time", name, "s", values, target=None)
+        for name, values in results.items()
+    ]
+
+
+SCRIPTS = {
+    "torchrun": """
+        import os, sys, time, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        model(torch.randn(8, 4)).sum().backward()
+        {report}
+        dist.destroy_process_group()
+        """,
+    "torchplug launch": """
+        import os, sys, time, torch, torchplug as tp
+        with tp.Engine() as engine:
+            model = engine.setup(torch.nn.Linear(4, 2))
+            engine.backward(model(torch.randn(8, 4)).sum())
+            {report}
+        """,
+    "accelerate launch": """
+        import os, sys, time, torch
+        from accelerate import Accelerator
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(torch.nn.Linear(4, 2))
+        accelerator.backward(model(torch.randn(8, 4)).sum())
+        {report}
+        """,
+    "fabric run": """
+        import os, sys, time, torch
+        from lightning_fabric import Fabric
+        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+        fabric.launch()
+        model = fabric.setup(torch.nn.Linear(4, 2))
+        fabric.backward(model(torch.randn(8, 4)).sum())
+        {report}
+        """,
+}
+REPORT = (
+    'open(os.environ["BENCH_FIRST_STEP"] + os.environ.get("RANK", "0"), "w")'
+    ".write(repr(time.time()))"
+)
+
+
+def launch(rounds: int, have: set[str]) -> list[dict[str, Any]]:
+    """Seconds from starting the launcher to the first step done on the slower of 2 ranks."""
+    tmp = Path(tempfile.mkdtemp(prefix="torchplug-bench-launch-"))
+    commands: dict[str, list[str]] = {}
+    for name, body in SCRIPTS.items():
+        if (name == "accelerate launch" and "accelerate" not in have) or (
+            name == "fabric run" and "fabric" not in have
+        ):
+            continue
+        script = tmp / (name.replace(" ", "_") + ".py")
+        script.write_text(textwrap.dedent(body.format(report=REPORT)))
+        commands[name] = {
+            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"],
+            "torchplug launch": [_bin("torchplug"), "launch", "-n", "2"],
+            "accelerate launch": [_bin("accelerate"), "launch", "--cpu", "--num_processes", "2"],
+            "fabric run": [_bin("fabric"), "run", "--accelerator", "cpu", "--devices", "2"],
+        }[name] + [str(script)]
+
+    def first_step(name: str) -> float:
+        marker = tmp / f"{name.replace(' ', '_')}.first-"
+        env = {**os.environ, "BENCH_FIRST_STEP": str(marker), "OMP_NUM_THREADS": "1"}
+        start = time.time()
+        _wall(commands[name], env)
+        stamps = [float((tmp / f"{marker.name}{r}").read_text()) for r in range(2)]
+        return max(stamps) - start
+
+    results = interleaved(
+        {name: (lambda n=name: first_step(n)) for name in commands}, rounds, lambda: None
+    )
+    shutil.rmtree(tmp, ignore_errors=True)
+    return [
+        record(
+            "launch",
+            "launch 2 ranks to first step done, over torchrun",
+            name,
+            "s",
+            values,
+            results["torchrun"],
+            "torchrun",
+            {"max": 0.3} if name == "torchplug launch" else None,
+            mode="diff",
+        )
+        for name, values in results.items()
+    ]
