@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     have = {name for name, module in others.items() if installed(module)}
     started = time.perf_counter()
     failures: list[str] = []
+    # Imports are timed as a user's install runs them: with bytecode caches (a sandbox or CI
+    # that sets PYTHONDONTWRITEBYTECODE would otherwise time the compiler instead).
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
     def section(name: str, run: Any) -> None:
         if name not in sections:
@@ -189,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     section("checkpoint", checkpoint)
     section("gpu", gpu)
 
-    records = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    records = (
+        [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    )
     command = "python -m benchmarks" + (" --smoke" if smoke else "")
     if args.only:
         command += f" --only {args.only}"

@@ -125,7 +125,9 @@ def main() -> None:
         worst = {k: max(g[k] for g in gathered) for k in sizes}  # the fullest rank
         worst["strategy"] = args.strategy
         worst["world_size"] = dist.get_world_size()
-        worst["numel"] = sum(p.numel() for p in mlp(args.width, args.depth, args.width).parameters())
+        worst["numel"] = sum(
+            p.numel() for p in mlp(args.width, args.depth, args.width).parameters()
+        )
         write_records(args.out, [{"section": "memory-raw", **worst}])
     with contextlib.suppress(Exception):
         engine.close()

@@ -22,57 +22,85 @@ IMPORT_PROBE = textwrap.dedent(
     """
     import sys, time
     start = time.perf_counter()
-    import {module}
+    import torch
+    torch_took = time.perf_counter() - start
+    {statement}
     took = time.perf_counter() - start
     heavy = [m for m in {heavy!r} if m in sys.modules]
-    print(took, ",".join(heavy))
+    print(took, took - torch_took, ",".join(heavy) or "-")
     """
 )
 
 
-def _python_import(module: str) -> tuple[float, list[str]]:
-    """Seconds ``import module`` takes in a fresh interpreter, and heavy modules it loaded."""
+#: What each contestant runs. torchplug imports torch lazily, so ``import torchplug`` alone
+#: would hide its cost: it is timed with torch and with the lazy core resolved.
+STATEMENTS = {
+    "torch": "pass",
+    "torchplug": "import torchplug; torchplug.Engine",
+    "accelerate": "import accelerate",
+    "lightning_fabric": "import lightning_fabric",
+}
+
+
+def _python_import(module: str) -> tuple[float, float, list[str]]:
+    """Seconds ``import torch`` and then the module take in a fresh interpreter, the seconds of
+    the module alone (after torch, in the same interpreter), and the heavy modules loaded."""
+    probe = IMPORT_PROBE.format(statement=STATEMENTS[module], heavy=HEAVY)
     out = subprocess.run(
-        [sys.executable, "-c", IMPORT_PROBE.format(module=module, heavy=HEAVY)],
+        [sys.executable, "-c", probe],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout.split()
-    return float(out[0]), [m for m in (out[1].split(",") if len(out) > 1 else []) if m]
+    return float(out[0]), float(out[1]), [m for m in out[2].split(",") if m != "-"]
 
 
 def imports(rounds: int, have: set[str]) -> list[dict[str, Any]]:
-    """``import torch`` against ``import torchplug`` (and the alternatives), fresh interpreters."""
+    """``import torch`` against ``import torchplug`` (and the alternatives), fresh interpreters.
+
+    Every probe imports torch first and times it, then the contestant: torchplug's own cost is
+    the time after torch in the same interpreter (torch's import varies by hundreds of ms from
+    one process to the next on a loaded machine, which would hide a few ms); the alternatives,
+    whose import is mostly their own heavy dependencies, are shown as totals over torch's.
+    """
     modules = ["torch", "torchplug"] + [
         m for m, c in (("accelerate", "accelerate"), ("lightning_fabric", "fabric")) if c in have
     ]
     loaded: dict[str, list[str]] = {}
+    alone: dict[str, list[float]] = {m: [] for m in modules}
 
     def probe(module: str) -> float:
-        took, heavy = _python_import(module)
+        took, after_torch, heavy = _python_import(module)
         loaded[module] = heavy
+        alone[module].append(after_torch * 1e3)
         return took * 1e3
 
+    for module in modules:  # not timed: the first import writes the bytecode caches
+        _python_import(module)
     results = interleaved({m: (lambda m=m: probe(m)) for m in modules}, rounds, lambda: None)
+    group = "import in a fresh interpreter (torch first), over import torch"
     records = []
     for module, values in results.items():
-        target = None
-        if module == "torchplug":
-            target = {"max": 30.0, "note": "no " + "/".join(HEAVY) + " loaded"}
+        name = "import torch" if module == "torch" else f"import torch; {STATEMENTS[module]}"
         rec = record(
-            "import",
-            "import in a fresh interpreter, over import torch",
-            f"import {module}",
-            "ms",
-            values,
-            results["torch"],
-            "import torch",
-            target,
-            mode="diff",
+            "import", group, name, "ms", values, results["torch"], "import torch", None, mode="diff"
         )
         rec["heavy_loaded"] = loaded.get(module, [])
         records.append(rec)
+    rec = record(
+        "import",
+        group,
+        f"{STATEMENTS['torchplug']} (after torch, same interpreter)",
+        "ms",
+        alone["torchplug"],
+        [0.0] * len(alone["torchplug"]),
+        "nothing",
+        {"max": 30.0, "note": "no " + "/".join(HEAVY) + " loaded"},
+        mode="diff",
+    )
+    rec["heavy_loaded"] = loaded.get("torchplug", [])
+    records.append(rec)
     return records
 
 
@@ -139,17 +167,19 @@ SCRIPTS = {
     "fabric run": """
         import os, sys, time, torch
         from lightning_fabric import Fabric
-        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
-        fabric.launch()
+        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")  # no launch() under fabric run
         model = fabric.setup(torch.nn.Linear(4, 2))
         fabric.backward(model(torch.randn(8, 4)).sum())
         {report}
         """,
 }
-REPORT = (
-    'open(os.environ["BENCH_FIRST_STEP"] + os.environ.get("RANK", "0"), "w")'
-    ".write(repr(time.time()))"
-)
+REPORT = 'open(os.environ["BENCH_FIRST_STEP"] + str({rank}), "w").write(repr(time.time()))'
+RANKS = {
+    "torchrun": "dist.get_rank()",
+    "torchplug launch": "engine.rank",
+    "accelerate launch": "accelerator.process_index",
+    "fabric run": "fabric.global_rank",
+}
 
 
 def launch(rounds: int, have: set[str]) -> list[dict[str, Any]]:
@@ -162,11 +192,25 @@ def launch(rounds: int, have: set[str]) -> list[dict[str, Any]]:
         ):
             continue
         script = tmp / (name.replace(" ", "_") + ".py")
-        script.write_text(textwrap.dedent(body.format(report=REPORT)))
+        script.write_text(textwrap.dedent(body).format(report=REPORT.format(rank=RANKS[name])))
         commands[name] = {
             "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"],
             "torchplug launch": [_bin("torchplug"), "launch", "-n", "2"],
-            "accelerate launch": [_bin("accelerate"), "launch", "--cpu", "--num_processes", "2"],
+            # --cpu alone starts one process (multi-CPU needs MPI there); --multi_gpu is its
+            # torchrun launcher, and the script's Accelerator(cpu=True) then runs MULTI_CPU
+            "accelerate launch": [
+                _bin("accelerate"),
+                "launch",
+                "--multi_gpu",
+                "--num_processes",
+                "2",
+                "--num_machines",
+                "1",
+                "--mixed_precision",
+                "no",
+                "--dynamo_backend",
+                "no",
+            ],
             "fabric run": [_bin("fabric"), "run", "--accelerator", "cpu", "--devices", "2"],
         }[name] + [str(script)]
 

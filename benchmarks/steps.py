@@ -115,9 +115,7 @@ def step_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
         base = results["raw DDP"]
         for name, values in results.items():
             target = {"max": 1.01} if name == "torchplug ddp" else None
-            records.append(
-                record("step", group, name, "ms/step", values, base, "raw DDP", target)
-            )
+            records.append(record("step", group, name, "ms/step", values, base, "raw DDP", target))
     engine.close()
 
 
@@ -205,7 +203,9 @@ def precision_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) 
         for name, values in results.items():
             target = {"max": 1.02} if name.startswith("torchplug") else None
             records.append(
-                record("step", group, name, "ms/step", values, results[base_name], base_name, target)
+                record(
+                    "step", group, name, "ms/step", values, results[base_name], base_name, target
+                )
             )
         engine.close()
 
