@@ -175,13 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("  skipped: no CUDA device here", flush=True)
             return
-        subprocess.run(
-            [sys.executable, "-m", "benchmarks.gpu", "--out", str(jsonl)]
-            + (["--smoke"] if smoke else []),
-            check=True,
-            timeout=600,
-            cwd=ROOT.parent,
-        )
+        _torchrun(1, "benchmarks.gpu", ["--out", str(jsonl)], timeout=600)
 
     section("step", steps)
     section("dispatch", dispatch)
