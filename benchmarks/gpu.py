@@ -128,7 +128,10 @@ def fsdp_gpt(args: argparse.Namespace, device: torch.device, records: list[dict[
         opt.zero_grad()
 
     results = interleaved(
-        {"raw FSDP2 bf16": lambda: timed(raw_step), "torchplug fsdp bf16": lambda: timed(engine_step)},
+        {
+            "raw FSDP2 bf16": lambda: timed(raw_step),
+            "torchplug fsdp bf16": lambda: timed(engine_step),
+        },
         args.rounds,
         sync,
     )

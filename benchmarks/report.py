@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import statistics
 from pathlib import Path
@@ -13,10 +14,8 @@ from benchmarks.common import record
 def versions() -> str:
     found = []
     for dist in ("torch", "torchplug", "accelerate", "lightning-fabric", "deepspeed", "fairscale"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found.append(f"{dist} {importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return ", ".join(found)
 
 

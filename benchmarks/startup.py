@@ -167,7 +167,8 @@ SCRIPTS = {
     "fabric run": """
         import os, sys, time, torch
         from lightning_fabric import Fabric
-        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")  # no launch() under fabric run
+        # no fabric.launch(): `fabric run` has started the processes already
+        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
         model = fabric.setup(torch.nn.Linear(4, 2))
         fabric.backward(model(torch.randn(8, 4)).sum())
         {report}

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Generator
@@ -44,12 +45,84 @@ def raw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any)
     return step
 
 
+def _compare_frameworks(
+    args: argparse.Namespace,
+    group: str,
+    shape: dict[str, int],
+    engine: Any,
+    accelerator: Any,
+    fabric: Any,
+    records: list[dict[str, Any]],
+) -> None:
+    """One model shape: every framework's step on the same model, data and optimizer."""
+    torch.manual_seed(dist.get_rank())
+    steps = shape["steps"]
+    x = torch.randn(shape["batch"], shape["inputs"])
+    y = torch.randint(0, 10, (shape["batch"],))
+
+    def model() -> torch.nn.Module:
+        return mlp(shape["width"], shape["depth"], shape["inputs"])
+
+    contestants: dict[str, Callable[[], None]] = {}
+    plain = DistributedDataParallel(model())
+    contestants["raw DDP"] = raw_step(plain, torch.optim.AdamW(plain.parameters()), x, y)
+
+    m = model()
+    m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
+
+    def engine_step(m: Any = m, o: Any = o) -> None:
+        loss = F.cross_entropy(m(x), y)
+        engine.backward(loss)
+        o.step()
+        o.zero_grad()
+
+    contestants["torchplug ddp"] = engine_step
+    if accelerator is not None:
+        m = model()
+        am, ao = accelerator.prepare(m, torch.optim.AdamW(m.parameters()))
+
+        def accelerate_step(m: Any = am, o: Any = ao) -> None:
+            loss = F.cross_entropy(m(x), y)
+            accelerator.backward(loss)
+            o.step()
+            o.zero_grad()
+
+        contestants["Accelerate"] = accelerate_step
+    if fabric is not None:
+        m = model()
+        fm, fo = fabric.setup(m, torch.optim.AdamW(m.parameters()))
+
+        def fabric_step(m: Any = fm, o: Any = fo) -> None:
+            loss = F.cross_entropy(m(x), y)
+            fabric.backward(loss)
+            o.step()
+            o.zero_grad()
+
+        contestants["Fabric"] = fabric_step
+    timed = {
+        name: (lambda s=s: time_steps(s, steps, shape["warmup"], barrier) * 1e3)
+        for name, s in contestants.items()
+    }
+    results = interleaved(timed, args.rounds, barrier)
+    base = results["raw DDP"]
+    for name, values in results.items():
+        target = {"max": 1.01} if name == "torchplug ddp" else None
+        records.append(record("step", group, name, "ms/step", values, base, "raw DDP", target))
+
+
 def step_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
     """Raw DDP, torchplug ddp, Accelerate and Fabric on the same model, data and optimizer."""
     shapes = {
-        "tiny MLP": dict(width=256, depth=2, inputs=64, batch=32, steps=args.steps_tiny),
+        "tiny MLP": dict(
+            width=256, depth=2, inputs=64, batch=32, steps=args.steps_tiny, warmup=args.warmup
+        ),
         f"MLP width {args.width}": dict(
-            width=args.width, depth=args.depth, inputs=args.width, batch=64, steps=args.steps_medium
+            width=args.width,
+            depth=args.depth,
+            inputs=args.width,
+            batch=64,
+            steps=args.steps_medium,
+            warmup=2,  # a step here takes ~0.3 s: two reach the steady state
         ),
     }
     engine = tp.Engine("ddp")
@@ -64,58 +137,7 @@ def step_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
         fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy="ddp")
         fabric.launch()
     for group, shape in shapes.items():
-        torch.manual_seed(dist.get_rank())
-        x = torch.randn(shape["batch"], shape["inputs"])
-        y = torch.randint(0, 10, (shape["batch"],))
-
-        def model() -> torch.nn.Module:
-            return mlp(shape["width"], shape["depth"], shape["inputs"])
-
-        contestants: dict[str, Callable[[], None]] = {}
-        plain = DistributedDataParallel(model())
-        contestants["raw DDP"] = raw_step(plain, torch.optim.AdamW(plain.parameters()), x, y)
-
-        m = model()
-        m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
-
-        def engine_step(m: Any = m, o: Any = o) -> None:
-            loss = F.cross_entropy(m(x), y)
-            engine.backward(loss)
-            o.step()
-            o.zero_grad()
-
-        contestants["torchplug ddp"] = engine_step
-        if accelerator is not None:
-            m = model()
-            am, ao = accelerator.prepare(m, torch.optim.AdamW(m.parameters()))
-
-            def accelerate_step(m: Any = am, o: Any = ao) -> None:
-                loss = F.cross_entropy(m(x), y)
-                accelerator.backward(loss)
-                o.step()
-                o.zero_grad()
-
-            contestants["Accelerate"] = accelerate_step
-        if fabric is not None:
-            m = model()
-            fm, fo = fabric.setup(m, torch.optim.AdamW(m.parameters()))
-
-            def fabric_step(m: Any = fm, o: Any = fo) -> None:
-                loss = F.cross_entropy(m(x), y)
-                fabric.backward(loss)
-                o.step()
-                o.zero_grad()
-
-            contestants["Fabric"] = fabric_step
-        timed = {
-            name: (lambda s=s: time_steps(s, shape["steps"], args.warmup, barrier) * 1e3)
-            for name, s in contestants.items()
-        }
-        results = interleaved(timed, args.rounds, barrier)
-        base = results["raw DDP"]
-        for name, values in results.items():
-            target = {"max": 1.01} if name == "torchplug ddp" else None
-            records.append(record("step", group, name, "ms/step", values, base, "raw DDP", target))
+        _compare_frameworks(args, group, shape, engine, accelerator, fabric, records)
     engine.close()
 
 
@@ -267,18 +289,11 @@ def dispatch(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
     batch = torch.ones(4)
     device = engine.device
 
-    def per_call(fn: Callable[[], Any], n: int) -> Callable[[], float]:
-        def run() -> float:
-            for _ in range(max(n // 10, 1)):
-                fn()
-            barrier()
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            elapsed = time.perf_counter() - start
-            return elapsed / n * 1e6
-
-        return run
+    def block(fn: Callable[[], Any], n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - start) / n * 1e6
 
     pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any], int]] = {
         "engine.backward": (
@@ -290,23 +305,32 @@ def dispatch(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
         "engine.reduce": (raw_reduce, lambda: engine.reduce(t, "sum"), calls),
         "engine.place_batch": (lambda: batch.to(device), lambda: engine.place_batch(batch), calls),
     }
-    for name, (raw, wrapped, n) in pairs.items():
-        results = interleaved(
-            {"raw": per_call(raw, n), "engine": per_call(wrapped, n)}, args.rounds, barrier
+    # Raw and Engine calls alternate in short blocks (a load burst from another process then
+    # hits both sides of one difference alike); each round reports the median difference of
+    # its blocks, and the table the median over rounds.
+    blocks, size = 20, max(calls // 20, 10)
+    for name, (raw, wrapped, _) in pairs.items():
+        block(raw, size)
+        block(wrapped, size)  # warm-up
+        engine_us, raw_us, diffs = [], [], []
+        for _ in range(args.rounds):
+            pairs_us = [(block(raw, size), block(wrapped, size)) for _ in range(blocks)]
+            raw_us.append(statistics.median(r for r, _ in pairs_us))
+            engine_us.append(statistics.median(e for _, e in pairs_us))
+            diffs.append(statistics.median(e - r for r, e in pairs_us))
+        rec = record(
+            "dispatch",
+            "Engine call over the raw torch call (bf16 + one extension wrapper)",
+            name,
+            "µs/call",
+            engine_us,
+            raw_us,
+            "raw call",
+            {"max": 5.0},
+            mode="diff",
         )
-        records.append(
-            record(
-                "dispatch",
-                "Engine call over the raw torch call (bf16 + one extension wrapper)",
-                name,
-                "µs/call",
-                results["engine"],
-                results["raw"],
-                "raw call",
-                {"max": 5.0},
-                mode="diff",
-            )
-        )
+        rec["ratios"] = diffs
+        records.append(rec)
     engine.close()
 
 
@@ -324,7 +348,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps-tiny", type=int, default=200)
-    parser.add_argument("--steps-medium", type=int, default=15)
+    parser.add_argument("--steps-medium", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=9, help="hidden layers (9 x 1024: ~10M)")
     parser.add_argument("--calls", type=int, default=2000, help="calls per dispatch round")
