@@ -295,21 +295,20 @@ def dispatch(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
             fn()
         return (time.perf_counter() - start) / n * 1e6
 
-    pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any], int]] = {
+    pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "engine.backward": (
             lambda: (w_raw * 2).sum().backward(),
             lambda: engine.backward((w_tp * 2).sum()),
-            calls,
         ),
-        "optimizer.step": (opt_raw.step, opt_tp.step, calls),
-        "engine.reduce": (raw_reduce, lambda: engine.reduce(t, "sum"), calls),
-        "engine.place_batch": (lambda: batch.to(device), lambda: engine.place_batch(batch), calls),
+        "optimizer.step": (opt_raw.step, opt_tp.step),
+        "engine.reduce": (raw_reduce, lambda: engine.reduce(t, "sum")),
+        "engine.place_batch": (lambda: batch.to(device), lambda: engine.place_batch(batch)),
     }
     # Raw and Engine calls alternate in short blocks (a load burst from another process then
     # hits both sides of one difference alike); each round reports the median difference of
     # its blocks, and the table the median over rounds.
     blocks, size = 20, max(calls // 20, 10)
-    for name, (raw, wrapped, _) in pairs.items():
+    for name, (raw, wrapped) in pairs.items():
         block(raw, size)
         block(wrapped, size)  # warm-up
         engine_us, raw_us, diffs = [], [], []
@@ -351,7 +350,7 @@ def main() -> None:
     parser.add_argument("--steps-medium", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=9, help="hidden layers (9 x 1024: ~10M)")
-    parser.add_argument("--calls", type=int, default=2000, help="calls per dispatch round")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per dispatch round and side")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument(
         "--contestants",
