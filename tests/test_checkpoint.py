@@ -44,7 +44,11 @@ def test_manifest_records_run_and_files(saved_on_two_ranks):
     assert manifest["world_size"] == 2
     assert manifest["step"] == 3
     assert manifest["layout"] == "dcp"
-    assert set(manifest["files"]) == {"tensors/rank-0/__0_0.distcp"}  # no pickled .metadata
+    # no pickled .metadata; the replicated (DDP) tensors are shared out over both ranks' files
+    assert set(manifest["files"]) == {
+        "tensors/rank-0/__0_0.distcp",
+        "tensors/rank-1/__0_0.distcp",
+    }
     assert manifest["tensors"]["model/0.weight"]["shape"] == [16, 8]
     assert manifest["entries"]["step"] == {"kind": "value", "data": 3}
     assert manifest["entries"]["model"]["kind"] == "module"

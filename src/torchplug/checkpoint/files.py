@@ -47,11 +47,17 @@ def fsync(path: Path) -> None:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+    """The file's sha256 in hex. ``hashlib.file_digest`` (Python 3.11+) reads into one reused
+    buffer without a Python-level loop: a few percent faster than 1 MiB ``read()`` blocks, which
+    matters because verification is most of what a load costs over plain DCP."""
     with path.open("rb") as handle:
+        file_digest = getattr(hashlib, "file_digest", None)
+        if file_digest is not None:
+            return file_digest(handle, "sha256").hexdigest()
+        digest = hashlib.sha256()
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    return digest.hexdigest()
+        return digest.hexdigest()
 
 
 def resolve_target(path: str | os.PathLike[str]) -> Path:

@@ -122,11 +122,12 @@ def save(
                     found[0][key] = {"kind": kind, "data": mf.encode(payload, key, found[1])}
             entries.update(found[0])
             tensors.update(found[1])
+            return store.plain_sizes(tensors)
 
-        co.run("capturing state", take)
+        owners = store.assign(co.run("capturing state", take, share=True))
 
         def write() -> dict[str, Any]:
-            index = store.write(tmp, store.owned(tensors, engine.rank), engine.rank)
+            index = store.write(tmp, store.owned(tensors, engine.rank, owners), engine.rank)
             mine = tmp / mf.TENSORS / f"rank-{engine.rank}"
             described = _describe(tmp, mine) if mine.is_dir() else {}
             return {"index": index, "files": described}

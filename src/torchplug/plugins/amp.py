@@ -82,6 +82,16 @@ class MixedPrecision:
     def torchplug_autocast(self, engine: Engine) -> contextlib.AbstractContextManager[None]:
         return self.context()
 
+
+class ScaledMixedPrecision(MixedPrecision):
+    """fp16: autocast plus GradScaler loss scaling, through wrappers of backward, the optimizer
+    step and clipping.
+
+    Only fp16 gets these wrappers: in bf16 they would do nothing but still cost a generator
+    round trip in pluggy on every ``engine.backward`` and ``optimizer.step()`` (measured by
+    ``python -m benchmarks --only dispatch``).
+    """
+
     @hookimpl(wrapper=True)
     def torchplug_backward(
         self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
@@ -142,12 +152,17 @@ class MixedPrecision:
         return (yield)
 
 
+def make(precision: str, **options: Any) -> MixedPrecision:
+    """The precision plugin object for ``precision``: loss scaling only where fp16 needs it."""
+    return (ScaledMixedPrecision if precision == "fp16" else MixedPrecision)(precision, **options)
+
+
 @hookimpl
 def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> None:
     register(
         PrecisionInfo(
             name="amp",
-            factory=MixedPrecision,
+            factory=make,
             precisions=("bf16", "fp16"),
             description="torch.autocast; fp16 adds GradScaler loss scaling with skipped inf steps.",
             options=(

@@ -1,0 +1,150 @@
+"""Checkpoint save and load throughput on 2 ranks: torchplug's portable format against
+``torch.save``/``torch.load`` and plain ``torch.distributed.checkpoint`` (DCP).
+
+    python -m torch.distributed.run --nproc-per-node 2 -m benchmarks.checkpoint --out R.jsonl
+
+MB/s = the model's bytes over the wall time of the whole save (or load) on every rank. torchplug
+saves always hash every file (that is what its manifest records); its load is timed with the
+verification it always does, and once more with file hashing switched off in this process only
+(to show what verification costs). Reads come from the page cache: a freshly written checkpoint
+is still in memory here, as it would be when resuming right after a save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.nn.parallel import DistributedDataParallel
+
+import torchplug as tp
+from benchmarks.common import interleaved, mlp, record, write_records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=12, help="12 x 2048^2 fp32: ~200 MB")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    base = Path(args.dir or tempfile.gettempdir()) / f"torchplug-bench-ckpt-{os.getppid()}"
+    if rank == 0:
+        base.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+
+    engine = tp.Engine("ddp")
+    model = engine.setup(mlp(args.width, args.depth, args.width))
+    raw = DistributedDataParallel(mlp(args.width, args.depth, args.width))
+    nbytes = sum(p.numel() * p.element_size() for p in raw.module.parameters())
+    mb = nbytes / 1e6
+
+    def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+        def run() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            dist.barrier()
+            return mb / (time.perf_counter() - start)
+
+        return run
+
+    def torch_save() -> None:
+        if rank == 0:
+            path = base / "torch.pt"
+            torch.save(raw.module.state_dict(), path)
+            with open(path, "rb") as handle:  # as durable as the others: fsync'd
+                os.fsync(handle.fileno())
+
+    def torch_load() -> None:
+        state = torch.load(base / "torch.pt", weights_only=True, map_location="cpu")
+        raw.module.load_state_dict(state)
+
+    def dcp_save() -> None:
+        dcp.save(raw.module.state_dict(), checkpoint_id=base / "dcp")
+
+    def dcp_load() -> None:
+        state = raw.module.state_dict()
+        dcp.load(state, checkpoint_id=base / "dcp")
+
+    def tp_save() -> None:
+        engine.save(base / "torchplug", {"model": model})
+
+    def tp_load() -> None:
+        engine.load(base / "torchplug", {"model": model})
+
+    from torchplug.checkpoint import verify
+
+    def tp_load_unverified() -> None:
+        real = verify.check_files
+        verify.check_files = lambda *a, **k: None  # this benchmark process only
+        try:
+            engine.load(base / "torchplug", {"model": model})
+        finally:
+            verify.check_files = real
+
+    for fn in (torch_save, dcp_save, tp_save):  # files to load from, and a warm page cache
+        fn()
+    dist.barrier()
+    saves = interleaved(
+        {
+            "torch.save": timed(torch_save),
+            "plain DCP save": timed(dcp_save),
+            "torchplug save (sha256 + fsync + atomic rename)": timed(tp_save),
+        },
+        args.rounds,
+        dist.barrier,
+    )
+    loads = interleaved(
+        {
+            "torch.load": timed(torch_load),
+            "plain DCP load": timed(dcp_load),
+            "torchplug load (verified)": timed(tp_load),
+            "torchplug load (hashing off)": timed(tp_load_unverified),
+        },
+        args.rounds,
+        dist.barrier,
+    )
+    if rank == 0:
+        records = []
+        group = f"{mb:.0f} MB model, 2 ranks"
+        for results, base_name in ((saves, "plain DCP save"), (loads, "plain DCP load")):
+            for name, values in results.items():
+                target = {"min": 0.8} if "verified" in name or "sha256" in name else None
+                records.append(
+                    record(
+                        "checkpoint",
+                        group,
+                        name,
+                        "MB/s",
+                        values,
+                        results[base_name],
+                        base_name,
+                        target,
+                    )
+                )
+        write_records(args.out, records)
+        shutil.rmtree(base, ignore_errors=True)
+    with contextlib.suppress(Exception):
+        engine.close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""What every benchmark worker shares: models, interleaved timing, and the result records.
+
+A result record is one JSON object per measured contestant::
+
+    {"section": "step", "group": "tiny MLP, fp32", "name": "torchplug ddp",
+     "unit": "ms/step", "values": [...], "baseline": "raw DDP", "ratios": [...],
+     "target": {"kind": "ratio", "max": 1.01}}
+
+``values`` holds one number per round; ``ratios`` (when there is a baseline) the same round's
+value over the baseline's, so that drift of the machine between rounds cancels. The runner turns
+records into the Markdown table and the chart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def mlp(width: int, depth: int, inputs: int, classes: int = 10) -> torch.nn.Module:
+    """The same seeded MLP for every contestant (``depth`` hidden layers of ``width``)."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(inputs, width), torch.nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, classes))
+
+
+def record(
+    section: str,
+    group: str,
+    name: str,
+    unit: str,
+    values: Sequence[float],
+    baseline: Sequence[float] | None = None,
+    baseline_name: str | None = None,
+    target: dict[str, Any] | None = None,
+    *,
+    mode: str = "ratio",
+) -> dict[str, Any]:
+    """One result record; ``mode`` is ``ratio`` (value / baseline) or ``diff`` (value - baseline),
+    computed round by round."""
+    out: dict[str, Any] = {
+        "section": section,
+        "group": group,
+        "name": name,
+        "unit": unit,
+        "values": list(values),
+        "baseline": baseline_name,
+        "target": target,
+        "mode": mode,
+    }
+    if baseline is not None:
+        if mode == "ratio":
+            out["ratios"] = [v / b for v, b in zip(values, baseline, strict=True)]
+        else:
+            out["ratios"] = [v - b for v, b in zip(values, baseline, strict=True)]
+    return out
+
+
+def interleaved(
+    contestants: dict[str, Callable[[], float]], rounds: int, sync: Callable[[], None]
+) -> dict[str, list[float]]:
+    """Run every contestant once per round, in an order rotated each round, so that machine
+    drift and position in the round hit all alike. Each callable returns its own measurement."""
+    names = list(contestants)
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            sync()
+            results[name].append(contestants[name]())
+    return results
+
+
+def time_steps(step: Callable[[], Any], steps: int, warmup: int, sync: Callable[[], None]) -> float:
+    """Seconds per step in steady state: ``warmup`` steps first, not timed."""
+    for _ in range(warmup):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - start) / steps
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def write_records(path: str | os.PathLike[str], records: list[dict[str, Any]]) -> None:
+    """Append records to a JSON-lines file (each worker adds its own)."""
+    with Path(path).open("a") as handle:
+        for rec in records:
+            handle.write(json.dumps(rec) + "\n")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size in MiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,381 @@
+"""Step overhead and hook dispatch, every contestant in the same 2-rank job, interleaved.
+
+    python -m torch.distributed.run --nproc-per-node 2 -m benchmarks.steps --out R.jsonl
+
+(``python -m benchmarks`` runs it.) One process group (gloo) serves every contestant: raw torch
+DDP written by hand, torchplug ``ddp``, Accelerate's ``Accelerator`` and Lightning Fabric's
+``strategy="ddp"`` when installed; then torchplug ``fsdp`` against raw FSDP2, each precision
+against its raw autocast loop, and the cost of each Engine call over the raw torch call.
+Rank 0 appends the result records to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import torchplug as tp
+from benchmarks.common import interleaved, mlp, record, time_steps, write_records
+
+F = torch.nn.functional
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def raw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any) -> Callable:
+    def step() -> None:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _compare_frameworks(
+    args: argparse.Namespace,
+    group: str,
+    shape: dict[str, int],
+    engine: Any,
+    accelerator: Any,
+    fabric: Any,
+    records: list[dict[str, Any]],
+) -> None:
+    """One model shape: every framework's step on the same model, data and optimizer."""
+    torch.manual_seed(dist.get_rank())
+    steps = shape["steps"]
+    x = torch.randn(shape["batch"], shape["inputs"])
+    y = torch.randint(0, 10, (shape["batch"],))
+
+    def model() -> torch.nn.Module:
+        return mlp(shape["width"], shape["depth"], shape["inputs"])
+
+    contestants: dict[str, Callable[[], None]] = {}
+    plain = DistributedDataParallel(model())
+    contestants["raw DDP"] = raw_step(plain, torch.optim.AdamW(plain.parameters()), x, y)
+
+    m = model()
+    m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
+
+    def engine_step(m: Any = m, o: Any = o) -> None:
+        loss = F.cross_entropy(m(x), y)
+        engine.backward(loss)
+        o.step()
+        o.zero_grad()
+
+    contestants["torchplug ddp"] = engine_step
+    if accelerator is not None:
+        m = model()
+        am, ao = accelerator.prepare(m, torch.optim.AdamW(m.parameters()))
+
+        def accelerate_step(m: Any = am, o: Any = ao) -> None:
+            loss = F.cross_entropy(m(x), y)
+            accelerator.backward(loss)
+            o.step()
+            o.zero_grad()
+
+        contestants["Accelerate"] = accelerate_step
+    if fabric is not None:
+        m = model()
+        fm, fo = fabric.setup(m, torch.optim.AdamW(m.parameters()))
+
+        def fabric_step(m: Any = fm, o: Any = fo) -> None:
+            loss = F.cross_entropy(m(x), y)
+            fabric.backward(loss)
+            o.step()
+            o.zero_grad()
+
+        contestants["Fabric"] = fabric_step
+    timed = {
+        name: (lambda s=s: time_steps(s, steps, shape["warmup"], barrier) * 1e3)
+        for name, s in contestants.items()
+    }
+    results = interleaved(timed, args.rounds, barrier)
+    base = results["raw DDP"]
+    for name, values in results.items():
+        target = {"max": 1.01} if name == "torchplug ddp" else None
+        records.append(record("step", group, name, "ms/step", values, base, "raw DDP", target))
+
+
+def step_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    """Raw DDP, torchplug ddp, Accelerate and Fabric on the same model, data and optimizer."""
+    shapes = {
+        "tiny MLP": dict(
+            width=256, depth=2, inputs=64, batch=32, steps=args.steps_tiny, warmup=args.warmup
+        ),
+        f"MLP width {args.width}": dict(
+            width=args.width,
+            depth=args.depth,
+            inputs=args.width,
+            batch=64,
+            steps=args.steps_medium,
+            warmup=2,  # a step here takes ~0.3 s: two reach the steady state
+        ),
+    }
+    engine = tp.Engine("ddp")
+    accelerator = fabric = None
+    if "accelerate" in args.contestants:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+    if "fabric" in args.contestants:
+        from lightning_fabric import Fabric
+
+        fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy="ddp")
+        fabric.launch()
+    for group, shape in shapes.items():
+        _compare_frameworks(args, group, shape, engine, accelerator, fabric, records)
+    engine.close()
+
+
+def fsdp_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    """torchplug ``fsdp`` against ``fully_shard`` written by hand (root unit, as the default)."""
+    from torch.distributed.fsdp import fully_shard
+
+    width, depth = args.width // 2, args.depth
+    torch.manual_seed(dist.get_rank())
+    x, y = torch.randn(64, width), torch.randint(0, 10, (64,))
+    raw = fully_shard(mlp(width, depth, width))
+    raw_opt = torch.optim.AdamW(raw.parameters())
+    engine = tp.Engine("fsdp")
+    m = mlp(width, depth, width)
+    m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
+
+    def engine_step() -> None:
+        engine.backward(F.cross_entropy(m(x), y))
+        o.step()
+        o.zero_grad()
+
+    steps = max(args.steps_medium, 3)
+    results = interleaved(
+        {
+            "raw FSDP2": lambda: time_steps(raw_step(raw, raw_opt, x, y), steps, 2, barrier) * 1e3,
+            "torchplug fsdp": lambda: time_steps(engine_step, steps, 2, barrier) * 1e3,
+        },
+        args.rounds,
+        barrier,
+    )
+    group = f"MLP width {width}, fsdp"
+    base = results["raw FSDP2"]
+    for name, values in results.items():
+        target = {"max": 1.01} if name == "torchplug fsdp" else None
+        records.append(record("step", group, name, "ms/step", values, base, "raw FSDP2", target))
+    engine.close()
+
+
+def precision_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    """Each precision against its hand-written autocast (and GradScaler) DDP loop."""
+    torch.manual_seed(dist.get_rank())
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        plain = DistributedDataParallel(mlp(256, 2, 64))
+        opt = torch.optim.AdamW(plain.parameters())
+        scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+
+        def plain_step(
+            plain: Any = plain, opt: Any = opt, scaler: Any = scaler, dtype: Any = dtype
+        ) -> None:
+            with torch.autocast("cpu", dtype=dtype):
+                loss = F.cross_entropy(plain(x).float(), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+
+        engine = tp.Engine("ddp", precision=precision)
+        m = mlp(256, 2, 64)
+        m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
+
+        def engine_step(engine: Any = engine, m: Any = m, o: Any = o) -> None:
+            engine.backward(F.cross_entropy(m(x), y))
+            o.step()
+            o.zero_grad()
+
+        results = interleaved(
+            {
+                f"raw DDP + autocast {precision}": lambda s=plain_step: (
+                    time_steps(s, args.steps_tiny, args.warmup, barrier) * 1e3
+                ),
+                f"torchplug ddp {precision}": lambda s=engine_step: (
+                    time_steps(s, args.steps_tiny, args.warmup, barrier) * 1e3
+                ),
+            },
+            args.rounds,
+            barrier,
+        )
+        group = f"tiny MLP, {precision}"
+        base_name = f"raw DDP + autocast {precision}"
+        for name, values in results.items():
+            target = {"max": 1.02} if name.startswith("torchplug") else None
+            records.append(
+                record(
+                    "step", group, name, "ms/step", values, results[base_name], base_name, target
+                )
+            )
+        engine.close()
+
+
+class CountingExtension:
+    """One extension wrapper around every dispatched action hook (as a user's logger would be)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @tp.hookimpl(wrapper=True)
+    def torchplug_backward(self, engine: Any, loss: Any, model: Any) -> Generator[None, Any, Any]:
+        self.calls += 1
+        return (yield)
+
+    @tp.hookimpl(wrapper=True)
+    def torchplug_optimizer_step(
+        self, engine: Any, optimizer: Any, closure: Any
+    ) -> Generator[None, Any, Any]:
+        self.calls += 1
+        return (yield)
+
+    @tp.hookimpl(wrapper=True)
+    def torchplug_reduce(self, engine: Any, tensor: Any, op: str) -> Generator[None, Any, Any]:
+        self.calls += 1
+        return (yield)
+
+    @tp.hookimpl(wrapper=True)
+    def torchplug_place_batch(self, engine: Any, batch: Any) -> Generator[None, Any, Any]:
+        self.calls += 1
+        return (yield)
+
+
+def dispatch(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    """Microseconds per Engine call over the raw torch call it stands for (bf16 + one wrapper).
+
+    Each pair does the same work: ``engine.backward(loss)`` vs ``loss.backward()`` on a one-op
+    graph, ``optimizer.step()`` through the hook vs the raw SGD step, ``engine.reduce(t, "sum")``
+    vs ``clone`` + ``dist.all_reduce``, ``engine.place_batch`` vs ``tensor.to(device)``. The
+    runner starts this section on one rank: a gloo all-reduce between two loaded processes varies
+    by hundreds of µs from call to call, which would hide the few µs measured here (and on one
+    rank both sides skip the collective alike).
+    """
+    engine = tp.Engine("ddp", precision="bf16", plugins=[CountingExtension()])
+    calls = args.calls
+    w_raw = torch.zeros(4, requires_grad=True)
+    w_tp = torch.zeros(4, requires_grad=True)
+    opt_raw = torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1)
+    inner = torch.nn.Linear(4, 1)
+    _, opt_tp = engine.setup(inner, torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1))
+    t = torch.ones(4)
+
+    def raw_reduce() -> torch.Tensor:
+        result = t.detach().clone()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(result, op=dist.ReduceOp.SUM)
+        return result
+
+    batch = torch.ones(4)
+    device = engine.device
+
+    def block(fn: Callable[[], Any], n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - start) / n * 1e6
+
+    pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "engine.backward": (
+            lambda: (w_raw * 2).sum().backward(),
+            lambda: engine.backward((w_tp * 2).sum()),
+        ),
+        "optimizer.step": (opt_raw.step, opt_tp.step),
+        "engine.reduce": (raw_reduce, lambda: engine.reduce(t, "sum")),
+        "engine.place_batch": (lambda: batch.to(device), lambda: engine.place_batch(batch)),
+    }
+    # Raw and Engine calls alternate in short blocks (a load burst from another process then
+    # hits both sides of one difference alike); each round reports the median difference of
+    # its blocks, and the table the median over rounds.
+    blocks, size = 20, max(calls // 20, 10)
+    for name, (raw, wrapped) in pairs.items():
+        block(raw, size)
+        block(wrapped, size)  # warm-up
+        engine_us, raw_us, diffs = [], [], []
+        for _ in range(args.rounds):
+            pairs_us = [(block(raw, size), block(wrapped, size)) for _ in range(blocks)]
+            raw_us.append(statistics.median(r for r, _ in pairs_us))
+            engine_us.append(statistics.median(e for _, e in pairs_us))
+            diffs.append(statistics.median(e - r for r, e in pairs_us))
+        rec = record(
+            "dispatch",
+            "Engine call over the raw torch call (bf16 + one extension wrapper)",
+            name,
+            "µs/call",
+            engine_us,
+            raw_us,
+            "raw call",
+            {"max": 5.0},
+            mode="diff",
+        )
+        rec["ratios"] = diffs
+        records.append(rec)
+    engine.close()
+
+
+SECTIONS = {
+    "step": step_overhead,
+    "fsdp": fsdp_overhead,
+    "precision": precision_overhead,
+    "dispatch": dispatch,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON-lines file the records go to")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps-tiny", type=int, default=200)
+    parser.add_argument("--steps-medium", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=9, help="hidden layers (9 x 1024: ~10M)")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per dispatch round and side")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument(
+        "--contestants",
+        default="accelerate,fabric",
+        help="other frameworks to include when installed (accelerate, fabric)",
+    )
+    args = parser.parse_args()
+    wanted = {c for c in args.contestants.split(",") if c}
+    modules = {"accelerate": "accelerate", "fabric": "lightning_fabric"}
+    args.contestants = {c for c in wanted if importlib.util.find_spec(modules[c]) is not None}
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # 2 ranks on 2 cores: one thread each, as torchrun sets by default
+    dist.init_process_group("gloo")
+    records: list[dict[str, Any]] = []
+    for section in args.sections.split(","):
+        started = time.perf_counter()
+        SECTIONS[section](args, records)
+        if dist.get_rank() == 0:
+            print(f"[steps] {section} done in {time.perf_counter() - started:.1f} s", flush=True)
+    if dist.get_rank() == 0:
+        write_records(args.out, records)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    os._exit(0)  # skip the frameworks' exit handlers: every result is written
+
+
+if __name__ == "__main__":
+    main()
