@@ -168,7 +168,7 @@ class TensorParallelStrategy(FSDPStrategy):
             self.units = shard_units(model, self.shard_classes, 0)
             for unit in self.units:
                 fully_shard(unit, **kwargs)
-            fully_shard(model, **kwargs)
+            fully_shard(model, **{**kwargs, "reshard_after_forward": False})  # torch's root default
         _accept_full_tensors(engine, model)
         params = dict(model.named_parameters())
         for optimizer in optimizers:
