@@ -122,7 +122,12 @@ def train_with_model_plan() -> list[float]:
 def test_a_plan_that_matches_nothing_names_the_submodules():
     with tp.Engine("tp", tp_plan={"layers.*.q": "colwise"}) as engine:
         model = bodies.make_model()
-        with pytest.raises(tp.ConfigurationError, match=r"matches no submodule.*\['0', '1', '2'\]"):
+        with pytest.raises(tp.ConfigurationError, match=r"match no submodule.*\['0', '1', '2'\]"):
+            engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    typo = {**PLAN, "fc": "colwise"}
+    with tp.Engine("tp", tp_plan=typo) as engine:  # one typo among good entries is an error too
+        model = bodies.make_model()
+        with pytest.raises(tp.ConfigurationError, match=r"entries \['fc'\] match no submodule"):
             engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 

@@ -111,7 +111,8 @@ class TensorParallelStrategy(FSDPStrategy):
                 f"fsdp-tp needs dp_size × tp_size = the world size ({world}); got dp_size="
                 f"{self.dp_size}, tp_size={self.tp_size}. Pass sizes that multiply to {world}, "
                 f"e.g. Engine('fsdp-tp', dp_size={world // _divisor(world)}, "
-                f"tp_size={_divisor(world)})."
+                f"tp_size={_divisor(world)}) or torchplug launch --option "
+                f"tp_size={_divisor(world)}."
             )
         return dp, tp
 
@@ -154,12 +155,13 @@ class TensorParallelStrategy(FSDPStrategy):
             model = given(model, self.mesh["tp"]) or model
         else:
             plan = {name: _style(name, value) for name, value in given.items()}
-            matched = _check_plan(model, plan)
-            if not matched:
+            unmatched = [k for k, hits in _check_plan(model, plan).items() if not hits]
+            if unmatched:
                 raise ConfigurationError(
-                    f"tp_plan matches no submodule of {type(model).__name__}: "
-                    f"{sorted(plan)}. Submodule names look like "
-                    f"{[n for n, _ in model.named_modules() if n][:6]}."
+                    f"tp_plan entries {unmatched} match no submodule of "
+                    f"{type(model).__name__} (of {sorted(plan)}). Submodule names look like "
+                    f"{[n for n, _ in model.named_modules() if n][:6]}; '*' stands for one "
+                    f"name, e.g. 'layers.*.up'."
                 )
             parallelize_module(model, self.mesh["tp"], plan)
         if self.fsdp:
@@ -229,21 +231,20 @@ def _divisor(world: int) -> int:
     return size
 
 
-def _check_plan(model: torch.nn.Module, plan: dict[str, Any]) -> list[str]:
-    """The submodule names the plan's patterns match (``*`` is one name, as in torch)."""
+def _check_plan(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, list[str]]:
+    """The submodule names each pattern of the plan matches (``*`` is one name, as in torch)."""
     import fnmatch
 
     names = [n for n, _ in model.named_modules() if n]
-    matched = []
+    matched = {}
     for pattern in plan:
         parts = pattern.split(".")
-        hits = [
+        matched[pattern] = [
             n
             for n in names
             if len(n.split(".")) == len(parts)
             and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), parts, strict=True))
         ]
-        matched += hits
     return matched
 
 
