@@ -15,6 +15,19 @@ from typing import Any
 
 from torchplug.core.errors import ConfigurationError, did_you_mean
 
+
+def missing_package(requires: tuple[str, ...], install_hint: str) -> str | None:
+    """The first package of ``requires`` that is not installed, with how to install it."""
+    for module in requires:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"package '{module}' not installed — {install_hint or f'pip install {module}'}"
+    return None
+
+
 #: Canonical precision names and the spellings accepted for each.
 #: Accelerate's ``"no"`` / ``"bf16"`` / ``"fp16"`` and Fabric's ``"32-true"`` / ``"bf16-mixed"`` /
 #: ``"16-mixed"`` are spellings of these; Fabric's ``"*-true"`` low-precision modes (weights held in
@@ -190,14 +203,9 @@ class StrategyInfo:
         device = self.device_reason()
         if device is not None:
             return device
-        for module in self.requires:
-            try:
-                found = importlib.util.find_spec(module) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                hint = self.install_hint or f"pip install {module}"
-                return f"package '{module}' not installed — {hint}"
+        missing = missing_package(self.requires, self.install_hint)
+        if missing is not None:
+            return missing
         return self.check() if self.check is not None else None
 
     def device_reason(self) -> str | None:
@@ -298,15 +306,7 @@ class LoggerInfo:
 
     def unusable_reason(self) -> str | None:
         """Why this logger cannot run here (a missing package), or ``None``."""
-        for module in self.requires:
-            try:
-                found = importlib.util.find_spec(module) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                hint = self.install_hint or f"pip install {module}"
-                return f"package '{module}' not installed — {hint}"
-        return None
+        return missing_package(self.requires, self.install_hint)
 
     def with_provider(self, provider: str, distribution: str, version: str) -> LoggerInfo:
         return dataclasses.replace(

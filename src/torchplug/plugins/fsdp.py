@@ -97,13 +97,7 @@ class FSDPStrategy(DistributedStrategy):
         # raw FSDP2's step time in `python -m benchmarks`). torch keeps the root gathered by
         # default for that reason; so does torchplug.
         fully_shard(model, **{**kwargs, "reshard_after_forward": False})
-        _accept_full_tensors(engine, model)
-        params = dict(model.named_parameters())
-        for optimizer in optimizers:
-            rebind_optimizer(
-                optimizer, names, params, "fsdp replaces the model's parameters with shards"
-            )
-        return model, optimizers
+        return finish_wrap(engine, model, optimizers, names, "fsdp")
 
     @hookimpl
     def torchplug_compile(
@@ -134,6 +128,24 @@ class FSDPStrategy(DistributedStrategy):
 
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def finish_wrap(
+    engine: Engine,
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    names: dict[int, str],
+    strategy: str,
+) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+    """What every DTensor-sharding wrap ends with: plain state dicts accepted, and optimizers
+    pointed at the sharded parameters that replaced the ones they were made with."""
+    _accept_full_tensors(engine, model)
+    params = dict(model.named_parameters())
+    for optimizer in optimizers:
+        rebind_optimizer(
+            optimizer, names, params, f"{strategy} replaces the model's parameters with shards"
+        )
+    return model, optimizers
 
 
 def _accept_full_tensors(engine: Engine, model: torch.nn.Module) -> None:

@@ -29,8 +29,8 @@ from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import distributed_options, rebind_optimizer
-from torchplug.plugins.fsdp import FSDPStrategy, _accept_full_tensors, shard_units
+from torchplug.core.strategy import distributed_options
+from torchplug.plugins.fsdp import FSDPStrategy, finish_wrap, shard_units
 
 STYLES = ("colwise", "rowwise", "sequence")
 
@@ -171,11 +171,7 @@ class TensorParallelStrategy(FSDPStrategy):
             for unit in self.units:
                 fully_shard(unit, **kwargs)
             fully_shard(model, **{**kwargs, "reshard_after_forward": False})  # torch's root default
-        _accept_full_tensors(engine, model)
-        params = dict(model.named_parameters())
-        for optimizer in optimizers:
-            rebind_optimizer(optimizer, names, params, f"{self.name} replaces the parameters")
-        return model, optimizers
+        return finish_wrap(engine, model, optimizers, names, self.name)
 
     @hookimpl
     def torchplug_clip_grad_norm(
