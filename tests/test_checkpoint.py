@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import torchplug as tp
+from checkpoint_attacks import forge
 from reference import make_model, snapshot, train
 
 
@@ -55,7 +57,8 @@ def test_manifest_records_run_and_files(saved_on_two_ranks):
     assert manifest["entries"]["model"]["data"]["0.weight"] == {"__tensor__": "model/0.weight"}
     for name, info in manifest["files"].items():
         assert (Path(path) / name).stat().st_size == info["size"]
-        assert len(info["sha256"]) == 64
+        # hashed while written, so it must equal a hash of what is on disk
+        assert hashlib.sha256((Path(path) / name).read_bytes()).hexdigest() == info["sha256"]
     assert not [p for p in Path(path).parent.iterdir() if p.name.startswith(".")]
 
 
@@ -146,3 +149,61 @@ def test_unsaveable_object_gets_a_clear_error(tmp_path):
     with tp.Engine("single") as engine, pytest.raises(tp.CheckpointError, match="state_dict"):
         engine.save(tmp_path / "ckpt", {"thing": object()})
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_save_leaves_torch_save_crc_setting_as_it_was(tmp_path):
+    """The per-record crc32 is off only inside a save (the sha256 covers those files)."""
+    before = torch.serialization.get_crc32_options()
+    try:
+        for setting in (True, False):
+            torch.serialization.set_crc32_options(setting)
+            with tp.Engine("single") as engine:
+                engine.save(tmp_path / f"ckpt-{setting}", {"w": torch.ones(3)})
+            assert torch.serialization.get_crc32_options() is setting
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def test_tensors_read_raw_equal_what_was_saved_in_every_layout(tmp_path):
+    """Chunks are read straight from their stored bytes ("raw" in the index): a transposed view,
+    a slice of a larger storage, bf16, an empty tensor, and a target of another dtype all come
+    back equal; a checkpoint without "raw" (written before it existed) reads through DCP."""
+    base = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    saved = {
+        "transposed": base.t(),
+        "slice": base[1:3, 2:6],
+        "bf16": torch.randn(7, 3).to(torch.bfloat16),
+        "empty": torch.empty(0, 4),
+        "int": torch.arange(-5, 5, dtype=torch.int64),
+    }
+    with tp.Engine("single") as engine:
+        engine.save(tmp_path / "ckpt", dict(saved))
+        manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+        assert all("raw" in c for t in manifest["tensors"].values() for c in t["chunks"])
+        loaded = engine.load(tmp_path / "ckpt", {k: None for k in saved})
+        for key, value in saved.items():
+            assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+
+        # the same checkpoint without "raw": the DCP path gives the same tensors
+        def drop_raw(body: dict) -> None:
+            for meta in body["tensors"].values():
+                for chunk in meta["chunks"]:
+                    del chunk["raw"]
+
+        forge(tmp_path / "ckpt", drop_raw)
+        again = engine.load(tmp_path / "ckpt", {k: None for k in saved})
+        for key, value in saved.items():
+            assert torch.equal(again[key], value), key
+
+
+def test_a_module_loads_raw_into_another_dtype_and_layout(tmp_path):
+    """A target that cannot take the bytes in place (bf16 parameters, a checkpoint of fp32)
+    is filled through a temporary and cast, as DCP does."""
+    torch.manual_seed(0)
+    source = torch.nn.Linear(6, 4)
+    with tp.Engine("single") as engine:
+        engine.save(tmp_path / "ckpt", {"model": source})
+        target = torch.nn.Linear(6, 4).to(torch.bfloat16)
+        engine.load(tmp_path / "ckpt", {"model": target})
+    assert torch.equal(target.weight, source.weight.to(torch.bfloat16))
+    assert torch.equal(target.bias, source.bias.to(torch.bfloat16))

@@ -19,7 +19,7 @@ PHASES = {
     "prepare": (0, "torchplug.checkpoint.files.temporary_dir", "EACCES"),
     "capture": (1, "torchplug.checkpoint.io.capture", "EIO"),
     "write": (1, "torchplug.checkpoint.tensors.write", "ENOSPC"),
-    "hash": (1, "torchplug.checkpoint.files.sha256", "EIO"),
+    "hash": (1, "torchplug.checkpoint.io._describe", "EIO"),  # sizes, sha256s, fsync
     "commit": (0, "torchplug.checkpoint.files.swap_into_place", "EXDEV"),
 }
 

@@ -147,6 +147,18 @@ FORGERIES = {
         _set("tensors", "model/0.weight", "chunks", 0, "length", value=10**9),
         "a byte range inside its file",
     ),
+    "raw data before its chunk": (
+        _set("tensors", "model/0.weight", "chunks", 0, "raw", value=0),
+        r"chunks\[0\].raw",
+    ),
+    "raw data past its chunk": (
+        _set("tensors", "model/0.weight", "chunks", 0, "raw", value=10**9),
+        r"chunks\[0\].raw",
+    ),
+    "raw data as text": (
+        _set("tensors", "model/0.weight", "chunks", 0, "raw", value="0"),
+        r"chunks\[0\].raw",
+    ),
     "files renamed": (lambda body: body.update(filez=body.pop("files")), "'files' must be"),
     "module kind altered": (_set("entries", "model", "kind", value="modulf"), "kind 'modulf'"),
     "step of another type": (_set("step", value="3"), "'step'"),

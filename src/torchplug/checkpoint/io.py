@@ -127,9 +127,11 @@ def save(
         owners = store.assign(co.run("capturing state", take, share=True))
 
         def write() -> dict[str, Any]:
-            index = store.write(tmp, store.owned(tensors, engine.rank, owners), engine.rank)
+            index, digests = store.write(
+                tmp, store.owned(tensors, engine.rank, owners), engine.rank
+            )
             mine = tmp / mf.TENSORS / f"rank-{engine.rank}"
-            described = _describe(tmp, mine) if mine.is_dir() else {}
+            described = _describe(tmp, mine, digests=digests) if mine.is_dir() else {}
             return {"index": index, "files": described}
 
         written = co.run("writing tensors", write, share=True)
@@ -162,15 +164,22 @@ def save(
         raise
 
 
-def _describe(root: Path, below: Path, skip: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Size and sha256 of every file below ``below`` (fsynced on the way), by path from root."""
+def _describe(
+    root: Path,
+    below: Path,
+    skip: dict[str, Any] | None = None,
+    digests: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Size and sha256 of every file below ``below`` (fsynced on the way), by path from root.
+    ``digests`` holds the sha256 of files hashed while they were written (not read back)."""
     described = {}
     for path in sorted(p for p in below.rglob("*") if p.is_file()):
         name = path.relative_to(root).as_posix()
         if skip is not None and name in skip:
             continue
         fs.fsync(path)
-        described[name] = {"size": path.stat().st_size, "sha256": fs.sha256(path)}
+        digest = (digests or {}).get(name) or fs.sha256(path)
+        described[name] = {"size": path.stat().st_size, "sha256": digest}
     for directory in [below, *(p for p in below.rglob("*") if p.is_dir())]:
         fs.fsync(directory)
     return described

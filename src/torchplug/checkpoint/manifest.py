@@ -379,6 +379,15 @@ def _validate_tensor(name: str, meta: Any, files: Mapping[str, Any]) -> None:
             cw,
             f"a byte range large enough for its {n} elements",
         )
+        if "raw" in chunk:  # where the chunk's row-major bytes start (read without unzipping)
+            _expect(
+                _is_int(chunk["raw"])
+                and chunk["offset"] <= chunk["raw"]
+                and chunk["raw"] + n * _ITEMSIZE[meta["dtype"]]
+                <= chunk["offset"] + chunk["length"],
+                f"{cw}.raw",
+                "a byte position inside the chunk's byte range, with room for its elements",
+            )
         volume += n
         boxes.append((offsets, sizes))
     total = 1

@@ -12,6 +12,12 @@ in the manifest and stay inside the checkpoint directory.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
+import hashlib
+import io
+import struct
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -89,10 +95,78 @@ def owned(
     return mine
 
 
-def write(root: Path, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
-    """Write this rank's ``tensors`` under ``root/tensors/rank-N``; return their JSON index."""
+@contextlib.contextmanager
+def _without_record_crc32() -> Iterator[None]:
+    """torch.save's per-record crc32 costs about as much as writing the bytes (~2x a save's time
+    on a CPU host) and is never checked by ``torch.load``; every file torchplug writes is covered
+    by a sha256 that a load checks before reading, so the crc adds nothing here."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None:
+        yield
+        return
+    previous = get()
+    set_(False)
+    try:
+        yield
+    finally:
+        set_(previous)
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only file that hashes what passes through it, so a file is hashed while it is
+    written instead of being read back afterwards."""
+
+    def __init__(self, raw: Any, digest: Any) -> None:
+        super().__init__()
+        self._raw = raw
+        self._digest = digest
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._digest.update(data)
+        return self._raw.write(data)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:  # DCP fsyncs through it: what is buffered must reach the OS first
+        self._raw.flush()
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def _hashing_file_system(digests: dict[str, str]) -> Any:
+    """A DCP file system that records the sha256 of every file it writes in ``digests``."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            digest = hashlib.sha256()
+            with Path(path).open(mode) as raw:
+                yield _HashingStream(raw, digest)
+                raw.flush()
+            digests[Path(path).name] = digest.hexdigest()
+
+    return HashingFileSystem()
+
+
+def write(
+    root: Path, tensors: dict[str, torch.Tensor], rank: int
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Write this rank's ``tensors`` under ``root/tensors/rank-N``; return their JSON index and
+    the sha256 of each file written (by path from ``root``), taken while writing."""
     if not tensors:
-        return {}
+        return {}, {}
     import torch.distributed.checkpoint as dcp
 
     relative = f"{TENSORS}/rank-{rank}"
@@ -106,8 +180,10 @@ def write(root: Path, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, 
             self.metadata = metadata
 
     writer = IndexingWriter(directory, sync_files=True)
-    with _quiet_single_process():
-        dcp.save(tensors, storage_writer=writer, no_dist=True)
+    digests: dict[str, str] = {}
+    writer.fs = _hashing_file_system(digests)
+    with _quiet_single_process(), _without_record_crc32():
+        dcp.save(tensors, storage_writer=writer, planner=_contiguous_planner(), no_dist=True)
     metadata = writer.metadata
     kept = set()
     index: dict[str, Any] = {}
@@ -116,15 +192,18 @@ def write(root: Path, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, 
         for i, chunk in enumerate(meta.chunks):
             info = _storage(metadata.storage_data, name, chunk.offsets, i)
             kept.add(info.relative_path)
-            chunks.append(
-                {
-                    "offsets": list(chunk.offsets),
-                    "sizes": list(chunk.sizes),
-                    "file": f"{relative}/{info.relative_path}",
-                    "offset": info.offset,
-                    "length": info.length,
-                }
-            )
+            described = {
+                "offsets": list(chunk.offsets),
+                "sizes": list(chunk.sizes),
+                "file": f"{relative}/{info.relative_path}",
+                "offset": info.offset,
+                "length": info.length,
+            }
+            nbytes = chunk.sizes.numel() * meta.properties.dtype.itemsize
+            raw = _raw_offset(directory / info.relative_path, info.offset, info.length, nbytes)
+            if raw is not None:
+                described["raw"] = raw
+            chunks.append(described)
         index[name] = {
             "dtype": dtype_name(meta.properties.dtype),
             "shape": list(meta.size),
@@ -133,7 +212,99 @@ def write(root: Path, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, 
     for path in directory.iterdir():  # anything else DCP left (no pickled .metadata is written)
         if path.name not in kept:
             path.unlink()
-    return index
+    return index, {f"{relative}/{name}": digests[name] for name in kept if name in digests}
+
+
+def _contiguous_planner() -> Any:
+    """DCP's save planner, handing DCP every tensor contiguous, so each chunk's bytes are stored
+    in row-major order and a load can read them straight into place (see :func:`_raw_offset`)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class ContiguousSavePlanner(DefaultSavePlanner):
+        def transform_object(self, write_item: Any, object: Any) -> Any:
+            data = super().transform_object(write_item, object)
+            if isinstance(data, torch.Tensor) and not data.is_contiguous():
+                data = data.contiguous()
+            return data
+
+    return ContiguousSavePlanner()
+
+
+class _Slice(io.RawIOBase):
+    """A read-only view of ``length`` bytes at ``offset`` of an open file (for ``zipfile``)."""
+
+    def __init__(self, handle: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._start, self._length, self._pos = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._handle.seek(self._start + self._pos)
+        got = self._handle.readinto(view[:n])
+        self._pos += got
+        return got
+
+
+def _raw_offset(path: Path, offset: int, length: int, nbytes: int) -> int | None:
+    """Where in ``path`` the raw bytes of the tensor chunk stored at ``[offset, offset+length)``
+    begin, or None when they cannot be read raw.
+
+    DCP stores each chunk as a ``torch.save`` zip. Its one storage record holds the chunk's
+    bytes uncompressed; with a contiguous chunk (:func:`_contiguous_planner`), a little-endian
+    byte order and exactly ``nbytes`` bytes, those bytes are the chunk in row-major order, so a
+    load can read them into the target tensor in one copy instead of unzipping into a temporary
+    and copying again (what made loading slower than hashing the same bytes).
+    """
+    import zipfile
+
+    if sys.byteorder != "little":
+        return None
+    try:
+        with path.open("rb") as handle:
+            with zipfile.ZipFile(_Slice(handle, offset, length)) as archive:
+                names = archive.namelist()
+                storages = [n for n in names if n.rsplit("/", 2)[-2:-1] == ["data"]]
+                order = [n for n in names if n.endswith("/byteorder")]
+                if len(storages) != 1 or len(order) != 1:
+                    return None
+                info, order_info = archive.getinfo(storages[0]), archive.getinfo(order[0])
+            if any(i.compress_type != zipfile.ZIP_STORED for i in (info, order_info)):
+                return None
+            # read raw: torchplug writes without the per-record crc32, which zipfile would check
+            handle.seek(_member_start(handle, offset, order_info))
+            if info.file_size != nbytes or handle.read(order_info.file_size) != b"little":
+                return None
+            start = _member_start(handle, offset, info)
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError, struct.error):
+        return None
+    return start if start + nbytes <= offset + length else None
+
+
+def _member_start(handle: Any, offset: int, info: Any) -> int:
+    """Where a zip member's data begins: after its local header, name and extra field."""
+    handle.seek(offset + info.header_offset)
+    header = handle.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError("not a zip local file header")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return offset + info.header_offset + 30 + name_length + extra_length
 
 
 def _storage(storage_data: Mapping[Any, Any], name: str, offsets: Any, index: int) -> Any:
@@ -196,7 +367,95 @@ def reader(root: Path, index: Mapping[str, Any]) -> Any:
                 storage_meta=StorageMeta(load_id=self.load_id),
             )
 
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            from torch.distributed.checkpoint.planner import LoadItemType
+
+            direct = [
+                item
+                for item in plan.items
+                if item.type == LoadItemType.TENSOR and item.storage_index in raw_chunks
+            ]
+            if direct:
+                _read_raw(root, direct, raw_chunks, planner)
+            rest = [item for item in plan.items if item not in direct]
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+    raw_chunks: dict[Any, tuple[str, int, torch.Size, torch.dtype]] = {}
+    for name, meta in index.items():
+        for i, chunk in enumerate(meta["chunks"]):
+            if "raw" in chunk:
+                key = MetadataIndex(name, torch.Size(chunk["offsets"]), i)
+                raw_chunks[key] = (
+                    chunk["file"],
+                    chunk["raw"],
+                    torch.Size(chunk["sizes"]),
+                    DTYPES[meta["dtype"]],
+                )
     return IndexedReader(root)
+
+
+def _read_raw(
+    root: Path,
+    items: list[Any],
+    raw_chunks: Mapping[Any, tuple[str, int, torch.Size, torch.dtype]],
+    planner: Any,
+) -> None:
+    """Read chunks whose bytes are stored raw: straight into the target when it is the whole
+    chunk, contiguous and of the same dtype on the CPU; otherwise into a temporary, then the
+    requested part is copied (resharding, casting, a device)."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    by_file: dict[str, list[Any]] = {}
+    for item in items:
+        by_file.setdefault(raw_chunks[item.storage_index][0], []).append(item)
+    for name, wanted in by_file.items():
+        path = confined(root, name, "a tensor chunk refers to file")
+        wanted.sort(key=lambda item: raw_chunks[item.storage_index][1])
+        with path.open("rb", buffering=0) as handle:
+            for item in wanted:
+                _, start, sizes, dtype = raw_chunks[item.storage_index]
+                target = planner.resolve_tensor(item).detach()
+                whole = list(item.storage_offsets) == [0] * len(sizes) and list(
+                    item.lengths
+                ) == list(sizes)
+                in_place = (
+                    whole
+                    and target.device.type == "cpu"
+                    and target.dtype == dtype
+                    and target.is_contiguous()
+                    and target.shape == sizes
+                    and not target.is_conj()
+                    and not target.is_neg()
+                )
+                into = target if in_place else torch.empty(sizes, dtype=dtype)
+                _fill(handle, start, into, path)
+                if not in_place:
+                    part = narrow_tensor_by_index(into, item.storage_offsets, item.lengths)
+                    if part.shape != target.shape:
+                        raise CheckpointError(
+                            f"Checkpoint {root}: chunk of {item.storage_index.fqn} has shape "
+                            f"{tuple(part.shape)} where {tuple(target.shape)} is expected."
+                        )
+                    target.copy_(part)
+                planner.commit_tensor(item, target)
+
+
+def _fill(handle: Any, start: int, tensor: torch.Tensor, path: Path) -> None:
+    """Read ``tensor.nbytes`` bytes at ``start`` into a contiguous CPU tensor's memory."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return
+    view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    handle.seek(start)
+    done = 0
+    while done < nbytes:
+        got = handle.readinto(view[done:])
+        if not got:
+            raise CheckpointError(
+                f"Checkpoint file {path} ends before the tensor data it should hold: it was "
+                f"truncated. Load an earlier checkpoint."
+            )
+        done += got
 
 
 def read(root: Path, index: Mapping[str, Any], targets: dict[str, torch.Tensor]) -> None:
