@@ -207,3 +207,28 @@ def test_a_module_loads_raw_into_another_dtype_and_layout(tmp_path):
         engine.load(tmp_path / "ckpt", {"model": target})
     assert torch.equal(target.weight, source.weight.to(torch.bfloat16))
     assert torch.equal(target.bias, source.bias.to(torch.bfloat16))
+
+
+def save_twice(path: str) -> dict:
+    with tp.Engine("ddp") as engine:
+        model = engine.setup(make_model())
+        engine.save(path, {"model": model, "step": 1})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        engine.save(path, {"model": model, "step": 2})
+        state = {"step": 0}
+        engine.load(path, state)
+        weight = model.state_dict()["0.weight"].clone()
+        engine.load(path, {"model": model})
+        return {
+            "step": state["step"],
+            "same": torch.equal(model.state_dict()["0.weight"], weight),
+            "left": sorted(p.name for p in Path(path).parent.iterdir()),
+        }
+
+
+def test_a_replaced_checkpoint_is_removed_by_every_rank(ranks, tmp_path):
+    """Each rank removes its own files of the checkpoint it replaces; nothing is left over."""
+    for result in ranks.run(save_twice, str(tmp_path / "run")):
+        assert result == {"step": 2, "same": True, "left": ["run"]}

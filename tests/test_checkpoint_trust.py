@@ -148,7 +148,7 @@ FORGERIES = {
         "a byte range inside its file",
     ),
     "raw data before its chunk": (
-        _set("tensors", "model/0.weight", "chunks", 0, "raw", value=0),
+        _set("tensors", "model/0.weight", "chunks", 0, "raw", value=-1),
         r"chunks\[0\].raw",
     ),
     "raw data past its chunk": (

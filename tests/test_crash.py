@@ -32,12 +32,12 @@ SAVER = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         real_fsync(p)
 
-    def swap(tmp, final):
+    def swap(tmp, final, **options):
         global before_swap
         before_swap = calls if before_swap is None else before_swap
         if armed and kill_at == 0:
             os.kill(os.getpid(), signal.SIGKILL)
-        real_swap(tmp, final)
+        return real_swap(tmp, final, **options)
 
     fs.fsync, fs.swap_into_place = fsync, swap
     with tp.Engine("single") as engine:

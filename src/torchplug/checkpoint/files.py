@@ -109,11 +109,13 @@ def _exchange(a: Path, b: Path) -> bool:
     return result == 0
 
 
-def swap_into_place(tmp: Path, final: Path) -> None:
-    """Make ``tmp`` the checkpoint at ``final`` in one step; the old one is removed after.
+def swap_into_place(tmp: Path, final: Path, *, remove_old: bool = True) -> Path | None:
+    """Make ``tmp`` the checkpoint at ``final`` in one step.
 
-    Once the new checkpoint is in place the save has happened: failing to remove the old one is a
-    warning, not an error.
+    The previous checkpoint is removed after (``remove_old``), or its new location is returned
+    for the caller to remove (every rank removing the files it wrote: removing a large checkpoint
+    costs about as much as writing it). Once the new checkpoint is in place the save has
+    happened: failing to remove the old one is a warning, not an error.
     """
     if not final.exists():
         os.rename(tmp, final)
@@ -125,15 +127,24 @@ def swap_into_place(tmp: Path, final: Path) -> None:
         os.rename(final, old)
         os.rename(tmp, final)
     fsync(final.parent)
-    if old is not None:
-        try:
-            shutil.rmtree(old)
-        except OSError as exc:
-            warnings.warn(
-                f"The checkpoint at {final} was saved, but the previous one left at {old} could "
-                f"not be removed ({describe_os_error(exc)}); remove it by hand.",
-                stacklevel=3,
-            )
+    if old is not None and remove_old:
+        remove_previous(old, final)
+        return None
+    return old
+
+
+def remove_previous(old: Path, final: Path) -> None:
+    """Remove (part of) a replaced checkpoint; a failure is a warning (the save has happened)."""
+    try:
+        shutil.rmtree(old)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        warnings.warn(
+            f"The checkpoint at {final} was saved, but the previous one left at {old} could "
+            f"not be removed ({describe_os_error(exc)}); remove it by hand.",
+            stacklevel=3,
+        )
 
 
 def confined(root: Path, name: object, what: str) -> Path:

@@ -4,7 +4,8 @@ A save runs four phases, each ended by an agreement between ranks
 (:class:`~torchplug.checkpoint.coordinate.Coordinator`): *arrive* (every rank is here, for the same
 path; rank 0 makes the temporary directory), *capture* (each entry's state through the strategy's
 state hooks), *write* (each rank writes the tensors it owns and hashes its own files), *commit*
-(rank 0 writes the manifest and swaps the directory into place). A load runs *arrive* (every rank
+(rank 0 writes the manifest and swaps the directory into place); then each rank removes its own
+files of the checkpoint that was replaced. A load runs *arrive* (every rank
 reads and checks the same manifest), *verify* (each file hashed by one rank) and *read*. A failure
 in any phase on any rank raises a CheckpointError on every rank at the end of that phase.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -136,9 +138,9 @@ def save(
 
         written = co.run("writing tensors", write, share=True)
 
-        def commit() -> None:
+        def commit() -> str | None:
             if not engine.is_main:
-                return
+                return None
             described: dict[str, Any] = {}
             for part in written:
                 described.update(part["files"])
@@ -155,13 +157,28 @@ def save(
             )
             verify.sign(body, engine.checkpoint_key)
             _write_manifest(tmp, body)
-            fs.swap_into_place(tmp, final)
+            old = fs.swap_into_place(tmp, final, remove_old=False)
+            return old.name if old is not None else None
 
-        co.run("committing", commit)
+        old_name = co.run("committing", commit, share=True)[0]
     except BaseException:
         if engine.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old_name is not None:
+        _remove_previous(engine, co, final.parent / old_name, final)
+
+
+def _remove_previous(engine: Engine, co: Coordinator, old: Path, final: Path) -> None:
+    """Every rank removes the tensor files its rank wrote into the replaced checkpoint, at the
+    same time; rank 0 then removes the rest. The save has happened: nothing here raises."""
+    fs.remove_previous(old / mf.TENSORS / f"rank-{engine.rank}", final)
+    try:
+        co.run("removing the previous checkpoint", lambda: None)
+    except CheckpointError as exc:
+        warnings.warn(f"The checkpoint at {final} was saved; {exc}", stacklevel=3)
+    if engine.is_main:
+        fs.remove_previous(old, final)
 
 
 def _describe(
