@@ -17,10 +17,23 @@ from typing import Any
 import torch
 
 from torchplug.core import cluster as cluster_mod
-from torchplug.core import config, faults, manager
+from torchplug.core import config, dispatch, faults, manager
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.nested import map_tensors
 from torchplug.core.registry import StrategyInfo, normalize_precision, resolve_options
+
+#: Hooks called on every training step: resolved once per Engine (see :mod:`.dispatch`).
+_PER_STEP = (
+    "torchplug_backward",
+    "torchplug_optimizer_step",
+    "torchplug_reduce",
+    "torchplug_gather",
+    "torchplug_place_batch",
+    "torchplug_clip_grad_norm",
+    "torchplug_no_sync",
+    "torchplug_autocast",
+    "torchplug_barrier",
+)
 
 
 @dataclass(frozen=True)
@@ -163,6 +176,11 @@ class Engine:
             manager.register_checked(self._pm, plugin)
         self.plugins = tuple(active)
         self.hook = self._pm.hook
+        # the per-step hooks, resolved once (the plugin set is fixed from here on); called with
+        # their arguments in the specification's order
+        self._call = types.SimpleNamespace(
+            **{name: dispatch.resolve(self._pm, name, self._pm.tracing) for name in _PER_STEP}
+        )
         self._undo: list[Callable[[], None]] = []
         self._check_contract()
 
@@ -473,12 +491,11 @@ class Engine:
                 return None
             inside = True
             try:
-                stepped = engine.hook.torchplug_optimizer_step(
-                    engine=engine, optimizer=opt, closure=closure
-                )
+                stepped = engine._call.torchplug_optimizer_step(engine, opt, closure)
             finally:
                 inside = False
-            engine._answer("torchplug_optimizer_step", stepped, bool, "True (stepped) or False")
+            if stepped is not True and stepped is not False:
+                engine._answer("torchplug_optimizer_step", stepped, bool, "True (stepped) or False")
             opt.step_was_skipped = stepped is False
             return None
 
@@ -587,7 +604,7 @@ class Engine:
 
     def place_batch(self, batch: Any) -> Any:
         """Put a batch where the backend wants it (device, and sharding for SPMD backends)."""
-        return self.hook.torchplug_place_batch(engine=self, batch=batch)
+        return self._call.torchplug_place_batch(self, batch)
 
     # -- training step ----------------------------------------------------------------------------
 
@@ -599,8 +616,9 @@ class Engine:
         """
         if self._accumulating is not None:
             loss = loss / self._accumulating[0]
-        done = self.hook.torchplug_backward(engine=self, loss=loss, model=model)
-        self._answer("torchplug_backward", done, bool, "True")
+        done = self._call.torchplug_backward(self, loss, model)
+        if done is not True:  # the answer expected, checked without a call
+            self._answer("torchplug_backward", done, bool, "True")
 
     def clip_grad_norm_(
         self,
@@ -610,9 +628,7 @@ class Engine:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
         """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm."""
-        norm = self.hook.torchplug_clip_grad_norm(
-            engine=self, model=model, optimizer=optimizer, max_norm=max_norm, norm_type=norm_type
-        )
+        norm = self._call.torchplug_clip_grad_norm(self, model, optimizer, max_norm, norm_type)
         return self._answer("torchplug_clip_grad_norm", norm, torch.Tensor, "the total norm")
 
     @contextlib.contextmanager
@@ -621,7 +637,7 @@ class Engine:
         if not enabled:
             yield
             return
-        context = self.hook.torchplug_no_sync(engine=self, model=model)
+        context = self._call.torchplug_no_sync(self, model)
         self._answer(
             "torchplug_no_sync", context, contextlib.AbstractContextManager, "a context manager"
         )
@@ -690,7 +706,7 @@ class Engine:
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Apply the active precision to code outside the model's forward (e.g. the loss)."""
-        context = self.hook.torchplug_autocast(engine=self)
+        context = self._call.torchplug_autocast(self)
         return self._answer(
             "torchplug_autocast", context, contextlib.AbstractContextManager, "a context manager"
         )
@@ -712,18 +728,14 @@ class Engine:
             )
         tensor = self._as_tensor(tensor)
         self._check_collective(f"reduce({op})", tensor)
-        result = self._guarded(
-            "reduce", lambda: self.hook.torchplug_reduce(engine=self, tensor=tensor, op=op)
-        )
+        result = self._guarded("reduce", lambda: self._call.torchplug_reduce(self, tensor, op))
         return self._answer("torchplug_reduce", result, torch.Tensor, "a tensor")
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
         """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``."""
         tensor = self._as_tensor(tensor)
         self._check_collective("gather", tensor)
-        result = self._guarded(
-            "gather", lambda: self.hook.torchplug_gather(engine=self, tensor=tensor)
-        )
+        result = self._guarded("gather", lambda: self._call.torchplug_gather(self, tensor))
         return self._answer("torchplug_gather", result, torch.Tensor, "a tensor")
 
     def gather_for_metrics(self, data: Any, padding: int | None = None) -> Any:
@@ -830,7 +842,7 @@ class Engine:
     def barrier(self) -> None:
         """Wait until every rank arrives here."""
         self._check_collective("barrier", None)
-        done = self._guarded("barrier", lambda: self.hook.torchplug_barrier(engine=self))
+        done = self._guarded("barrier", lambda: self._call.torchplug_barrier(self))
         self._answer("torchplug_barrier", done, bool, "True")
 
     def _check_collective(self, op: str, tensor: torch.Tensor | None) -> None:
