@@ -35,7 +35,7 @@ from benchmarks.common import interleaved, mlp, record, write_records
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=12, help="12 x 2048^2 fp32: ~200 MB")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
