@@ -187,28 +187,35 @@ def write(
     metadata = writer.metadata
     kept = set()
     index: dict[str, Any] = {}
-    for name, meta in metadata.state_dict_metadata.items():
-        chunks = []
-        for i, chunk in enumerate(meta.chunks):
-            info = _storage(metadata.storage_data, name, chunk.offsets, i)
-            kept.add(info.relative_path)
-            described = {
-                "offsets": list(chunk.offsets),
-                "sizes": list(chunk.sizes),
-                "file": f"{relative}/{info.relative_path}",
-                "offset": info.offset,
-                "length": info.length,
+    handles: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        for name, meta in metadata.state_dict_metadata.items():
+            chunks = []
+            for i, chunk in enumerate(meta.chunks):
+                info = _storage(metadata.storage_data, name, chunk.offsets, i)
+                kept.add(info.relative_path)
+                described = {
+                    "offsets": list(chunk.offsets),
+                    "sizes": list(chunk.sizes),
+                    "file": f"{relative}/{info.relative_path}",
+                    "offset": info.offset,
+                    "length": info.length,
+                }
+                nbytes = chunk.sizes.numel() * meta.properties.dtype.itemsize
+                if info.relative_path not in handles:  # each file opened once
+                    handles[info.relative_path] = stack.enter_context(
+                        (directory / info.relative_path).open("rb")
+                    )
+                handle = handles[info.relative_path]
+                raw = _raw_offset(handle, info.offset, info.length, nbytes)
+                if raw is not None:
+                    described["raw"] = raw
+                chunks.append(described)
+            index[name] = {
+                "dtype": dtype_name(meta.properties.dtype),
+                "shape": list(meta.size),
+                "chunks": chunks,
             }
-            nbytes = chunk.sizes.numel() * meta.properties.dtype.itemsize
-            raw = _raw_offset(directory / info.relative_path, info.offset, info.length, nbytes)
-            if raw is not None:
-                described["raw"] = raw
-            chunks.append(described)
-        index[name] = {
-            "dtype": dtype_name(meta.properties.dtype),
-            "shape": list(meta.size),
-            "chunks": chunks,
-        }
     for path in directory.iterdir():  # anything else DCP left (no pickled .metadata is written)
         if path.name not in kept:
             path.unlink()
@@ -262,9 +269,9 @@ class _Slice(io.RawIOBase):
         return got
 
 
-def _raw_offset(path: Path, offset: int, length: int, nbytes: int) -> int | None:
-    """Where in ``path`` the raw bytes of the tensor chunk stored at ``[offset, offset+length)``
-    begin, or None when they cannot be read raw.
+def _raw_offset(handle: Any, offset: int, length: int, nbytes: int) -> int | None:
+    """Where in the file open as ``handle`` the raw bytes of the tensor chunk stored at
+    ``[offset, offset+length)`` begin, or None when they cannot be read raw.
 
     DCP stores each chunk as a ``torch.save`` zip. Its one storage record holds the chunk's
     bytes uncompressed; with a contiguous chunk (:func:`_contiguous_planner`), a little-endian
@@ -277,21 +284,20 @@ def _raw_offset(path: Path, offset: int, length: int, nbytes: int) -> int | None
     if sys.byteorder != "little":
         return None
     try:
-        with path.open("rb") as handle:
-            with zipfile.ZipFile(_Slice(handle, offset, length)) as archive:
-                names = archive.namelist()
-                storages = [n for n in names if n.rsplit("/", 2)[-2:-1] == ["data"]]
-                order = [n for n in names if n.endswith("/byteorder")]
-                if len(storages) != 1 or len(order) != 1:
-                    return None
-                info, order_info = archive.getinfo(storages[0]), archive.getinfo(order[0])
-            if any(i.compress_type != zipfile.ZIP_STORED for i in (info, order_info)):
+        with zipfile.ZipFile(_Slice(handle, offset, length)) as archive:
+            names = archive.namelist()
+            storages = [n for n in names if n.rsplit("/", 2)[-2:-1] == ["data"]]
+            order = [n for n in names if n.endswith("/byteorder")]
+            if len(storages) != 1 or len(order) != 1:
                 return None
-            # read raw: torchplug writes without the per-record crc32, which zipfile would check
-            handle.seek(_member_start(handle, offset, order_info))
-            if info.file_size != nbytes or handle.read(order_info.file_size) != b"little":
-                return None
-            start = _member_start(handle, offset, info)
+            info, order_info = archive.getinfo(storages[0]), archive.getinfo(order[0])
+        if any(i.compress_type != zipfile.ZIP_STORED for i in (info, order_info)):
+            return None
+        # read raw: torchplug writes without the per-record crc32, which zipfile would check
+        handle.seek(_member_start(handle, offset, order_info))
+        if info.file_size != nbytes or handle.read(order_info.file_size) != b"little":
+            return None
+        start = _member_start(handle, offset, info)
     except (OSError, zipfile.BadZipFile, KeyError, ValueError, struct.error):
         return None
     return start if start + nbytes <= offset + length else None
