@@ -1,14 +1,15 @@
 """Run every benchmark side by side and write the Markdown table and the chart.
 
-    python -m benchmarks                       # everything (tox -e bench), ~10 min on 2 cores
-    python -m benchmarks --smoke               # tiny sizes, 2 rounds: does it still work?
+    python -m benchmarks                       # everything (tox -e bench), ~7 min on 2 cores
+    python -m benchmarks --smoke               # tiny sizes, few rounds: does it still work?
     python -m benchmarks --only step,import    # some sections
 
 Each section runs its contestants in the same job, interleaved round by round, so machine drift
 hits all alike; the table shows the median over rounds of each round's ratio (or difference) to
 the baseline, with the min-max range, and PASS/FAIL against the project's targets. Accelerate
 and Lightning Fabric join when installed (``pip install -r benchmarks/requirements.txt``).
-Output: ``benchmarks/results/results.md``, ``results.jsonl`` and ``results.png``.
+Output: ``benchmarks/results/results.md``, ``results.jsonl`` and ``results.png`` (a full run);
+``--smoke`` and ``--only`` runs write under ``benchmarks/results/smoke`` or ``/partial``.
 """
 
 from __future__ import annotations
@@ -72,10 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 rounds (CI)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds (CI)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 9; smoke 2)")
     parser.add_argument("--only", default=None, help=f"comma list of {', '.join(SECTIONS)}")
-    parser.add_argument("--out", default=str(ROOT / "results"), help="output directory")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: benchmarks/results for a full run, the table the "
+        "README shows; benchmarks/results/smoke or /partial for --smoke or --only runs, which "
+        "git ignores, so they never overwrite it)",
+    )
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib)")
     args = parser.parse_args(argv)
     sections = args.only.split(",") if args.only else list(SECTIONS)
@@ -84,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
     smoke = args.smoke
     rounds = args.rounds or (2 if smoke else 9)
-    out = Path(args.out)
+    if args.out is not None:
+        out = Path(args.out)
+    else:
+        out = ROOT / "results" / ("smoke" if smoke else "partial" if args.only else "")
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "results.jsonl"
     jsonl.unlink(missing_ok=True)
@@ -206,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             report.chart(records, out / "results.png")
         except ImportError:
             print("(no chart: matplotlib is not installed)")
+    print(f"written to {out}{os.sep}")
     for failure in failures:
         print(f"section failed: {failure[:2000]}", file=sys.stderr)
     failed_targets = [r for r in records if report.verdict(r) == "FAIL"]

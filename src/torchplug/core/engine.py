@@ -891,7 +891,10 @@ class Engine:
     def full_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> dict[str, Any]:
-        """Unsharded model (and optimizer) state by parameter name, on every rank, on the CPU.
+        """Unsharded model (and optimizer) state by parameter name, on every rank, on the CPU:
+        ``{"model": {name: tensor}, "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
+        "param_groups": [{..., "params": [names]}]}}`` (``"optimizer"`` only when given). The
+        same under every strategy, so two runs compare with ``torch.equal`` key by key.
 
         A collective under sharding strategies: call it on every rank.
         """

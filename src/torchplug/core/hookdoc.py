@@ -235,7 +235,8 @@ def render() -> str:
         "- **firstresult hooks** have one answer: the first implementation returning something "
         "other than `None`. Wrappers (`@hookimpl(wrapper=True)`) surround it; a wrapper cannot "
         "skip the backend (it must `yield` exactly once), but it may change the answer, e.g. "
-        "return `False` from `torchplug_optimizer_step` to report a skipped step.",
+        "return `False` from `torchplug_optimizer_step` to report a skipped step (the update "
+        "itself is skipped with `engine.skipping_updates`).",
         "- **Order**: the last registered implementation runs first; `tryfirst`/`trylast` "
         "change that. torchplug's defaults are `trylast`.",
         "- **Which ranks**: every strategy hook runs on every rank; the collectives (reduce, "

@@ -89,6 +89,7 @@ class FSDPStrategy(DistributedStrategy):
         if not self.cpu_offload and not any(p.is_meta for p in model.parameters()):
             model = model.to(engine.device)
         kwargs = self._fully_shard_kwargs(engine)
+        make_contiguous(model)
         self.units = shard_units(model, self.shard_classes, self.min_params)
         for unit in self.units:
             fully_shard(unit, **kwargs)
@@ -128,6 +129,16 @@ class FSDPStrategy(DistributedStrategy):
 
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def make_contiguous(model: torch.nn.Module) -> None:
+    """Give non-contiguous parameters (a transposed weight, ``nn.Parameter(w.t())``) a contiguous
+    layout, same values, same Parameter objects: FSDP2 refuses them ("FSDP does not support
+    non-contiguous parameters yet"), while every other strategy takes them, so the same script
+    would fail under fsdp only."""
+    for param in model.parameters():
+        if not param.is_contiguous():
+            param.data = param.data.contiguous()
 
 
 def finish_wrap(

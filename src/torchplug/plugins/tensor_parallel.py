@@ -30,7 +30,7 @@ from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
 from torchplug.core.strategy import distributed_options
-from torchplug.plugins.fsdp import FSDPStrategy, finish_wrap, shard_units
+from torchplug.plugins.fsdp import FSDPStrategy, finish_wrap, make_contiguous, shard_units
 
 STYLES = ("colwise", "rowwise", "sequence")
 
@@ -167,6 +167,7 @@ class TensorParallelStrategy(FSDPStrategy):
         if self.fsdp:
             kwargs = self._fully_shard_kwargs(engine)
             kwargs["mesh"] = self.mesh["dp"]
+            make_contiguous(model)
             self.units = shard_units(model, self.shard_classes, 0)
             for unit in self.units:
                 fully_shard(unit, **kwargs)
