@@ -187,39 +187,47 @@ def write(
     metadata = writer.metadata
     kept = set()
     index: dict[str, Any] = {}
-    handles: dict[str, Any] = {}
-    with contextlib.ExitStack() as stack:
-        for name, meta in metadata.state_dict_metadata.items():
-            chunks = []
-            for i, chunk in enumerate(meta.chunks):
-                info = _storage(metadata.storage_data, name, chunk.offsets, i)
-                kept.add(info.relative_path)
-                described = {
+    for name, meta in metadata.state_dict_metadata.items():
+        chunks = []
+        for i, chunk in enumerate(meta.chunks):
+            info = _storage(metadata.storage_data, name, chunk.offsets, i)
+            kept.add(info.relative_path)
+            chunks.append(
+                {
                     "offsets": list(chunk.offsets),
                     "sizes": list(chunk.sizes),
                     "file": f"{relative}/{info.relative_path}",
                     "offset": info.offset,
                     "length": info.length,
                 }
-                nbytes = chunk.sizes.numel() * meta.properties.dtype.itemsize
-                if info.relative_path not in handles:  # each file opened once
-                    handles[info.relative_path] = stack.enter_context(
-                        (directory / info.relative_path).open("rb")
-                    )
-                handle = handles[info.relative_path]
-                raw = _raw_offset(handle, info.offset, info.length, nbytes)
-                if raw is not None:
-                    described["raw"] = raw
-                chunks.append(described)
-            index[name] = {
-                "dtype": dtype_name(meta.properties.dtype),
-                "shape": list(meta.size),
-                "chunks": chunks,
-            }
+            )
+        index[name] = {
+            "dtype": dtype_name(meta.properties.dtype),
+            "shape": list(meta.size),
+            "chunks": chunks,
+        }
+    _record_raw_offsets(root, index)
     for path in directory.iterdir():  # anything else DCP left (no pickled .metadata is written)
         if path.name not in kept:
             path.unlink()
     return index, {f"{relative}/{name}": digests[name] for name in kept if name in digests}
+
+
+def _record_raw_offsets(root: Path, index: dict[str, Any]) -> None:
+    """Add ``"raw"`` to each chunk of ``index`` whose bytes can be read raw (each file opened
+    once)."""
+    by_file: dict[str, list[tuple[dict[str, Any], int]]] = {}
+    for meta in index.values():
+        itemsize = DTYPES[meta["dtype"]].itemsize
+        for chunk in meta["chunks"]:
+            nbytes = torch.Size(chunk["sizes"]).numel() * itemsize
+            by_file.setdefault(chunk["file"], []).append((chunk, nbytes))
+    for name, chunks in by_file.items():
+        with (root / name).open("rb") as handle:
+            for chunk, nbytes in chunks:
+                raw = _raw_offset(handle, chunk["offset"], chunk["length"], nbytes)
+                if raw is not None:
+                    chunk["raw"] = raw
 
 
 def _contiguous_planner() -> Any:
@@ -376,14 +384,12 @@ def reader(root: Path, index: Mapping[str, Any]) -> Any:
         def read_data(self, plan: Any, planner: Any) -> Any:
             from torch.distributed.checkpoint.planner import LoadItemType
 
-            direct = [
-                item
-                for item in plan.items
-                if item.type == LoadItemType.TENSOR and item.storage_index in raw_chunks
-            ]
+            direct, rest = [], []
+            for item in plan.items:
+                raw = item.type == LoadItemType.TENSOR and item.storage_index in raw_chunks
+                (direct if raw else rest).append(item)
             if direct:
                 _read_raw(root, direct, raw_chunks, planner)
-            rest = [item for item in plan.items if item not in direct]
             return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
     raw_chunks: dict[Any, tuple[str, int, torch.Size, torch.dtype]] = {}
@@ -421,11 +427,9 @@ def _read_raw(
             for item in wanted:
                 _, start, sizes, dtype = raw_chunks[item.storage_index]
                 target = planner.resolve_tensor(item).detach()
-                whole = list(item.storage_offsets) == [0] * len(sizes) and list(
-                    item.lengths
-                ) == list(sizes)
                 in_place = (
-                    whole
+                    not any(item.storage_offsets)
+                    and tuple(item.lengths) == tuple(sizes)
                     and target.device.type == "cpu"
                     and target.dtype == dtype
                     and target.is_contiguous()
