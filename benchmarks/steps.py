@@ -35,10 +35,19 @@ def barrier() -> None:
     dist.barrier()
 
 
-def raw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any) -> Callable:
+def raw_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: Any,
+    y: Any,
+    backward: Callable[[torch.Tensor], Any] = torch.Tensor.backward,
+) -> Callable[[], None]:
+    """One training step; ``backward`` is the framework's (``engine.backward``,
+    ``accelerator.backward``, ``fabric.backward``) or, by default, ``loss.backward()``."""
+
     def step() -> None:
         loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        backward(loss)
         opt.step()
         opt.zero_grad()
 
@@ -69,36 +78,15 @@ def _compare_frameworks(
 
     m = model()
     m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
-
-    def engine_step(m: Any = m, o: Any = o) -> None:
-        loss = F.cross_entropy(m(x), y)
-        engine.backward(loss)
-        o.step()
-        o.zero_grad()
-
-    contestants["torchplug ddp"] = engine_step
+    contestants["torchplug ddp"] = raw_step(m, o, x, y, engine.backward)
     if accelerator is not None:
         m = model()
-        am, ao = accelerator.prepare(m, torch.optim.AdamW(m.parameters()))
-
-        def accelerate_step(m: Any = am, o: Any = ao) -> None:
-            loss = F.cross_entropy(m(x), y)
-            accelerator.backward(loss)
-            o.step()
-            o.zero_grad()
-
-        contestants["Accelerate"] = accelerate_step
+        m, o = accelerator.prepare(m, torch.optim.AdamW(m.parameters()))
+        contestants["Accelerate"] = raw_step(m, o, x, y, accelerator.backward)
     if fabric is not None:
         m = model()
-        fm, fo = fabric.setup(m, torch.optim.AdamW(m.parameters()))
-
-        def fabric_step(m: Any = fm, o: Any = fo) -> None:
-            loss = F.cross_entropy(m(x), y)
-            fabric.backward(loss)
-            o.step()
-            o.zero_grad()
-
-        contestants["Fabric"] = fabric_step
+        m, o = fabric.setup(m, torch.optim.AdamW(m.parameters()))
+        contestants["Fabric"] = raw_step(m, o, x, y, fabric.backward)
     timed = {
         name: (lambda s=s: time_steps(s, steps, shape["warmup"], barrier) * 1e3)
         for name, s in contestants.items()
@@ -166,12 +154,7 @@ def fsdp_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
     engine = tp.Engine("fsdp")
     m = mlp(width, depth, width)
     m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
-
-    def engine_step() -> None:
-        engine.backward(F.cross_entropy(m(x), y))
-        o.step()
-        o.zero_grad()
-
+    engine_step = raw_step(m, o, x, y, engine.backward)
     steps = max(args.steps_medium, 3)
     results = interleaved(
         {
@@ -215,11 +198,7 @@ def precision_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) 
         engine = tp.Engine("ddp", precision=precision)
         m = mlp(256, 2, 64)
         m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
-
-        def engine_step(engine: Any = engine, m: Any = m, o: Any = o) -> None:
-            engine.backward(F.cross_entropy(m(x), y))
-            o.step()
-            o.zero_grad()
+        engine_step = raw_step(m, o, x, y, engine.backward)
 
         results = interleaved(
             {
