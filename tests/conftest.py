@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from torchplug.core import manager
+from torchplug.core import capabilities, manager
 from torchplug.testing import RankPool
 
 
@@ -20,10 +20,24 @@ def ranks(torchplug_ranks: RankPool) -> RankPool:
     return torchplug_ranks
 
 
+#: Fixtures that start real ranks: a test using one is multi-process, hence ``slow``.
+RANK_FIXTURES = {"ranks", "torchplug_ranks", "torchplug_kit", "four"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test on real ranks is ``slow`` (``pytest -m "not slow"`` is the inner loop); tests
+    that start processes themselves say so with ``@pytest.mark.slow``."""
+    for item in items:
+        if RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No torchplug or launcher variable leaks into a test; every test rebuilds the registry."""
     for key in list(os.environ):
+        if key == capabilities.ASSUME_NO_KERNELS_ENV:
+            continue  # a fact about the machine (tox -e deepspeed as on a CPU without fp16)
         if key.startswith("TORCHPLUG_") or key in {
             "RANK",
             "WORLD_SIZE",

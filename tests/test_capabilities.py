@@ -51,3 +51,99 @@ def test_a_strategy_for_neither_device_is_refused_and_a_cpu_one_runs():
         tp.Engine("nowhere")
     with tp.Engine("cpu-only") as engine:
         assert engine.device.type == "cpu"
+
+
+# -- precisions the machine cannot run: one probe, every consumer ---------------------------------
+
+
+def no_fp16_here(precision: str) -> str | None:
+    return "this test machine has no fp16 kernels" if precision == "fp16" else None
+
+
+def register_no_fp16() -> None:
+    tp.register(
+        provider(
+            name="no-fp16",
+            precisions=("32", "bf16", "fp16"),
+            owns_precision=True,
+            distributed=False,
+            precision_check=no_fp16_here,
+        )
+    )
+
+
+def test_a_precision_the_machine_cannot_run_is_refused_by_the_engine_with_the_probes_reason():
+    register_no_fp16()
+    with pytest.raises(tp.ConfigurationError) as info:
+        tp.Engine("no-fp16", precision="16-mixed")
+    message = str(info.value)
+    assert "cannot run precision 'fp16' (set by code argument) here" in message
+    assert "fp16 not available on this machine: this test machine has no fp16 kernels" in message
+    assert "torchplug plugins --verbose" in message
+    with tp.Engine("no-fp16", precision="bf16") as engine:  # the others run
+        assert engine.precision == "bf16"
+
+
+def test_doctor_and_launch_checks_report_it_before_anything_starts():
+    from torchplug.core import config, manager
+
+    register_no_fp16()
+    registry = manager.get_registry()
+    settings = config.resolve(
+        env={"TORCHPLUG_STRATEGY": "no-fp16", "TORCHPLUG_PRECISION": "fp16"},
+        canonical=lambda n: registry.canonical(n) or n,
+    )
+    (problem,) = config.problems(settings, registry, 1)
+    assert "cannot run precision 'fp16' (from environment" in problem
+    assert "fp16 not available on this machine: this test machine has no fp16 kernels" in problem
+
+
+def test_plugins_verbose_shows_the_unavailable_precision_with_the_reason():
+    register_no_fp16()
+    out = io.StringIO()
+    with redirect_stdout(out):
+        plugins(verbose=True)
+    section = out.getvalue().split("\nno-fp16: ", 1)[1].split("\n\n", 1)[0]
+    assert "precisions: 32, bf16, fp16 (not available on this machine: this test machine" in section
+
+
+def test_the_kit_skips_every_property_with_the_reason_and_starts_no_ranks():
+    from torchplug.testing.kit import PROPERTIES, Kit
+
+    register_no_fp16()
+    kit = Kit("no-fp16", precision="fp16")
+    outcomes = kit.check()
+    assert [o.name for o in outcomes] == list(PROPERTIES)
+    assert all(o.skipped and not o.passed for o in outcomes)
+    assert str(outcomes[0]).startswith("SKIP  parity (fp16 not available on this machine: ")
+    assert not kit.started
+
+
+def test_cpu_probe_reads_torch_and_the_override(monkeypatch):
+    from torchplug.core import capabilities
+
+    monkeypatch.delenv(capabilities.ASSUME_NO_KERNELS_ENV, raising=False)
+    has_fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert (capabilities.cpu_kernels_missing("fp16") is None) == has_fp16
+    monkeypatch.setenv(capabilities.ASSUME_NO_KERNELS_ENV, "fp16")
+    assert "TORCHPLUG_ASSUME_NO_KERNELS=fp16 says so" in capabilities.cpu_kernels_missing("fp16")
+    assert (capabilities.cpu_kernels_missing("bf16") is None) == (
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )  # only the named precision is assumed missing
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert "_is_mkldnn_bf16_supported() is False" in capabilities.cpu_kernels_missing("bf16")
+
+
+@needs_no_cuda
+def test_amp_runs_both_low_precisions_on_any_cpu(monkeypatch):
+    """CPU autocast has reference kernels: without oneDNN's fp16, AMP's fp16 still runs (only a
+    backend that needs the native kernels, like DeepSpeed's, is refused)."""
+    from torchplug.core import capabilities, manager
+
+    monkeypatch.setenv(capabilities.ASSUME_NO_KERNELS_ENV, "bf16,fp16")
+    registry = manager.get_registry()
+    for name in ("single", "ddp"):
+        for precision in ("bf16", "fp16"):
+            assert registry.precision_unavailable(registry.strategy(name), precision) is None
+    with tp.Engine("single", precision="fp16") as engine:
+        assert engine.precision == "fp16"

@@ -213,6 +213,7 @@ def test_a_third_party_scheduler_plugin_never_answers_in_torchrun_workers():
     assert cluster.detect(worker).source == "torchrun"
 
 
+@pytest.mark.slow
 def test_mpirun_style_plugin_from_the_docs_works_under_torchplug_launch(tmp_path):
     """`mpirun -np 1 torchplug launch -n 2`: the launcher process is MPI rank 0 of 1; its two
     torchrun workers must be ranks 0 and 1 of 2, not two ranks 0 of 1 running `single`."""

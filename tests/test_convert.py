@@ -46,6 +46,7 @@ def test_converted_sharded_checkpoint_gives_the_trained_models_outputs(ranks, tm
     )
 
 
+@pytest.mark.slow
 def test_convert_errors_name_the_problem(tmp_path):
     run = convert(str(tmp_path / "missing"), str(tmp_path / "out"))
     assert run.returncode == 2 and "No torchplug checkpoint" in run.stderr
@@ -87,6 +88,7 @@ def test_a_checkpoint_of_a_state_dict_says_it_holds_no_model(tmp_path):
     assert "'model' (" in run.stderr and "not its state_dict()" in run.stderr
 
 
+@pytest.mark.slow
 def test_converted_files_honour_the_umask(tmp_path):
     with tp.Engine("single") as engine:
         engine.save(tmp_path / "ckpt", {"model": make_model()})

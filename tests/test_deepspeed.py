@@ -14,10 +14,12 @@ from torch.utils.data import DataLoader
 import torchplug as tp
 from checkpoint_attacks import no_unpickling
 from reference import make_dataset, make_model, train
+from test_cli import torchplug
 from test_parity import assert_close_dicts
 from test_ported import check_strategy
+from torchplug.core import capabilities
 from torchplug.testing import bodies
-from torchplug.testing.conformance import classes
+from torchplug.testing.conformance import classes, require_precision
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed"
@@ -212,13 +214,73 @@ def test_config_conflicts_name_both_values_and_sources():
 
 
 @needs_deepspeed
-def test_fp16_on_a_device_without_it_is_refused_before_initializing():
+def test_the_precision_probe_agrees_with_deepspeeds_accelerator(monkeypatch):
+    """torchplug answers "can DeepSpeed run fp16/bf16 here?" without importing deepspeed; the
+    answer must be DeepSpeed's own on this machine, whatever its CPU."""
+    monkeypatch.delenv(capabilities.ASSUME_NO_KERNELS_ENV, raising=False)
     from deepspeed.accelerator import get_accelerator
 
-    if torch.float16 in get_accelerator().supported_dtypes():
-        pytest.skip("this device supports fp16 in DeepSpeed")
-    with pytest.raises(tp.ConfigurationError, match="does not support fp16.*precision='bf16'"):
+    from torchplug.plugins.deepspeed import precision_check
+
+    supported = get_accelerator().supported_dtypes()
+    for precision, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        assert (precision_check(precision) is None) == (dtype in supported), (
+            precision,
+            supported,
+        )
+
+
+@needs_deepspeed
+def test_fp16_on_a_cpu_without_fp16_kernels_is_refused_before_initializing(monkeypatch):
+    """What an AMD EPYC without AVX512-FP16 answers, forced here through torch's own probe."""
+    monkeypatch.delenv(capabilities.ASSUME_NO_KERNELS_ENV, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)
+    from torchplug.core import manager
+
+    info = manager.get_registry().strategy("deepspeed-zero2")
+    why = manager.get_registry().precision_unavailable(info, "fp16")
+    assert why is not None and "_is_mkldnn_fp16_supported() is False" in why
+    with pytest.raises(tp.ConfigurationError) as error:
         tp.Engine("deepspeed-zero2", precision="fp16")
+    message = str(error.value)
+    assert "cannot run precision 'fp16'" in message and "not available on this machine" in message
+    assert "DeepSpeed's CPU accelerator needs for fp16" in message
+    # bf16 and the AMP plugin's fp16 (torch's reference kernels) stay available
+    assert manager.get_registry().precision_unavailable(info, "bf16") is None
+    ddp = manager.get_registry().strategy("ddp")
+    assert manager.get_registry().precision_unavailable(ddp, "fp16") is None
+
+
+NO_FP16 = {capabilities.ASSUME_NO_KERNELS_ENV: "fp16"}
+
+
+@needs_deepspeed
+def test_launch_refuses_fp16_deepspeed_without_fp16_kernels_before_spawning(tmp_path):
+    script = tmp_path / "x.py"
+    marker = tmp_path / "ran"
+    script.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    run = torchplug(
+        "launch", "-n", "2", "--strategy", "deepspeed-zero2", "--precision", "fp16",
+        str(script), env=NO_FP16,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert not marker.exists()  # refused before spawning
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, run.stderr
+    assert "fp16 not available on this machine" in lines[0]
+    assert "this CPU has no fp16 kernels (TORCHPLUG_ASSUME_NO_KERNELS=fp16 says so)" in lines[0]
+
+
+@needs_deepspeed
+def test_plugins_lists_fp16_as_unavailable_and_check_skips_it():
+    listing = torchplug("plugins", "--verbose", env=NO_FP16).stdout
+    section = listing.split("\ndeepspeed-zero2: ", 1)[1].split("\n\n", 1)[0]
+    assert "precisions: 32, bf16, fp16 (not available on this machine: " in section, section
+    run = torchplug("check", "deepspeed-zero2", "-n", "2", "--precision", "fp16", env=NO_FP16)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "SKIP  parity (fp16 not available on this machine: " in run.stdout
+    assert "FAIL" not in run.stdout and "PASS" not in run.stdout
+    assert "0 passed, 0 failed, 16 skipped" in run.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed installed")
@@ -295,6 +357,7 @@ def test_native_files_the_manifest_does_not_list_are_refused(ranks, tmp_path):
     ],
 )
 def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precision):
+    require_precision(strategy, precision)
     check_strategy(ranks, strategy, precision, tmp_path)
 
 

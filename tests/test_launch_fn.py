@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_launch_from_a_script_returns_rank_zero_and_raises_a_ranks_error(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)

@@ -36,6 +36,7 @@ def test_deepspeed_save_prints_nothing(ranks, tmp_path):
         assert printed == ""
 
 
+@pytest.mark.slow
 def test_no_numpy_warning_from_our_commands(tmp_path):
     hidden = tmp_path / "numpy"  # a numpy that is not there, as on a machine without it
     hidden.mkdir()

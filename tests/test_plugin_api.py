@@ -372,6 +372,7 @@ def installed_plugin(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("variable", "value", "why"),
     [
@@ -397,6 +398,7 @@ def test_allow_list_and_autoload_off_say_which_plugins_they_hide(
 # -- one command line for in-house plugins ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_doctor_and_check_import_an_in_house_plugin_from_the_current_directory(tmp_path):
     (tmp_path / "my_backend.py").write_text((BF16COMM / "torchplug_bf16comm.py").read_text())
     run = torchplug("doctor", "--plugin", "my_backend", cwd=tmp_path)
@@ -415,6 +417,7 @@ def test_doctor_and_check_import_an_in_house_plugin_from_the_current_directory(t
     assert "max diff 0.00e+00 <= 1e-06" in run.stdout  # resume exact, though tolerance is 1e-2
 
 
+@pytest.mark.slow
 def test_launch_accepts_a_strategy_the_script_registers_in_code(tmp_path):
     (tmp_path / "train.py").write_text(
         textwrap.dedent(

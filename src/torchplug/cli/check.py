@@ -29,7 +29,7 @@ def check(args: Any) -> int:
     except TorchplugError as exc:
         print(f"torchplug check: {exc}", file=sys.stderr)
         return 2
-    failed_total, passed_total = 0, 0
+    failed_total, passed_total, skipped_total = 0, 0, 0
     pool = None
     for precision in precisions:
         try:
@@ -42,14 +42,14 @@ def check(args: Any) -> int:
         where = f"{kit.nprocs} ranks" if kit.nprocs > 1 else "1 process: the strategy runs one"
         print(f"torchplug check {kit.strategy}, precision {precision} ({where})")
         outcomes = kit.check(args.only or PROPERTIES)
-        if kit.nprocs > 1:
+        if kit.nprocs > 1 and kit.started:
             pool = kit.pool  # one set of ranks for every precision; stopped below
         for outcome in outcomes:
             print(f"  {outcome}")
-        failed = [o.name for o in outcomes if not o.passed]
-        failed_total += len(failed)
-        passed_total += len(outcomes) - len(failed)
+        failed_total += sum(1 for o in outcomes if not (o.passed or o.skipped))
+        passed_total += sum(1 for o in outcomes if o.passed)
+        skipped_total += sum(1 for o in outcomes if o.skipped)
     if pool is not None:
         pool.stop()
-    print(f"{passed_total} passed, {failed_total} failed")
+    print(f"{passed_total} passed, {failed_total} failed, {skipped_total} skipped")
     return 1 if failed_total else 0

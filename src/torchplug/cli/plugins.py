@@ -68,10 +68,15 @@ def plugins(verbose: bool = False) -> int:
             ]
             caps += ["cpu"] if info.supports_cpu else []
             caps += ["cuda"] if info.supports_cuda else []
-            print(
-                f"  capabilities: {', '.join(caps) or '-'}; "
-                f"precisions: {', '.join(info.precisions)}"
-            )
+            runs = []
+            for precision in info.precisions:
+                why = registry.precision_unavailable(info, precision)
+                runs.append(
+                    precision
+                    if why is None
+                    else f"{precision} ({why.removeprefix(precision + ' ')})"
+                )
+            print(f"  capabilities: {', '.join(caps) or '-'}; precisions: {', '.join(runs)}")
             print(f"  launcher: {info.launcher}; requires: {', '.join(info.requires) or '-'}")
             if info.extends:
                 print(f"  extends: {info.extends}")

@@ -336,6 +336,14 @@ def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str
             f"{', '.join(info.precisions)}. Choose one of those, or a strategy that supports "
             f"'{precision}'."
         )
+    elif info is not None and precision is not None:
+        unavailable = registry.precision_unavailable(info, precision)
+        if unavailable is not None:
+            found.append(
+                f"strategy '{info.name}' (from {settings.strategy.source}) cannot run precision "
+                f"'{precision}' (from {settings.precision.source}) here: {unavailable}. Use "
+                f"another precision, or a machine that has it."
+            )
     if info is not None and named:
         chosen = dataclasses.replace(settings).for_strategy(info, registry.canonical)
         try:

@@ -281,6 +281,14 @@ class Engine:
                 f"(set by {self.settings.precision.source}); it supports {able}. Choose one of "
                 f"those, or a strategy that supports '{self.precision}'."
             )
+        unavailable = manager.get_registry().precision_unavailable(self.info, self.precision)
+        if unavailable is not None:
+            raise ConfigurationError(
+                f"Strategy '{self.info.name}' cannot run precision '{self.precision}' (set by "
+                f"{self.settings.precision.source}) here: {unavailable}. Use another precision "
+                f"(`torchplug plugins --verbose` lists what this machine runs), or a machine "
+                f"that has it."
+            )
 
     # -- identity ---------------------------------------------------------------------------------
 

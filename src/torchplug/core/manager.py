@@ -31,7 +31,7 @@ from typing import Any
 
 import pluggy
 
-from torchplug.core import apiversion, spec
+from torchplug.core import apiversion, capabilities, spec
 from torchplug.core.errors import ConfigurationError, PluginError, did_you_mean
 from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
 
@@ -588,6 +588,11 @@ class Registry:
                 f"Choose a usable strategy ({', '.join(self.usable_names()) or 'none'})."
             )
         return info
+
+    def precision_unavailable(self, info: StrategyInfo, precision: str) -> str | None:
+        """Why ``precision`` cannot run under ``info`` on this machine, or ``None`` (the one
+        probe: :func:`torchplug.core.capabilities.precision_unavailable`)."""
+        return capabilities.precision_unavailable(info, precision, self.precisions)
 
     def logger(self, name: str) -> LoggerInfo:
         """The logger called ``name``, usable here; else an error naming the fix."""

@@ -177,6 +177,12 @@ class StrategyInfo:
     precision_options: tuple[Option, ...] = ()
     #: Extra usability test; returns why the strategy cannot run here, or ``None``.
     check: Callable[[], str | None] | None = None
+    #: For a strategy that owns precision: ``precision_check(precision)`` returns why this
+    #: machine cannot run that precision (e.g. no fp16 kernels on this CPU), or ``None``. Asked
+    #: before anything starts, through :func:`torchplug.core.capabilities.precision_unavailable`,
+    #: so the launcher, ``check``, the kit and the Engine all give the same answer. Keep it
+    #: cheap: it runs in ``torchplug plugins`` and the launcher, never importing the backend.
+    precision_check: Callable[[str], str | None] | None = None
     #: The name of a registered strategy whose options, capabilities and defaults this one
     #: inherits: its own options are added to (or replace, by name) the parent's, and every
     #: field left at its default takes the parent's value. For a subclass of the parent's class.
@@ -253,6 +259,7 @@ class StrategyInfo:
             "resume_exact",
             "precision_options",
             "check",
+            "precision_check",
         }
         for f in dataclasses.fields(self):
             if f.name in inherited and getattr(self, f.name) == f.default:
@@ -272,6 +279,9 @@ class PrecisionInfo:
     description: str = ""
     #: Set with ``Engine(precision=..., precision_options={...})``.
     options: tuple[Option, ...] = ()
+    #: ``check(precision)`` returns why this machine cannot run that precision, or ``None``
+    #: (see ``StrategyInfo.precision_check``); asked for every strategy it is composed with.
+    check: Callable[[str], str | None] | None = None
     provider: str = ""
     distribution: str = ""
     version: str = ""

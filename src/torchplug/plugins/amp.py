@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from torchplug.core import capabilities
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
@@ -157,6 +158,15 @@ def make(precision: str, **options: Any) -> MixedPrecision:
     return (ScaledMixedPrecision if precision == "fp16" else MixedPrecision)(precision, **options)
 
 
+def precision_check(precision: str) -> str | None:
+    """Why autocast cannot run ``precision`` here, or ``None``. CPU autocast runs bf16 and fp16
+    on every CPU (torch falls back to its reference kernels without oneDNN's); a GPU needs
+    bfloat16 support for bf16."""
+    if precision == "bf16" and torch.cuda.is_available():
+        return capabilities.cuda_lacks("bf16")
+    return None
+
+
 @hookimpl
 def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> None:
     register(
@@ -164,6 +174,7 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
             name="amp",
             factory=make,
             precisions=("bf16", "fp16"),
+            check=precision_check,
             description="torch.autocast; fp16 adds GradScaler loss scaling with skipped inf steps.",
             options=(
                 Option("init_scale", float, 2.0**16, "fp16: the GradScaler's first loss scale"),

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from torchplug import checkpoint
+from torchplug.core import capabilities
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import CheckpointError, ConfigurationError
@@ -560,9 +561,43 @@ def _options(with_stage: bool, with_offload: bool = True) -> tuple[Option, ...]:
     return tuple(options)
 
 
+def precision_check(precision: str) -> str | None:
+    """Why DeepSpeed cannot run ``precision`` on this machine, or ``None``: its accelerator's
+    rule (``get_accelerator().supported_dtypes()``), answered without importing deepspeed. Its
+    CUDA accelerator needs compute capability 7 for fp16 and a bf16 GPU for bf16; its CPU
+    accelerator runs bf16 everywhere and fp16 only with the CPU's oneDNN fp16 kernels.
+    tests/test_deepspeed.py checks this answer against DeepSpeed's own on the machine."""
+    chosen = os.environ.get("DS_ACCELERATOR", "").strip().lower()
+    if chosen not in ("", "cpu", "cuda"):
+        _import_deepspeed()  # another accelerator: only DeepSpeed knows its rule
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        if dtype in accelerator.supported_dtypes():
+            return None
+        return f"DeepSpeed's {accelerator.device_name()} accelerator does not list {dtype}"
+    if chosen != "cpu" and torch.cuda.is_available():
+        if precision == "fp16":
+            major, minor = torch.cuda.get_device_capability()
+            deprecated_ok = os.environ.get("DS_ALLOW_DEPRECATED_FP16") == "1" and major == 6
+            if major < 7 and not deprecated_ok:
+                return (
+                    f"{torch.cuda.get_device_name()} has compute capability {major}.{minor}; "
+                    f"DeepSpeed's fp16 needs 7.0 (DS_ALLOW_DEPRECATED_FP16=1 admits 6.x)"
+                )
+        return capabilities.cuda_lacks(precision)
+    if precision == "fp16":
+        missing = capabilities.cpu_kernels_missing("fp16")
+        if missing is not None:
+            return f"{missing}, which DeepSpeed's CPU accelerator needs for fp16"
+    return None
+
+
 @hookimpl
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     common: dict[str, Any] = {
+        "precision_check": precision_check,
         "precision_options": (
             Option("init_scale", (float, type(None)), None, "fp16: the first loss scale (2**k)"),
             Option("growth_interval", (int, type(None)), None, "fp16: clean steps before doubling"),

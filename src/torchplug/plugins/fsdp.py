@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from torchplug.core import capabilities
 from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
@@ -224,6 +225,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             ),
             precisions=("32", "bf16"),
             owns_precision=True,
+            precision_check=capabilities.gpu_check,
             shards_parameters=True,
             shards_optimizer=True,
         )

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from torchplug.core import capabilities
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
@@ -295,6 +296,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             ),
             precisions=("32", "bf16"),
             owns_precision=True,
+            precision_check=capabilities.gpu_check,
             shards_parameters=True,
             shards_optimizer=True,
         )

@@ -27,7 +27,25 @@ from torchplug.testing.processes import RankPool
 
 
 def _expect(outcome: Outcome) -> None:
+    if outcome.skipped:
+        pytest.skip(f"{outcome.name}: {outcome.detail}")
     assert outcome.passed, f"{outcome.name}: {outcome.detail}"
+
+
+def require_precision(strategy: str, precision: str | None, plugins: Sequence[str] = ()) -> None:
+    """Skip the calling test when ``precision`` cannot run under ``strategy`` on this machine,
+    with the registry's reason (the probe ``torchplug plugins``, ``launch`` and ``check`` use)."""
+    from torchplug.core import manager
+    from torchplug.core.registry import normalize_precision
+    from torchplug.testing import bodies
+
+    bodies.register(plugins)
+    registry = manager.get_registry()
+    why = registry.precision_unavailable(
+        registry.strategy(strategy), normalize_precision(precision)
+    )
+    if why is not None:
+        pytest.skip(why)
 
 
 class Conformance:
@@ -51,6 +69,10 @@ class Conformance:
             pool=pool,
             precision=cls.precision,
         )
+        unavailable = kit.unavailable()
+        if unavailable is not None:  # every property of the class: SKIP with the reason
+            kit.close()
+            pytest.skip(unavailable)
         yield kit
         kit.close()
 

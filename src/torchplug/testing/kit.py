@@ -49,12 +49,22 @@ OPTIONAL_PROPERTIES = ("compile",)
 
 @dataclass(frozen=True)
 class Outcome:
+    """One property's result. ``skipped``: it did not run (``detail`` says why), which is
+    neither a pass nor a failure: ``passed`` is False so that nothing counts it as a PASS."""
+
     name: str
     passed: bool
     detail: str
+    skipped: bool = False
+
+    @property
+    def status(self) -> str:
+        return "SKIP" if self.skipped else "PASS" if self.passed else "FAIL"
 
     def __str__(self) -> str:
-        return f"{'PASS' if self.passed else 'FAIL'}  {self.name:<15} {self.detail}"
+        if self.skipped:
+            return f"SKIP  {self.name} ({self.detail})"
+        return f"{self.status}  {self.name:<15} {self.detail}"
 
 
 #: Widened tolerance per precision: the same math reduced in another order rounds differently.
@@ -107,6 +117,11 @@ class Kit:
         self._tmp = Path(tempfile.mkdtemp(prefix="torchplug-check-"))
 
     # -- running ----------------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        """Whether this kit's ranks are running (a kit whose every property skipped has none)."""
+        return self._pool is not None
 
     @property
     def pool(self) -> RankPool:
@@ -259,7 +274,7 @@ class Kit:
 
     def fp16_skip(self) -> Outcome:
         if self.precision != "fp16":
-            return Outcome("fp16_skip", True, f"n/a in precision {self.precision}")
+            return Outcome("fp16_skip", False, f"n/a in precision {self.precision}", skipped=True)
         results = self.run(bodies.train, steps=4, inf_at_step=1)
         reference = self.reference(steps=4, inf_at_step=1)
         flags = [r["skipped"] for r in results]
@@ -548,7 +563,15 @@ class Kit:
             or f"refused with ConfigurationError: {', '.join(w for w, _ in asks)}",
         )
 
+    def unavailable(self) -> str | None:
+        """Why this kit's precision cannot run on this machine (the registry's one probe), or
+        ``None``; every property is then ``SKIP`` with that reason, never run and never PASS."""
+        return manager.get_registry().precision_unavailable(self.info, self.precision)
+
     def check(self, only: Sequence[str] = PROPERTIES) -> list[Outcome]:
+        unavailable = self.unavailable()
+        if unavailable is not None:
+            return [Outcome(name, False, unavailable, skipped=True) for name in only]
         outcomes = []
         for name in only:
             try:
