@@ -16,10 +16,11 @@ backend.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,45 @@ def capture(engine: Engine, key: str, obj: Any, state: dict[str, Any]) -> tuple[
     return kind, obj
 
 
+#: Module names that wrappers put in front of a model's own names (DDP's and DeepSpeed's
+#: ``module``, torch.compile's ``_orig_mod``, ...): a buffer is found by its name without them.
+_WRAPPER_PARTS = frozenset(
+    {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"}
+)
+
+
+def _unwrapped(name: str) -> str:
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def replicated(kind: str, key: str, obj: Any, payload: Any, paths: set[str]) -> set[str]:
+    """Which of the tensor ``paths`` one state entry added are equal on every rank by
+    construction: a module's parameters (not its buffers: each rank updates BatchNorm's running
+    statistics from its own batches) and an optimizer's state. Anything else is rank 0's copy
+    (:func:`torchplug.checkpoint.tensors.assign`). A buffer is known by its name (wrapper
+    prefixes aside) or by sharing storage with one of the module's buffers; taking a parameter
+    for a buffer only costs balance, never correctness."""
+    if kind == "optimizer":
+        return paths
+    if kind != "module" or not isinstance(payload, Mapping):
+        return set()
+    names, storages = set(), set()
+    for name, buffer in obj.named_buffers():
+        names.add(_unwrapped(name))
+        with contextlib.suppress(RuntimeError):  # a buffer without storage (meta, fake)
+            storages.add(buffer.untyped_storage().data_ptr())
+    buffers = set()
+    for name, value in payload.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            continue
+        shared = False
+        with contextlib.suppress(RuntimeError):
+            shared = value.untyped_storage().data_ptr() in storages and value.numel() > 0
+        if _unwrapped(name) in names or shared:
+            buffers.add(f"{key}/{name}")
+    return paths - buffers
+
+
 def save(
     engine: Engine,
     path: str,
@@ -114,19 +154,24 @@ def save(
         if native is not None:  # a collective of the backend's: all ranks finish before the rest
             co.run("writing the backend's own checkpoint", lambda: native(tmp))
 
-        def take() -> None:
+        def take() -> dict[str, Any]:
+            spread: set[str] = set()
             if entries_of is not None:
                 found = entries_of(tmp)
+                spread.update(found[1])  # a conversion's tensors: one process, one copy each
             else:
                 found = ({}, {})
                 for key, obj in state.items():
                     kind, payload = capture(engine, key, obj, state)
+                    before = set(found[1])
                     found[0][key] = {"kind": kind, "data": mf.encode(payload, key, found[1])}
+                    spread.update(replicated(kind, key, obj, payload, set(found[1]) - before))
             entries.update(found[0])
             tensors.update(found[1])
-            return store.plain_sizes(tensors)
+            return {"sizes": store.plain_sizes(tensors), "spread": sorted(spread)}
 
-        owners = store.assign(co.run("capturing state", take, share=True))
+        taken = co.run("capturing state", take, share=True)
+        owners = store.assign([t["sizes"] for t in taken], [set(t["spread"]) for t in taken])
 
         def write() -> dict[str, Any]:
             index, digests = store.write(

@@ -49,14 +49,21 @@ def plain_sizes(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     }
 
 
-def assign(sizes_by_rank: list[dict[str, int]]) -> dict[str, int]:
-    """Which rank writes each plain tensor: the largest first, each to the least loaded rank that
-    holds it, the same answer on every rank (all see every rank's sizes).
+def assign(
+    sizes_by_rank: list[dict[str, int]], spread_by_rank: list[set[str]] | None = None
+) -> dict[str, int]:
+    """Which rank writes each plain tensor, the same answer on every rank (all see every rank's
+    sizes).
 
-    A plain tensor is a full replica on every rank that holds it (DDP, ZeRO-1/2 state gathered
-    to full tensors); writing all of them on rank 0 made rank 0 write and hash the whole model
-    while the others idled, so a save took about world-size times as long as plain DCP's, which
-    balances replicated tensors the same way.
+    A tensor every holder declares replicated by construction (``spread_by_rank``: parameters
+    and optimizer state under data parallel, which the same all-reduced gradients keep equal)
+    goes to the least loaded rank that holds it, the largest first: writing all of them on rank
+    0 made rank 0 write and hash the whole model while the others idled, so a save took about
+    world-size times as long as plain DCP's, which balances replicated tensors the same way.
+    Every other plain tensor (buffers such as BatchNorm's running statistics, which each rank
+    updates from its own batches; a user's own tensors) is rank 0's copy, DDP's rule for
+    buffers: taking some from one rank and some from another would save a model no rank had.
+    Without ``spread_by_rank`` every plain tensor is balanced (the caller vouches for them).
     """
     load = [0] * len(sizes_by_rank)
     holders: dict[str, list[int]] = {}
@@ -67,7 +74,11 @@ def assign(sizes_by_rank: list[dict[str, int]]) -> dict[str, int]:
             size[name] = max(size.get(name, 0), nbytes)
     owner: dict[str, int] = {}
     for name in sorted(size, key=lambda n: (-size[n], n)):
-        rank = min(holders[name], key=lambda r: (load[r], r))
+        balanced = spread_by_rank is None or all(
+            name in spread_by_rank[r] for r in holders[name]
+        )
+        # not balanced: the lowest rank holding it (rank 0 for anything every rank has)
+        rank = min(holders[name], key=lambda r: (load[r], r) if balanced else (r, 0))
         owner[name] = rank
         load[rank] += size[name]
     return owner

@@ -1,0 +1,85 @@
+"""Real model shapes under every strategy: buffers that differ between ranks are saved as rank
+0's copy (DDP's rule), never a mix of ranks; loading gives every rank exactly rank 0's model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import torchplug as tp
+from models import images, make_resnet
+from torchplug.checkpoint.tensors import assign
+
+EVAL_INPUT_SEED = 1234
+
+
+def train_bn_and_save(strategy: str, path: str, steps: int = 3) -> dict[str, Any]:
+    """Each rank trains on its own batches (so its BatchNorm statistics are its own), saves,
+    and reports its buffers and its eval logits."""
+    with tp.Engine(strategy) as engine:
+        model = make_resnet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, optimizer = engine.setup(model, optimizer)
+        model.train()
+        for step in range(steps):
+            x, y = images(seed=100 * engine.rank + step)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        engine.save(path, {"model": model, "optimizer": optimizer})
+        full = engine.full_state(model)["model"]
+        buffers = {k: v.clone() for k, v in full.items() if "running" in k or "batches" in k}
+        model.eval()
+        with torch.no_grad():
+            logits = model(images(EVAL_INPUT_SEED)[0])
+        return {"buffers": buffers, "logits": logits, "rank": engine.rank}
+
+
+def load_into(strategy: str, path: str) -> dict[str, Any]:
+    with tp.Engine(strategy) as engine:
+        model = make_resnet(seed=99)  # other weights and fresh statistics: all must come back
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, optimizer = engine.setup(model, optimizer)
+        engine.load(path, {"model": model, "optimizer": optimizer})
+        full = engine.full_state(model)["model"]
+        buffers = {k: v.clone() for k, v in full.items() if "running" in k or "batches" in k}
+        model.eval()
+        with torch.no_grad():
+            logits = model(images(EVAL_INPUT_SEED)[0])
+        return {"buffers": buffers, "logits": logits}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_batchnorm_statistics_are_rank_zeros_in_the_checkpoint(ranks, tmp_path, strategy):
+    path = str(tmp_path / "ckpt")
+    saved = ranks.run(train_bn_and_save, strategy, path, timeout=600)
+    rank0 = saved[0]
+    assert len(rank0["buffers"]) == 15  # 5 BatchNorms x (mean, var, num_batches_tracked)
+    differ = [
+        k for k in rank0["buffers"] if not torch.equal(rank0["buffers"][k], saved[1]["buffers"][k])
+    ]
+    assert len(differ) >= 10, differ  # the ranks really hold different statistics
+    loaded = load_into("single", path)
+    for name, value in rank0["buffers"].items():
+        assert torch.equal(loaded["buffers"][name], value), name
+    assert loaded["buffers"]["stem.1.num_batches_tracked"].dtype == torch.int64
+    torch.testing.assert_close(loaded["logits"], rank0["logits"], rtol=0, atol=1e-5)
+    # and back into the same strategy on 2 ranks: both ranks get rank 0's statistics
+    for again in ranks.run(load_into, strategy, path, timeout=600):
+        for name, value in rank0["buffers"].items():
+            assert torch.equal(again["buffers"][name], value), name
+        torch.testing.assert_close(again["logits"], rank0["logits"], rtol=0, atol=1e-5)
+
+
+def test_only_tensors_replicated_by_construction_are_spread_over_the_ranks():
+    sizes = [{"p": 8, "q": 8, "buf": 4, "mine": 2}, {"p": 8, "q": 8, "buf": 4, "yours": 2}]
+    spread = [{"p", "q", "mine"}, {"p", "q", "yours"}]
+    owners = assign(sizes, spread)
+    assert sorted([owners["p"], owners["q"]]) == [0, 1]  # balanced
+    assert owners["buf"] == 0  # held by both, declared by neither: rank 0's copy
+    assert owners["mine"] == 0 and owners["yours"] == 1  # one holder each
+    # a name only some holders vouch for is not replicated
+    assert assign([{"t": 8, "u": 16}, {"t": 8, "u": 16}], [{"t", "u"}, {"u"}])["t"] == 0
