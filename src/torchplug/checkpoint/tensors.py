@@ -74,9 +74,7 @@ def assign(
             size[name] = max(size.get(name, 0), nbytes)
     owner: dict[str, int] = {}
     for name in sorted(size, key=lambda n: (-size[n], n)):
-        balanced = spread_by_rank is None or all(
-            name in spread_by_rank[r] for r in holders[name]
-        )
+        balanced = spread_by_rank is None or all(name in spread_by_rank[r] for r in holders[name])
         # not balanced: the lowest rank holding it (rank 0 for anything every rank has)
         rank = min(holders[name], key=lambda r: (load[r], r) if balanced else (r, 0))
         owner[name] = rank
