@@ -83,3 +83,35 @@ def test_only_tensors_replicated_by_construction_are_spread_over_the_ranks():
     assert owners["mine"] == 0 and owners["yours"] == 1  # one holder each
     # a name only some holders vouch for is not replicated
     assert assign([{"t": 8, "u": 16}, {"t": 8, "u": 16}], [{"t", "u"}, {"u"}])["t"] == 0
+
+
+def train_norms(strategy: str, precision: str | None, steps: int = 4) -> dict[str, Any]:
+    """The BN ResNet with a LayerNorm before its head, each rank on its own images."""
+    with tp.Engine(strategy, precision=precision) as engine:
+        model = make_resnet()
+        model.head = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 10))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        model, optimizer = engine.setup(model, optimizer)
+        losses = []
+        for step in range(steps):
+            x, y = images(seed=100 * engine.rank + step)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(engine.reduce(loss.detach(), "mean").item())
+        state = engine.full_state(model)["model"]
+        return {"losses": losses, "dtypes": {k: v.dtype for k, v in state.items()}}
+
+
+def test_fsdp_bf16_trains_batchnorm_and_layernorm_like_fp32(ranks):
+    """bf16 FSDP2 runs norm layers in fp32 (their statistics are fp32 buffers); the losses
+    follow the fp32 run within bf16's tolerance."""
+    low = ranks.run(train_norms, "fsdp", "bf16", timeout=600)[0]
+    full = ranks.run(train_norms, "ddp", None, timeout=600)[0]
+    assert all(abs(a - b) < 5e-2 for a, b in zip(low["losses"], full["losses"], strict=True)), (
+        low["losses"],
+        full["losses"],
+    )
+    assert low["dtypes"]["stem.1.running_mean"] == torch.float32
+    assert low["dtypes"]["head.0.weight"] == torch.float32

@@ -3,6 +3,7 @@ state are sharded across ranks; each shard unit is gathered only while it comput
 
 FSDP owns precision: ``precision="bf16"`` becomes a ``MixedPrecisionPolicy`` (bf16 compute and
 all-gathers, fp32 gradient reduction and outputs) instead of the generic AMP wrapper.
+Normalisation layers keep fp32 parameters and compute (their own units), as AMP runs them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,41 @@ def shard_units(
 
     visit(model, True)
     return chosen
+
+
+#: Normalisation layers: under bf16 they compute in fp32, as torch's AMP runs them (a BatchNorm's
+#: running statistics are fp32 buffers, which bf16 weights cannot be combined with).
+NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()),
+)
+
+
+def shard_norms_in_fp32(model: torch.nn.Module, kwargs: dict[str, Any]) -> list[torch.nn.Module]:
+    """Under bf16, each normalisation layer its own FSDP unit whose parameters stay fp32 and
+    whose input is cast to fp32 (its output goes back to bf16 for the layers after it); a
+    no-op in fp32. Call before the other units are sharded (innermost first)."""
+    policy = kwargs.get("mp_policy")
+    if policy is None or policy.param_dtype in (None, torch.float32):
+        return []
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        output_dtype=policy.param_dtype,
+        cast_forward_inputs=True,
+    )
+    norms = [
+        m
+        for m in model.modules()
+        if m is not model and isinstance(m, NORM_TYPES) and any(True for _ in m.parameters())
+    ]
+    for norm in norms:
+        fully_shard(norm, **{**kwargs, "mp_policy": fp32})
+    return norms
 
 
 class FSDPStrategy(DistributedStrategy):
@@ -91,9 +127,13 @@ class FSDPStrategy(DistributedStrategy):
             model = model.to(engine.device)
         kwargs = self._fully_shard_kwargs(engine)
         make_contiguous(model)
-        self.units = shard_units(model, self.shard_classes, self.min_params)
+        norms = shard_norms_in_fp32(model, kwargs)
+        self.units = [
+            u for u in shard_units(model, self.shard_classes, self.min_params) if u not in norms
+        ]
         for unit in self.units:
             fully_shard(unit, **kwargs)
+        self.units = norms + self.units
         # The root's parameters are needed again as soon as backward starts: resharding them
         # after forward only to all-gather them again cost an extra all-gather per step (1.2-1.4x
         # raw FSDP2's step time in `python -m benchmarks`). torch keeps the root gathered by

@@ -31,7 +31,13 @@ from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
 from torchplug.core.strategy import distributed_options
-from torchplug.plugins.fsdp import FSDPStrategy, finish_wrap, make_contiguous, shard_units
+from torchplug.plugins.fsdp import (
+    FSDPStrategy,
+    finish_wrap,
+    make_contiguous,
+    shard_norms_in_fp32,
+    shard_units,
+)
 
 STYLES = ("colwise", "rowwise", "sequence")
 
@@ -169,9 +175,11 @@ class TensorParallelStrategy(FSDPStrategy):
             kwargs = self._fully_shard_kwargs(engine)
             kwargs["mesh"] = self.mesh["dp"]
             make_contiguous(model)
-            self.units = shard_units(model, self.shard_classes, 0)
+            norms = shard_norms_in_fp32(model, kwargs)
+            self.units = [u for u in shard_units(model, self.shard_classes, 0) if u not in norms]
             for unit in self.units:
                 fully_shard(unit, **kwargs)
+            self.units = norms + self.units
             fully_shard(model, **{**kwargs, "reshard_after_forward": False})  # torch's root default
         return finish_wrap(engine, model, optimizers, names, self.name)
 
