@@ -631,7 +631,7 @@ def test_examples_run_unchanged_under_deepspeed(tmp_path, script, args, expected
     assert expected in run.stdout
 
 
-def trainer_clipping_on_deepspeed() -> str:
+def trainer_clipping_on_deepspeed(config: dict[str, Any] | None = None) -> str:
     from trainer_body import data, model_and_optimizer
 
     model, optimizer = model_and_optimizer()
@@ -643,6 +643,7 @@ def trainer_clipping_on_deepspeed() -> str:
         strategy="deepspeed-zero2",
         clip_grad_norm=1.0,
         timeout=60.0,
+        **({"config": config} if config else {}),
     )
     with trainer:
         try:
@@ -653,13 +654,30 @@ def trainer_clipping_on_deepspeed() -> str:
 
 
 @needs_deepspeed
-def test_trainer_clipping_on_deepspeed_says_where_to_clip(ranks):
-    message = ranks.run(trainer_clipping_on_deepspeed, timeout=180)[0]
-    assert message.startswith(
-        "Trainer(clip_grad_norm=1.0) cannot clip on strategy 'deepspeed-zero2'"
+def test_trainer_clips_on_deepspeed_and_a_conflicting_config_is_named(ranks):
+    assert ranks.run(trainer_clipping_on_deepspeed, timeout=300) == ["no error", "no error"]
+    message = ranks.run(trainer_clipping_on_deepspeed, {"gradient_clipping": 0.5}, timeout=300)[0]
+    assert "Conflicting gradient clipping: engine.clip_grad_norm_(max_norm=1.0)" in message
+    assert '"gradient_clipping": 0.5 in the config dict passed as config=' in message
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", ["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_clip_grad_norm_with_a_scheduler_matches_plain_pytorch(ranks, stage, when):
+    """SGD + an LR scheduler made before or after setup + clip_grad_norm_ (what every LLM script
+    does): the norms equal the reference's on every rank, and so do losses and parameters."""
+    results = ranks.run(
+        bodies.train, stage, optimizer="SGD", lr=0.1, clip=0.05, scheduler=when, timeout=300
     )
-    assert '"gradient_clipping": MAX_NORM in the DeepSpeed config' in message
-    assert "pass clip_grad_norm=None" in message
+    reference = bodies.reference(optimizer="SGD", lr=0.1, clip=0.05, scheduler=when)
+    assert max(reference["norms"]) > 0.05  # the clip really bites
+    for result in results:
+        assert result["norms"] == pytest.approx(reference["norms"], rel=1e-5, abs=1e-7)
+        assert result["norms"] == results[0]["norms"]  # the same global norm on every rank
+        assert result["lrs"] == pytest.approx(reference["lrs"], abs=1e-12)
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert_close_dicts(result["params"], reference["params"], atol=1e-5)
 
 
 def built_partitioned() -> list[Any]:

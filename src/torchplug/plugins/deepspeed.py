@@ -333,7 +333,12 @@ class DeepSpeedStrategy(DistributedStrategy):
     ) -> bool:
         ds_engine = self._engine_for("optimizer.step()")
         skipped = getattr(ds_engine, "skipped_steps", 0)
-        ds_engine.step()
+        try:
+            ds_engine.step()
+        finally:  # a clip_grad_norm_ call clips one step, as in a plain loop
+            ds_optimizer = self.optimizers[-1]
+            if hasattr(ds_optimizer, "clip_grad"):
+                ds_optimizer.clip_grad = float(self.config.get("gradient_clipping") or 0.0)
         return getattr(ds_engine, "skipped_steps", 0) == skipped
 
     @hookimpl
@@ -377,11 +382,51 @@ class DeepSpeedStrategy(DistributedStrategy):
             ds_engine.set_gradient_accumulation_boundary(True)
 
     @hookimpl
-    def torchplug_clip_grad_norm(self, engine: Engine, **_: Any) -> torch.Tensor:
-        raise ConfigurationError(
-            'DeepSpeed clips gradients itself: set "gradient_clipping": MAX_NORM in the '
-            "DeepSpeed config (config=...) instead of calling engine.clip_grad_norm_()."
-        )
+    def torchplug_clip_grad_norm(
+        self,
+        engine: Engine,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> torch.Tensor:
+        """``clip_grad_norm_`` as in a plain loop: the global pre-clip norm now, and the next
+        step clips to ``max_norm``. ZeRO holds the reduced gradients in its partitions (no
+        ``p.grad`` to scale), so the clip itself is DeepSpeed's own, inside its step, with the
+        same coefficient as torch's (``max_norm / (norm + 1e-6)`` when below 1)."""
+        ds_engine = self._engine_for("engine.clip_grad_norm_()")
+        configured = float(self.config.get("gradient_clipping") or 0.0)
+        if configured > 0 and configured != float(max_norm):
+            raise ConfigurationError(
+                f"Conflicting gradient clipping: engine.clip_grad_norm_(max_norm={max_norm}) but "
+                f'"gradient_clipping": {configured} in {self.config_source}. Clip in one place '
+                f"only: remove gradient_clipping from the DeepSpeed config, or pass "
+                f"max_norm={configured}."
+            )
+        if float(norm_type) != 2.0:
+            raise ConfigurationError(
+                f"DeepSpeed clips by the L2 norm only; engine.clip_grad_norm_ got "
+                f"norm_type={norm_type}. Use norm_type=2 (the default) with DeepSpeed."
+            )
+        ds_optimizer = self.optimizers[-1]
+        if not hasattr(ds_optimizer, "clip_grad"):
+            raise ConfigurationError(
+                f"DeepSpeed's optimizer wrapper {type(ds_optimizer).__name__} has no gradient "
+                f'clipping to set; set "gradient_clipping": {max_norm} in the DeepSpeed config.'
+            )
+        from deepspeed.utils import safe_get_full_grad
+
+        squares = torch.zeros((), dtype=torch.float64)
+        for param in ds_engine.module.parameters():
+            if not param.requires_grad:
+                continue
+            grad = safe_get_full_grad(param)  # every rank takes part (ZeRO gathers)
+            if grad is not None:
+                squares += grad.detach().double().pow(2).sum().cpu()
+        scale = float(getattr(ds_optimizer, "loss_scale", 1.0) or 1.0)
+        norm = (squares.sqrt() / scale).float()
+        ds_optimizer.clip_grad = float(max_norm)  # for the step that follows; reset after it
+        return norm.to(engine.device)
 
     def _engine_for(self, what: str) -> Any:
         if self.ds_engine is None:
