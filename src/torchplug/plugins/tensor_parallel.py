@@ -41,8 +41,27 @@ from torchplug.plugins.fsdp import (
 
 STYLES = ("colwise", "rowwise", "sequence")
 
+#: Hugging Face's plan strings (``model._tp_plan``, ``config.base_model_tp_plan``) that map onto
+#: torch's own styles, with the layouts transformers gives them; "replicate" leaves a module whole.
+HF_STYLES = (
+    "colwise_gather_output",
+    "colwise_rep",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "embedding_rowwise",
+    "embedding_colwise",
+    "sequence_parallel",
+    "replicate",
+)
+
+#: Styles torch applies to these layer types only (``ColwiseParallel currently only support
+#: nn.Linear and nn.Embedding``): checked before torch, so the error names the layer.
+_LINEAR_STYLES = {"colwise", "rowwise", *(s for s in HF_STYLES if s.startswith(("col", "row")))}
+
 
 def _style(name: str, value: Any) -> Any:
+    """The torch ParallelStyle for one plan entry (``None``: leave the module whole)."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         ParallelStyle,
@@ -52,13 +71,47 @@ def _style(name: str, value: Any) -> Any:
 
     if isinstance(value, ParallelStyle):
         return value
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+    styles: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "sequence": SequenceParallel,
+        "sequence_parallel": SequenceParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "replicate": lambda: None,
+    }
     if isinstance(value, str) and value in styles:
         return styles[value]()
     raise ConfigurationError(
-        f"tp_plan[{name!r}] is {value!r}; expected one of {', '.join(STYLES)} or a torch "
-        f"ParallelStyle (e.g. ColwiseParallel(use_local_output=False))."
+        f"tp_plan[{name!r}] is {value!r}; expected one of {', '.join(STYLES)}, one of Hugging "
+        f"Face's {', '.join(HF_STYLES)}, or a torch ParallelStyle (e.g. "
+        f"ColwiseParallel(use_local_output=False))."
     )
+
+
+def _unsplittable(model: torch.nn.Module, given: dict[str, Any], hits: dict[str, list[str]]) -> str:
+    """What is wrong when a colwise/rowwise entry matches a layer torch cannot split that way
+    (GPT-2's ``Conv1D``, a custom projection), or ``""``."""
+    modules = dict(model.named_modules())
+    for pattern, names in hits.items():
+        if not (isinstance(given[pattern], str) and given[pattern] in _LINEAR_STYLES):
+            continue
+        for name in names:
+            layer = modules[name]
+            if not isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)):
+                return (
+                    f"tp_plan[{pattern!r}] = {given[pattern]!r} matches {name}, a "
+                    f"{type(layer).__name__} ({type(layer).__module__}); torch's colwise/"
+                    f"rowwise styles split nn.Linear and nn.Embedding only. Replace those layers "
+                    f"with nn.Linear (Hugging Face's Conv1D holds the transposed weight: "
+                    f"nn.Linear(nx, nf) with weight = conv1d.weight.t()), or pass a callable "
+                    f"plan(model, tp_mesh) that splits them, or use 'fsdp' for this model."
+                )
+    return ""
 
 
 class TensorParallelStrategy(FSDPStrategy):
@@ -158,15 +211,35 @@ class TensorParallelStrategy(FSDPStrategy):
                 f"tp_plan attribute, so the script runs unchanged under every strategy."
             )
         _check_plan_type(given)
+        if not callable(given) and not given:
+            where = "tp_plan={}" if self.tp_plan is not None else "its own tp plan (_tp_plan)"
+            raise ConfigurationError(
+                f"'{self.name}' was given an empty tensor-parallel plan for "
+                f"{type(model).__name__} ({where}): nothing would be split, and every rank would "
+                f"hold and compute the whole model. Pass Engine('{self.name}', tp_plan={{...}}) "
+                f"naming the layers to split (e.g. {{'h.*.mlp.up': 'colwise', 'h.*.mlp.down': "
+                f"'rowwise'}}), or use 'fsdp' / 'ddp' for this model."
+            )
         if callable(given):
             model = given(model, self.mesh["tp"]) or model
         else:
             plan = {name: _style(name, value) for name, value in given.items()}
-            unmatched = [k for k, hits in _check_plan(model, plan).items() if not hits]
+            hits = _check_plan(model, plan)
+            problem = _unsplittable(model, given, hits)
+            if problem:
+                raise ConfigurationError(problem)
+            plan = {name: style for name, style in plan.items() if style is not None}
+            if not plan:
+                raise ConfigurationError(
+                    f"Every entry of the tensor-parallel plan for {type(model).__name__} is "
+                    f"'replicate': nothing would be split. Name at least one layer to split "
+                    f"('colwise'/'rowwise'), or use 'fsdp' / 'ddp' for this model."
+                )
+            unmatched = [k for k, found in hits.items() if not found]
             if unmatched:
                 raise ConfigurationError(
                     f"tp_plan entries {unmatched} match no submodule of "
-                    f"{type(model).__name__} (of {sorted(plan)}). Submodule names look like "
+                    f"{type(model).__name__} (of {sorted(hits)}). Submodule names look like "
                     f"{[n for n, _ in model.named_modules() if n][:6]}; '*' stands for one "
                     f"name, e.g. 'layers.*.up'."
                 )

@@ -1,0 +1,111 @@
+"""Tiny Hugging Face models built from configs (nothing downloaded) and a plain-PyTorch loop to
+compare torchplug's strategies with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB = 64
+
+
+def llama(seed: int = 0) -> torch.nn.Module:
+    """A 2-layer LlamaForCausalLM with grouped-query attention; it carries Hugging Face's
+    tensor-parallel plan (``colwise``, ``rowwise``, ``embedding_rowwise``, ...)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def gpt2(seed: int = 0) -> torch.nn.Module:
+    """A 2-layer GPT2LMHeadModel: tied ``wte``/``lm_head``, ``Conv1D`` layers, an empty tp plan."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+        eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def tokens(step: int, batch: int = 4, length: int = 16) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (batch, length), generator=generator)
+
+
+def reference(make: Any = llama, steps: int = 3, lr: float = 0.5) -> dict[str, Any]:
+    """``steps`` SGD steps on the whole batch in one process, no torchplug. SGD at lr 0.5 is
+    scale-sensitive; AdamW would turn rounding noise in near-zero gradients into lr-sized steps."""
+    model = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        ids = tokens(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach() for k, v in model.state_dict().items()}}
+
+
+def local_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds (its shards of DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def train(strategy: str, options: dict[str, Any], make: Any = llama, steps: int = 3) -> dict:
+    """The reference's loop under ``strategy``: each data-parallel share of the batch per rank."""
+    import torchplug as tp
+
+    with tp.Engine(strategy, **options) as engine:
+        model = make()
+        full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer = engine.setup(model, optimizer)
+        losses = []
+        for step in range(steps):
+            ids = tokens(step).chunk(engine.data_parallel_size)[engine.data_parallel_rank]
+            loss = model(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(engine.reduce(loss.detach(), "mean").item())
+        return {
+            "losses": losses,
+            "params": engine.full_state(model)["model"],
+            "local_bytes": local_bytes(model),
+            "full_bytes": full_bytes,
+        }
+
+
+def setup_error(strategy: str, options: dict[str, Any], make: Any) -> str | None:
+    import torchplug as tp
+
+    with tp.Engine(strategy, **options) as engine:
+        try:
+            engine.setup(make())
+        except tp.ConfigurationError as exc:
+            return str(exc)
+    return None

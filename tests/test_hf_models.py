@@ -1,0 +1,67 @@
+"""Hugging Face models as users have them (tiny configs, nothing downloaded): tensor parallel
+splits a Llama by its own plan and matches one process; GPT-2 (empty plan, Conv1D) is refused by
+name, never run as a silent replica."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from test_parity import assert_close_dicts  # noqa: E402
+from torchplug.testing import RankPool  # noqa: E402
+from torchplug.testing.processes import default_sys_path  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def four() -> Iterator[RankPool]:
+    pool = RankPool(4, sys_path=default_sys_path())
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return hf_models.reference()
+
+
+def check_split_run(results: list[dict], reference: dict, tp_size: int) -> None:
+    for result in results:
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert_close_dicts(result["params"], reference["params"], atol=1e-5)
+        # really split: the projections, embeddings and head hold 1/tp of their weights here
+        assert result["local_bytes"] < 0.6 * result["full_bytes"] if tp_size == 2 else True
+
+
+def test_tp_splits_a_llama_by_its_own_plan_and_matches_one_process(ranks, reference):
+    results = ranks.run(hf_models.train, "tp", {}, timeout=600)
+    check_split_run(results, reference, tp_size=2)
+
+
+def test_fsdp_tp_on_four_ranks_matches_one_process(four, reference):
+    results = four.run(hf_models.train, "fsdp-tp", {"dp_size": 2, "tp_size": 2}, timeout=600)
+    for result in results:
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert_close_dicts(result["params"], reference["params"], atol=1e-5)
+        # tp splits by 2, fsdp shards what is left over the other 2
+        assert result["local_bytes"] < 0.35 * result["full_bytes"]
+
+
+def test_gpt2s_empty_plan_is_refused_naming_the_model(ranks):
+    for message in ranks.run(hf_models.setup_error, "tp", {}, hf_models.gpt2, timeout=600):
+        assert message is not None, "GPT-2 ran as a replica under tp"
+        assert "empty tensor-parallel plan for GPT2LMHeadModel" in message
+        assert "use 'fsdp' / 'ddp'" in message
+
+
+def test_a_plan_on_gpt2s_conv1d_is_refused_naming_the_layer(ranks):
+    plan = {
+        "tp_plan": {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+    }
+    for message in ranks.run(hf_models.setup_error, "tp", plan, hf_models.gpt2, timeout=600):
+        assert message is not None
+        assert "matches transformer.h.0.mlp.c_fc, a Conv1D" in message
+        assert "split nn.Linear and nn.Embedding only" in message
