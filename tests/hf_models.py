@@ -109,3 +109,17 @@ def setup_error(strategy: str, options: dict[str, Any], make: Any) -> str | None
         except tp.ConfigurationError as exc:
             return str(exc)
     return None
+
+
+def built_empty(strategy: str, options: dict[str, Any], make: Any = llama) -> dict:
+    """``make()`` inside ``init_module(empty=True)``, set up: its full state, to be bit-compared
+    with an eager ``make()`` (both start from ``torch.manual_seed(0)``, which ``make`` calls)."""
+    import torchplug as tp
+
+    with tp.Engine(strategy, **options) as engine:
+        torch.manual_seed(0)
+        with engine.init_module(empty=True):
+            model = make()
+        assert all(p.is_meta for p in model.parameters())
+        model = engine.setup(model)
+        return {k: v.clone() for k, v in engine.full_state(model)["model"].items()}

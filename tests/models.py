@@ -52,3 +52,29 @@ def images(seed: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(batch, 3, 8, 8, generator=generator) * (1 + seed % 3)
     y = torch.randint(0, 10, (batch,), generator=generator)
     return x, y
+
+
+class SelfInitialising(torch.nn.Module):
+    """A model with a model-wide ``init_weights()`` (torchtitan's pattern), called after it is
+    built; the layers' own ``reset_parameters()`` numbers are replaced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.down = nn.Linear(16, 4)
+
+    def init_weights(self) -> None:
+        for layer in (self.up, self.down):
+            nn.init.trunc_normal_(layer.weight, std=0.02)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.norm(self.up(x))))
+
+
+def self_initialising_eager() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = SelfInitialising()
+    model.init_weights()
+    return model.state_dict()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -65,3 +66,20 @@ def test_a_plan_on_gpt2s_conv1d_is_refused_naming_the_layer(ranks):
         assert message is not None
         assert "matches transformer.h.0.mlp.c_fc, a Conv1D" in message
         assert "split nn.Linear and nn.Embedding only" in message
+
+
+@pytest.mark.parametrize(("strategy", "options"), [("fsdp", {}), ("tp", {})])
+def test_meta_init_gives_the_models_own_initialisation_bit_exact(ranks, strategy, options):
+    """Hugging Face initialises through post_init (_init_weights: normal(0, 0.02), ones for
+    norms), not the layers' reset_parameters; built empty, the model must get the same numbers."""
+    eager = hf_models.llama().state_dict()
+    for built in ranks.run(hf_models.built_empty, strategy, options, timeout=600):
+        assert built.keys() == eager.keys()
+        differ = [k for k in eager if not torch.equal(built[k], eager[k])]
+        assert not differ, differ
+
+
+def test_meta_init_in_one_process_is_bit_exact_too():
+    eager = hf_models.llama().state_dict()
+    built = hf_models.built_empty("single", {})
+    assert [k for k in eager if not torch.equal(built[k], eager[k])] == []

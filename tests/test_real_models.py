@@ -115,3 +115,26 @@ def test_fsdp_bf16_trains_batchnorm_and_layernorm_like_fp32(ranks):
     )
     assert low["dtypes"]["stem.1.running_mean"] == torch.float32
     assert low["dtypes"]["head.0.weight"] == torch.float32
+
+
+def built_empty_self_initialising(strategy: str) -> dict[str, torch.Tensor]:
+    from models import SelfInitialising
+
+    with tp.Engine(strategy) as engine:
+        torch.manual_seed(0)
+        with engine.init_module(empty=True):
+            model = SelfInitialising()
+        model = engine.setup(model)
+        return {k: v.clone() for k, v in engine.full_state(model)["model"].items()}
+
+
+def test_meta_init_runs_a_models_own_init_weights(ranks):
+    from models import self_initialising_eager
+
+    eager = self_initialising_eager()
+    assert eager["up.bias"].abs().sum() == 0  # init_weights ran (reset_parameters' bias isn't 0)
+    for built in [
+        built_empty_self_initialising("single"),
+        *ranks.run(built_empty_self_initialising, "fsdp", timeout=600),
+    ]:
+        assert [k for k in eager if not torch.equal(built[k], eager[k])] == []

@@ -7,16 +7,18 @@ Activation checkpointing replaces each chosen block's ``forward`` on the instanc
 parameter names, state dicts and checkpoints stay exactly those of the plain model (``close()``
 puts the original ``forward`` back).
 
-Meta-device materialisation calls each module's ``reset_parameters()`` in module order, starting
-from the RNG state :meth:`Engine.init_module` saw, so a model built empty initialises to the same
-numbers as one built eagerly (for models that initialise through ``reset_parameters``, as torch's
-layers do). Under a sharding backend each module's full tensors exist only while that module is
-initialised, then only this rank's shard is kept.
+Meta-device materialisation calls each module's ``reset_parameters()`` in module order, then the
+model's own initialisation (Hugging Face's ``_init_weights`` through ``post_init``, or a model's
+``init_weights()``), starting from the RNG state :meth:`Engine.init_module` saw, so a model built
+empty initialises to the same numbers as one built eagerly. Under a sharding backend each module's
+full tensors exist only while that module is initialised, then only this rank's shard is kept (a
+model-wide ``init_weights()`` holds the whole model on the CPU while it runs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,8 +122,26 @@ def _own_tensors(module: torch.nn.Module) -> list[str]:
     ]
 
 
+def own_init(model: torch.nn.Module) -> str | None:
+    """How the model initialises itself beyond its layers' ``reset_parameters()``:
+    ``"hf"`` (Hugging Face's ``post_init``: ``_init_weights`` applied to every submodule),
+    ``"init_weights"`` (a model-wide ``init_weights()`` method, as torchtitan's models have), or
+    ``None``. An eager build runs it after the layers' own initialisation; so does
+    materialisation, from the same RNG state, so both give the same numbers."""
+    if callable(getattr(model, "_initialize_weights", None)) and callable(
+        getattr(model, "_init_weights", None)
+    ):
+        return "hf"
+    if callable(getattr(model, "init_weights", None)):
+        return "init_weights"
+    return None
+
+
 def check_initialisable(model: torch.nn.Module) -> None:
-    """Every module holding tensors of its own must be able to initialise them again."""
+    """Every module holding tensors of its own must be able to initialise them again (by its
+    ``reset_parameters()``, or through the model's own initialisation)."""
+    if own_init(model) is not None:
+        return
     unable = sorted(
         {
             type(m).__name__
@@ -133,8 +153,100 @@ def check_initialisable(model: torch.nn.Module) -> None:
         raise ConfigurationError(
             f"Modules built with engine.init_module(empty=True) are initialised by their "
             f"reset_parameters(), which {unable} lack (they initialise in __init__). Give them a "
-            f"reset_parameters() method, or build the model without empty=True."
+            f"reset_parameters() method (or the model an init_weights() method that initialises "
+            f"every tensor), or build the model without empty=True."
         )
+
+
+@contextlib.contextmanager
+def _on_cpu(modules: Sequence[torch.nn.Module], full: bool) -> Iterator[None]:
+    """The modules' own tensors as full-size CPU stand-ins while the body initialises them (the
+    CPU RNG an eager build draws from), then copied back into place (only this rank's shard of a
+    DTensor). ``full``: start from the current values (gathered from the shards: every rank
+    takes part), for an initialisation that leaves some tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    swapped: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+    for module in modules:
+        slots = {**module._parameters, **module._buffers}  # noqa: SLF001
+        for name in _own_tensors(module):
+            tensor = slots[name]
+            if isinstance(tensor, DTensor):
+                stand_in = (
+                    tensor.full_tensor().detach().cpu().clone()
+                    if full
+                    else torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+                )
+            elif tensor.device.type != "cpu":
+                stand_in = (
+                    tensor.detach().cpu().clone()
+                    if full
+                    else torch.empty_like(tensor, device="cpu")
+                )
+            else:
+                continue  # on the CPU already: initialised in place
+            _put(module, name, stand_in, like=tensor)
+            swapped.append((module, name, tensor, stand_in))
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        with torch.no_grad():
+            for module, name, tensor, _ in swapped:
+                value = {**module._parameters, **module._buffers}[name]  # noqa: SLF001
+                if isinstance(tensor, DTensor):
+                    tensor.to_local().copy_(_local_part(value, tensor).to(tensor.device))
+                else:
+                    tensor.copy_(value.to(tensor.device))
+                _put(module, name, tensor, like=tensor)
+
+
+def _hf_order(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """Each submodule with the ``_initialize_weights`` that Hugging Face's ``initialize_weights``
+    applies to it, in its order: children before parents, and a sub-model (a module with its own
+    ``_initialize_weights``) initialises its own subtree."""
+    order: list[tuple[torch.nn.Module, Any]] = []
+
+    def visit(module: torch.nn.Module, fn: Any) -> None:
+        for child in module.children():
+            visit(child, child._initialize_weights if _is_hf_model(child) else fn)  # noqa: SLF001
+        order.append((module, fn))
+
+    visit(model, model._initialize_weights)  # noqa: SLF001
+    return order
+
+
+def _reset(module: torch.nn.Module) -> None:
+    if _own_tensors(module) and callable(getattr(module, "reset_parameters", None)):
+        with _on_cpu([module], full=False):
+            module.reset_parameters()
+
+
+def _is_hf_model(module: torch.nn.Module) -> bool:
+    return callable(getattr(module, "_initialize_weights", None)) and callable(
+        getattr(module, "_init_weights", None)
+    )
+
+
+def _replay_hugging_face(model: torch.nn.Module) -> None:
+    """A Hugging Face model's eager initialisation, in its order: each layer's
+    ``reset_parameters()`` as it is built, and at the end of each (sub-)model's ``__init__`` its
+    ``post_init``, which applies ``_init_weights`` to every module of it not initialised yet
+    (``LlamaModel`` initialises its layers before ``LlamaForCausalLM`` builds ``lm_head``)."""
+    custom = model.is_custom_code() if callable(getattr(model, "is_custom_code", None)) else False
+
+    def visit(module: torch.nn.Module) -> None:
+        _reset(module)
+        for child in module.children():
+            visit(child)
+        if _is_hf_model(module):
+            for each, fn in _hf_order(module):
+                if getattr(each, "_is_hf_initialized", False):
+                    continue  # as post_init skips it (an inner post_init did it)
+                with _on_cpu([each], full=True):
+                    fn(each, custom)
+
+    visit(model)
 
 
 def materialize(
@@ -142,33 +254,23 @@ def materialize(
 ) -> None:
     """Allocate a meta-device model on ``device`` and initialise it in place (sharded
     parameters: only this rank's shard is kept; each module's full tensors live, on the CPU,
-    only while it initialises)."""
-    from torch.distributed.tensor import DTensor
-
+    only while it initialises): each module's ``reset_parameters()`` in module order, then the
+    model's own initialisation (:func:`own_init`), as an eager build runs them."""
     check_initialisable(model)
+    how = own_init(model)
     model.to_empty(device=device)
     saved = torch.get_rng_state()
     if rng_state is not None:
         torch.set_rng_state(rng_state)
     try:
-        for module in model.modules():
-            names = _own_tensors(module)
-            if not names:
-                continue
-            slots = {**module._parameters, **module._buffers}  # noqa: SLF001
-            sharded = {n: slots[n] for n in names if isinstance(slots[n], DTensor)}
-            full: dict[str, torch.Tensor] = {}
-            for name, tensor in sharded.items():  # a full-size stand-in while it initialises
-                # on the CPU, whose RNG an eager build (on the CPU) draws from
-                stand_in = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-                full[name] = stand_in
-                _put(module, name, stand_in, like=tensor)
-            with torch.no_grad():
-                module.reset_parameters()
-                for name, tensor in sharded.items():
-                    tensor.to_local().copy_(_local_part(full[name], tensor).to(device))
-                    _put(module, name, tensor, like=tensor)
-            full.clear()
+        if how == "hf":
+            _replay_hugging_face(model)
+        else:
+            for module in model.modules():
+                _reset(module)
+            if how == "init_weights":  # model-wide: the whole model on the CPU while it runs
+                with _on_cpu(list(model.modules()), full=True):
+                    model.init_weights()
     finally:
         if rng_state is not None:
             torch.set_rng_state(saved)
