@@ -138,3 +138,58 @@ def test_meta_init_runs_a_models_own_init_weights(ranks):
         *ranks.run(built_empty_self_initialising, "fsdp", timeout=600),
     ]:
         assert [k for k in eager if not torch.equal(built[k], eager[k])] == []
+
+
+def train_resnet(strategy: str, steps: int = 3, **engine_args: Any) -> dict[str, Any]:
+    """Global batch 8 split over the ranks (rank r takes samples r::world of each batch)."""
+    with tp.Engine(strategy, **engine_args) as engine:
+        model = make_resnet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = engine.setup(model, optimizer)
+        losses = []
+        for step in range(steps):
+            x, y = images(seed=step, batch=8)
+            mine = slice(
+                engine.rank * 8 // engine.world_size, (engine.rank + 1) * 8 // engine.world_size
+            )
+            loss = torch.nn.functional.cross_entropy(model(x[mine]), y[mine])
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(engine.reduce(loss.detach(), "mean").item())
+        kinds = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})
+        state = {k: v.clone() for k, v in engine.full_state(model)["model"].items()}
+    after_close = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})
+    return {"losses": losses, "state": state, "kinds": kinds, "after_close": after_close}
+
+
+def test_sync_batchnorm_on_two_cpu_ranks_trains_like_one_process_on_the_global_batch(ranks):
+    reference = train_resnet("single")  # plain BatchNorm over all 8 samples
+    for result in ranks.run(train_resnet, "ddp", sync_batchnorm=True, timeout=600):
+        assert result["kinds"] == ["GlobalBatchNorm"]
+        assert result["after_close"] == ["BatchNorm2d"]  # close() puts the user's layers back
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(result["state"][name], value, atol=1e-5, rtol=0, msg=name)
+    # without it each rank's statistics are its own half's: not the global batch's
+    plain = ranks.run(train_resnet, "ddp", timeout=600)[0]
+    off = (plain["state"]["stem.1.running_mean"] - reference["state"]["stem.1.running_mean"]).abs()
+    assert off.max() > 1e-3
+
+
+def test_sync_batchnorm_setting_comes_from_the_launcher_environment(monkeypatch):
+    from torchplug.core import syncbn
+
+    monkeypatch.setenv(syncbn.SYNC_BATCHNORM_ENV, "1")
+    with tp.Engine("single") as engine:
+        assert engine.sync_batchnorm is True
+    with tp.Engine("single", sync_batchnorm=False) as engine:
+        assert engine.sync_batchnorm is False
+    monkeypatch.setenv(syncbn.SYNC_BATCHNORM_ENV, "maybe")
+    with pytest.raises(
+        tp.ConfigurationError, match="TORCHPLUG_SYNC_BATCHNORM='maybe' is not a boolean"
+    ):
+        tp.Engine("single")
+    monkeypatch.delenv(syncbn.SYNC_BATCHNORM_ENV)
+    with pytest.raises(tp.ConfigurationError, match="sync_batchnorm must be True or False"):
+        tp.Engine("single", sync_batchnorm="yes")

@@ -98,6 +98,12 @@ def launch_parser() -> argparse.ArgumentParser:
         "(repeatable; Engine(loggers=...) in the code wins)",
     )
     own.add_argument(
+        "--sync-batchnorm",
+        action="store_true",
+        help="BatchNorm statistics over the global batch (Engine(sync_batchnorm=True); "
+        "TORCHPLUG_SYNC_BATCHNORM=1)",
+    )
+    own.add_argument(
         "--debug",
         action="store_true",
         help="check before each torchplug collective that every rank calls the same operation "
@@ -388,6 +394,8 @@ def launch(argv: Sequence[str]) -> int:
         return 2
     if args.debug:
         os.environ[DEBUG_ENV] = "1"
+    if args.sync_batchnorm:
+        os.environ["TORCHPLUG_SYNC_BATCHNORM"] = "1"
     if args.logger:
         os.environ["TORCHPLUG_LAUNCH_LOGGERS"] = ",".join(args.logger)
     os.environ[LAUNCHED_ENV] = "1"

@@ -56,7 +56,9 @@ class Engine:
 
     ``strategy`` is a registered name or alias, or ``"auto"`` (the launcher's, environment's or
     config file's choice, else ``ddp`` under a multi-process launcher, else ``single``).
-    ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``plugins`` adds extension
+    ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``sync_batchnorm=True``
+    (``torchplug launch --sync-batchnorm``) takes BatchNorm statistics over the global batch
+    (:mod:`torchplug.core.syncbn`; CPU included). ``plugins`` adds extension
     plugins to this Engine only (objects, or module names imported as ``python -m`` would, from
     the current directory too); ``loggers`` names the metric loggers :meth:`log` writes to
     (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any a plugin registers; rank 0 only), under
@@ -79,6 +81,7 @@ class Engine:
         keep_last: int | None = None,
         compile: bool | dict[str, Any] | None = None,  # noqa: A002 - Fabric's/Accelerate's name
         activation_checkpointing: Iterable[type | str] | None = None,
+        sync_batchnorm: bool | None = None,
         loggers: Iterable[str | object] | str | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         **strategy_options: Any,
@@ -112,6 +115,10 @@ class Engine:
         self.compile_options = scaling.compile_options(compile)
         #: Block classes whose activations are recomputed in backward instead of stored.
         self.activation_checkpointing = scaling.block_classes(activation_checkpointing)
+        from torchplug.core import syncbn
+
+        #: BatchNorm statistics over the global batch (code argument, else the environment).
+        self.sync_batchnorm = syncbn.setting(sync_batchnorm)
         self._meta_rng: torch.Tensor | None = None
         self.precision_options: dict[str, Any] = {}
         self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
@@ -365,6 +372,10 @@ class Engine:
 
         if self.activation_checkpointing:  # before the wrap, as FSDP2 wants it
             scaling.checkpoint_activations(self, model, self.activation_checkpointing)
+        if self.sync_batchnorm and self.data_parallel_size > 1:
+            from torchplug.core import syncbn
+
+            self._undo += syncbn.convert(model, self.device)  # before the wrap sees the layers
         meta = scaling.is_meta(model)
         if meta and not getattr(self.backend, "wraps_meta_modules", False):
             # replicated: the whole model, on the CPU as an eager build; the wrap moves it
