@@ -193,3 +193,30 @@ def test_sync_batchnorm_setting_comes_from_the_launcher_environment(monkeypatch)
     monkeypatch.delenv(syncbn.SYNC_BATCHNORM_ENV)
     with pytest.raises(tp.ConfigurationError, match="sync_batchnorm must be True or False"):
         tp.Engine("single", sync_batchnorm="yes")
+
+
+GROWING = {"init_scale": 256.0, "growth_interval": 1}  # the scale doubles every clean step
+
+
+def test_fp16_resume_carries_the_loss_scale_and_repeats_the_uninterrupted_run(ranks, tmp_path):
+    from torchplug.testing import bodies
+
+    args = {"precision": "fp16", "precision_options": GROWING, "optimizer": "SGD", "lr": 0.1}
+    whole = ranks.run(bodies.train, "ddp", steps=10, **args, timeout=600)[0]
+    assert len(set(whole["scales"])) > 3  # the scale really moves
+    path = str(tmp_path / "half")
+    ranks.run(bodies.train, "ddp", steps=5, save_to=path, **args, timeout=600)
+    resumed = ranks.run(
+        bodies.train, "ddp", steps=5, first_step=5, load_from=path, **args, timeout=600
+    )
+    for result in resumed:
+        assert result["scales"] == whole["scales"][5:]
+        assert result["skipped"] == whole["skipped"][5:]
+        assert result["losses"] == pytest.approx(whole["losses"][5:], abs=1e-6)
+        for name, value in whole["params"].items():
+            torch.testing.assert_close(result["params"][name], value, atol=1e-6, rtol=0)
+
+
+def test_user_keys_in_torchplugs_namespace_are_refused(tmp_path):
+    with tp.Engine("single") as engine, pytest.raises(tp.CheckpointError, match="namespace"):
+        engine.save(str(tmp_path / "c"), {"torchplug.mine": 1})

@@ -316,7 +316,9 @@ def load(
     entries, index = body["entries"], body["tensors"]
     if state is None:
         return co.run("reading values", lambda: summary(root, body))
-    missing = [k for k in state if k not in entries]
+    # torchplug's own entries (plugins' state) are optional: a checkpoint saved without the
+    # plugin leaves its object as it is
+    missing = [k for k in state if k not in entries and not str(k).startswith("torchplug.")]
     if missing:
         raise CheckpointError(
             f"Checkpoint {root} has no entries {missing}; it holds {sorted(entries)}. "

@@ -51,6 +51,10 @@ class Runtime:
     data_parallel_size: int | None = None
 
 
+#: Checkpoint entries of torchplug's own (plugins' state): user keys may not start with it.
+RESERVED_PREFIX = "torchplug."
+
+
 class Engine:
     """Runs a plain PyTorch training loop on the backend chosen by name.
 
@@ -964,11 +968,38 @@ class Engine:
             raise CheckpointError(
                 f"Checkpoint metadata must be JSON values (numbers, strings, lists, dicts): {exc}"
             ) from None
+        reserved = sorted(k for k in state if str(k).startswith(RESERVED_PREFIX))
+        if reserved:
+            raise CheckpointError(
+                f"State keys {reserved} start with {RESERVED_PREFIX!r}, which is torchplug's own "
+                f"namespace in checkpoints (plugins' state, such as the fp16 loss scale). Rename "
+                f"them."
+            )
+        state = {**state, **self._plugin_state()}
         with self.native_state_dicts():
             done = self.hook.torchplug_save(
                 engine=self, path=str(Path(path)), state=state, metadata=metadata
             )
         self._answer("torchplug_save", done, bool, "True")
+
+    def _plugin_state(self) -> dict[str, Any]:
+        """What the active set's plugins keep in every checkpoint (``torchplug_checkpoint_state``),
+        under torchplug's reserved names."""
+        merged: dict[str, Any] = {}
+        for answer in self.hook.torchplug_checkpoint_state(engine=self):
+            self._answer("torchplug_checkpoint_state", answer, dict, "a dict of name -> object")
+            for name, obj in answer.items():
+                if not (
+                    callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))
+                ):
+                    raise PluginError(
+                        f"torchplug_checkpoint_state answered {name!r}: {type(obj).__name__}, "
+                        f"which lacks state_dict()/load_state_dict(). Return objects that have "
+                        f"both (docs/hooks.md#torchplug_checkpoint_state)."
+                    )
+                merged[f"{RESERVED_PREFIX}{name}"] = obj
+        return merged
 
     def load(
         self,
@@ -990,11 +1021,15 @@ class Engine:
                 f"engine.load expects a dict of the objects to restore, e.g. {{'model': model, "
                 f"'optimizer': optimizer}}, got {type(state).__name__}."
             )
+        merged = None if state is None else {**state, **self._plugin_state()}
         with self.native_state_dicts():
             result = self.hook.torchplug_load(
-                engine=self, path=str(Path(path)), state=state, strict=strict
+                engine=self, path=str(Path(path)), state=merged, strict=strict
             )
-        return self._answer("torchplug_load", result, dict, "a dict of the values loaded")
+        if state is not None and merged is not None:
+            state.update({k: merged[k] for k in state})  # plain values replaced, as documented
+        answer = self._answer("torchplug_load", result, dict, "a dict of the values loaded")
+        return {k: v for k, v in answer.items() if not str(k).startswith(RESERVED_PREFIX)}
 
     @property
     def checkpoint_timeout(self) -> float:

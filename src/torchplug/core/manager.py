@@ -77,8 +77,14 @@ STRATEGY_HOOKS = frozenset(
 
 
 #: Hooks an Engine's active set must answer: every strategy hook but teardown (optional).
-#: (``torchplug_compile`` and ``torchplug_init_module`` are optional: the Engine has defaults.)
-ACTION_HOOKS = STRATEGY_HOOKS - {"torchplug_teardown", "torchplug_compile", "torchplug_init_module"}
+#: (``torchplug_compile`` and ``torchplug_init_module`` are optional: the Engine has defaults;
+#: ``torchplug_checkpoint_state`` is optional: most plugins keep nothing in checkpoints.)
+ACTION_HOOKS = STRATEGY_HOOKS - {
+    "torchplug_teardown",
+    "torchplug_compile",
+    "torchplug_init_module",
+    "torchplug_checkpoint_state",  # a plugin with nothing to add answers nothing
+}
 
 
 def _env_list(name: str) -> list[str]:

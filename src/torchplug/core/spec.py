@@ -339,6 +339,20 @@ def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] 
 
 
 @hookspec
+def torchplug_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
+    """Objects of this plugin's that every checkpoint carries: ``{name: obj}``, each with
+    ``state_dict()`` and ``load_state_dict(state)`` (the AMP plugin's GradScaler: its loss scale
+    and growth tracker, so an fp16 run resumes exactly where it was).
+
+    Called on every plugin of the active set at each ``engine.save`` and ``engine.load``; the
+    answers are merged. Each object is saved as the entry ``torchplug.<name>`` (a namespace user
+    keys cannot take) and restored on load when the checkpoint holds it: a checkpoint saved
+    without the plugin (another precision, an older torchplug) leaves the object as it is. Keep
+    the state small, JSON values or tensors equal on every rank: rank 0's copy is written.
+    """
+
+
+@hookspec
 def torchplug_teardown(engine: Engine) -> None:
     """Release what setup acquired (e.g. destroy the process group the backend created).
 

@@ -93,6 +93,12 @@ class ScaledMixedPrecision(MixedPrecision):
     ``python -m benchmarks --only dispatch``).
     """
 
+    @hookimpl
+    def torchplug_checkpoint_state(self, engine: Engine) -> dict[str, Any]:
+        """The GradScaler's loss scale and growth tracker travel with every checkpoint: a
+        resumed fp16 run scales (and skips) exactly as the uninterrupted one."""
+        return {"amp.grad_scaler": self.scaler} if self.scaler is not None else {}
+
     @hookimpl(wrapper=True)
     def torchplug_backward(
         self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
