@@ -693,3 +693,26 @@ def built_partitioned() -> list[Any]:
 def test_zero3_builds_the_model_partitioned_under_init_module(ranks):
     for local in ranks.run(built_partitioned, timeout=300):
         assert all(has_id and numel == 0 and full > 0 for has_id, numel, full in local), local
+
+
+@needs_deepspeed
+def test_fp16_resume_carries_deepspeeds_loss_scale(ranks, tmp_path):
+    require_precision("deepspeed-zero2", "fp16")
+    args = {
+        "precision": "fp16",
+        "precision_options": {"init_scale": 256.0, "growth_interval": 1},
+        "optimizer": "SGD",
+        "lr": 0.1,
+    }
+    whole = ranks.run(bodies.train, "deepspeed-zero2", steps=8, **args, timeout=600)[0]
+    path = str(tmp_path / "half")
+    ranks.run(bodies.train, "deepspeed-zero2", steps=4, save_to=path, **args, timeout=600)
+    resumed = ranks.run(
+        bodies.train, "deepspeed-zero2", steps=4, first_step=4, load_from=path, **args,
+        timeout=600,
+    )  # fmt: skip
+    for result in resumed:
+        assert result["skipped"] == whole["skipped"][4:]
+        assert result["losses"] == pytest.approx(whole["losses"][4:], abs=1e-6)
+        for name, value in whole["params"].items():
+            torch.testing.assert_close(result["params"][name], value, atol=1e-6, rtol=0)

@@ -382,6 +382,16 @@ class DeepSpeedStrategy(DistributedStrategy):
             ds_engine.set_gradient_accumulation_boundary(True)
 
     @hookimpl
+    def torchplug_checkpoint_state(self, engine: Engine) -> dict[str, Any]:
+        """fp16: DeepSpeed's dynamic loss scale (scale, iterations since the last overflow,
+        hysteresis) travels with every checkpoint, so a resumed run scales and skips as the
+        uninterrupted one (ZeRO's own checkpoint keeps it; the portable one did not)."""
+        scaler = getattr(self.optimizers[-1], "loss_scaler", None) if self.optimizers else None
+        if engine.precision != "fp16" or scaler is None:
+            return {}
+        return {"deepspeed.loss_scaler": _LossScaleState(scaler)}
+
+    @hookimpl
     def torchplug_clip_grad_norm(
         self,
         engine: Engine,
@@ -604,6 +614,27 @@ def _options(with_stage: bool, with_offload: bool = True) -> tuple[Option, ...]:
         ),
     ]
     return tuple(options)
+
+
+class _LossScaleState:
+    """DeepSpeed's loss scaler as a stateful object (plain numbers, equal on every rank)."""
+
+    FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f: _plain(getattr(self.scaler, f)) for f in self.FIELDS if hasattr(self.scaler, f)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for field, value in state.items():
+            if field in self.FIELDS:
+                setattr(self.scaler, field, value)
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 def precision_check(precision: str) -> str | None:
