@@ -70,12 +70,28 @@ class DropsScheduler(DDPStrategy):
         return wrapped, fresh
 
 
+class ReinitialisesPerRank(DDPStrategy):
+    """Re-initialises the model in wrap from a per-rank seed (a backend that builds its own copy
+    of the model on each rank without taking rank 0's)."""
+
+    @tp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        wrapped, optimizers = super().torchplug_wrap(engine, model, optimizers)
+        torch.manual_seed(1000 + engine.rank)  # after DDP's own broadcast: the bug
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+        return wrapped, optimizers
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
     "ignores-no-sync": (IgnoresNoSync, "accumulation"),
     "ignores-skip": (IgnoresSkip, "fp16_skip"),
     "drops-scheduler": (DropsScheduler, "schedulers"),
+    "reinitialises-per-rank": (ReinitialisesPerRank, "replicas"),
 }
 
 

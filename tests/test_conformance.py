@@ -27,7 +27,8 @@ def test_each_broken_strategy_is_caught_by_the_property_it_breaks(ranks, name):
     outcomes = check(name, plugins=["broken_strategy"], pool=ranks, precision=precision)
     failed = [o.name for o in outcomes if not (o.passed or o.skipped)]
     assert prop in failed, [str(o) for o in outcomes]
-    assert "parity" not in failed or name == "no-average", failed  # the others train right
+    # the others train right (ranks that start from different models cannot)
+    assert "parity" not in failed or name in ("no-average", "reinitialises-per-rank"), failed
 
 
 def test_summing_instead_of_averaging_is_caught_by_sgd_where_adamw_hides_it(ranks):

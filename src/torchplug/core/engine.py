@@ -381,6 +381,8 @@ class Engine:
 
             self._undo += syncbn.convert(model, self.device)  # before the wrap sees the layers
         meta = scaling.is_meta(model)
+        if not meta:
+            scaling.replicate_from_rank_zero(model, self.device)
         if meta and not getattr(self.backend, "wraps_meta_modules", False):
             # replicated: the whole model, on the CPU as an eager build; the wrap moves it
             self._materialize(model, optimizers, torch.device("cpu"))

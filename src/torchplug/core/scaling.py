@@ -110,6 +110,37 @@ def checkpoint_activations(
 # -- meta-device initialisation --------------------------------------------------------------------
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def replicate_from_rank_zero(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every rank rank 0's parameters and buffers before the backend wraps the model, as
+    DDP does for itself: a script whose ranks built the model from different seeds (no seed,
+    or one per rank) would otherwise shard a mix of differently initialised models under fsdp
+    or tp. Models a backend has already partitioned (DeepSpeed's ``zero.Init``) or distributed
+    (DTensor) are left to it."""
+    if not _distributed():
+        return
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(isinstance(t, DTensor) or hasattr(t, "ds_id") for t in tensors):
+        return
+    on_device = dist.get_backend() not in ("gloo", "mpi")  # nccl/xccl take device tensors only
+    with torch.no_grad():
+        for tensor in dict.fromkeys(tensors):  # a tied tensor once
+            if on_device and tensor.device != device:
+                staged = tensor.detach().to(device)
+                dist.broadcast(staged, 0)
+                tensor.copy_(staged)
+            else:
+                dist.broadcast(tensor.detach(), 0)
+
+
 def is_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
@@ -261,6 +292,14 @@ def materialize(
     model.to_empty(device=device)
     saved = torch.get_rng_state()
     if rng_state is not None:
+        if _distributed():  # every rank materialises rank 0's model, whatever it seeded
+            import torch.distributed as dist
+
+            staged = rng_state.clone()
+            if dist.get_backend() not in ("gloo", "mpi"):
+                staged = staged.to(device)
+            dist.broadcast(staged, 0)
+            rng_state = staged.cpu()
         torch.set_rng_state(rng_state)
     try:
         if how == "hf":

@@ -297,6 +297,38 @@ def materialized(
         return {k: v.float() for k, v in engine.full_state(model)["model"].items()}
 
 
+def replicas(
+    strategy: str,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    precision: str | None = None,
+    empty: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The kit's model built from a different seed on every rank (as a script that seeds per
+    rank, or not at all, does), after setup: its full parameters by name. Every rank must hold
+    rank 0's model (the caller compares them with an eager build from rank 0's seed)."""
+    register(plugins)
+    with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
+        torch.manual_seed(REPLICA_SEED + engine.rank)
+        if empty:
+            with engine.init_module(empty=True):
+                model = _unseeded_model()
+        else:
+            model = _unseeded_model()
+        model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return {k: v.float() for k, v in engine.full_state(model)["model"].items()}
+
+
+#: Rank r of :func:`replicas` seeds ``REPLICA_SEED + r``.
+REPLICA_SEED = 100
+
+
+def replica_reference() -> dict[str, torch.Tensor]:
+    """Rank 0's model of :func:`replicas`, built eagerly in this process."""
+    torch.manual_seed(REPLICA_SEED)
+    return {k: v.float() for k, v in _unseeded_model().state_dict().items()}
+
+
 def _unseeded_model(width: int = 16) -> torch.nn.Module:
     """:func:`make_model` without its own seeding (the caller seeds before init_module)."""
     return torch.nn.Sequential(

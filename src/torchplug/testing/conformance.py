@@ -118,6 +118,9 @@ class Conformance:
     def test_materialization(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.materialization())
 
+    def test_replicas(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.replicas())
+
     def test_unsupported(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.unsupported())
 

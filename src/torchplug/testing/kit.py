@@ -41,6 +41,7 @@ PROPERTIES = (
     "portability",
     "single_process",
     "materialization",
+    "replicas",
     "unsupported",
 )
 #: Checked only when asked for (``torchplug check NAME --only compile``): compiling takes seconds.
@@ -511,6 +512,35 @@ class Kit:
             "a meta-device model materialised by setup equals the eager build, bit for bit"
             if not differ
             else f"materialised parameters differ from the eager build: {differ[:5]}",
+        )
+
+    def replicas(self) -> Outcome:
+        """Ranks that built the model from different seeds all hold rank 0's model after
+        setup, built eagerly or on the meta device (DDP broadcasts rank 0's; a sharding backend
+        that skipped that would shard a mix of differently initialised models)."""
+        if self.nprocs == 1:
+            return Outcome("replicas", False, "one process: nothing to compare", skipped=True)
+        expected = bodies.replica_reference()
+        problems = []
+        for empty in (False, True):
+            try:
+                results = self.run(bodies.replicas, empty=empty)
+            except RankError as exc:
+                if empty and "init_module" in str(exc):  # a backend without meta support
+                    continue
+                raise
+            for rank, result in enumerate(results):
+                differ = bit_exact(_rounded(result, expected), _rounded(expected, result))
+                if differ:
+                    how = "built empty" if empty else "built eagerly"
+                    problems.append(
+                        f"rank {rank} ({how}) differs from rank 0's model: {differ[:3]}"
+                    )
+        return Outcome(
+            "replicas",
+            not problems,
+            "; ".join(problems[:2])
+            or "ranks seeded differently all hold rank 0's model after setup (eager and empty)",
         )
 
     def compile(self) -> Outcome:
