@@ -37,7 +37,7 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
 
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
-        eos_token_id=1,
+        eos_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # deterministic
     )  # fmt: skip
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
@@ -75,8 +75,17 @@ def local_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def train(strategy: str, options: dict[str, Any], make: Any = llama, steps: int = 3) -> dict:
-    """The reference's loop under ``strategy``: each data-parallel share of the batch per rank."""
+def train(
+    strategy: str,
+    options: dict[str, Any],
+    make: Any = llama,
+    steps: int = 3,
+    save_to: str | None = None,
+    load_from: str | None = None,
+    first_step: int = 0,
+) -> dict:
+    """The reference's loop under ``strategy``: each data-parallel share of the batch per rank;
+    ``load_from`` a checkpoint of steps before ``first_step``, ``save_to`` one after."""
     import torchplug as tp
 
     with tp.Engine(strategy, **options) as engine:
@@ -84,14 +93,18 @@ def train(strategy: str, options: dict[str, Any], make: Any = llama, steps: int 
         full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         model, optimizer = engine.setup(model, optimizer)
+        if load_from is not None:
+            engine.load(load_from, {"model": model, "optimizer": optimizer})
         losses = []
-        for step in range(steps):
+        for step in range(first_step, first_step + steps):
             ids = tokens(step).chunk(engine.data_parallel_size)[engine.data_parallel_rank]
             loss = model(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(engine.reduce(loss.detach(), "mean").item())
+        if save_to is not None:
+            engine.save(save_to, {"model": model, "optimizer": optimizer})
         return {
             "losses": losses,
             "params": engine.full_state(model)["model"],

@@ -83,3 +83,44 @@ def test_meta_init_in_one_process_is_bit_exact_too():
     eager = hf_models.llama().state_dict()
     built = hf_models.built_empty("single", {})
     assert [k for k in eager if not torch.equal(built[k], eager[k])] == []
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference() -> dict:
+    return hf_models.reference(hf_models.gpt2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_gpt2_with_tied_embeddings_trains_like_one_process(ranks, gpt2_reference, strategy):
+    for result in ranks.run(hf_models.train, strategy, {}, hf_models.gpt2, timeout=600):
+        assert result["losses"] == pytest.approx(gpt2_reference["losses"], abs=1e-5)
+        assert_close_dicts(result["params"], gpt2_reference["params"], atol=1e-5)
+
+
+def test_gpt2_checkpoint_moves_from_fsdp_to_single_continues_and_converts(ranks, tmp_path):
+    """fsdp@2 trains 2 steps and saves; single loads it and trains 2 more, equal to 4 steps in
+    one process; ``torchplug convert`` of that checkpoint loads into from_pretrained with the
+    tie kept and the same weights."""
+    import subprocess
+    import sys
+
+    from transformers import GPT2LMHeadModel
+
+    whole = hf_models.reference(hf_models.gpt2, steps=4)
+    first, again = str(tmp_path / "fsdp"), str(tmp_path / "single")
+    ranks.run(hf_models.train, "fsdp", {}, hf_models.gpt2, 2, first, timeout=600)
+    second = hf_models.train("single", {}, hf_models.gpt2, 2, again, first, 2)
+    assert second["losses"] == pytest.approx(whole["losses"][2:], abs=1e-5)
+    assert_close_dicts(second["params"], whole["params"], atol=1e-5)
+    out = tmp_path / "hf"
+    run = subprocess.run(
+        [sys.executable, "-m", "torchplug", "convert", again, str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    hf_models.gpt2().config.save_pretrained(out)
+    loaded = GPT2LMHeadModel.from_pretrained(out)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    state = loaded.state_dict()
+    for name, value in second["params"].items():
+        assert torch.equal(state[name], value), name
