@@ -718,3 +718,17 @@ def test_fp16_resume_carries_deepspeeds_loss_scale(ranks, tmp_path):
         assert result["losses"] == pytest.approx(whole["losses"][4:], abs=1e-6)
         for name, value in whole["params"].items():
             torch.testing.assert_close(result["params"][name], value, atol=1e-6, rtol=0)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", ["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"])
+def test_hugging_face_models_train_like_one_process(ranks, stage):
+    """A tiny GPT-2 (tied embeddings, Conv1D) and Llama under every ZeRO stage."""
+    pytest.importorskip("transformers")
+    import hf_models
+
+    for make in (hf_models.gpt2, hf_models.llama):
+        reference = hf_models.reference(make)
+        for result in ranks.run(hf_models.train, stage, {}, make, timeout=600):
+            assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+            assert_close_dicts(result["params"], reference["params"], atol=1e-5)
