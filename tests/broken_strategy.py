@@ -85,6 +85,19 @@ class ReinitialisesPerRank(DDPStrategy):
         return wrapped, optimizers
 
 
+class NoBarrier(DDPStrategy):
+    """Answers engine.barrier() without waiting for the other ranks."""
+
+    @tp.hookimpl
+    def torchplug_barrier(self, engine):
+        return True
+
+
+class ClaimsSharding(DDPStrategy):
+    """Plain DDP that declares it shards the optimizer state (its registration below): users
+    size their jobs by that claim."""
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
@@ -92,7 +105,11 @@ BROKEN = {
     "ignores-skip": (IgnoresSkip, "fp16_skip"),
     "drops-scheduler": (DropsScheduler, "schedulers"),
     "reinitialises-per-rank": (ReinitialisesPerRank, "replicas"),
+    "no-barrier": (NoBarrier, "barrier"),
+    "claims-sharding": (ClaimsSharding, "sharding"),
 }
+#: What a broken strategy's registration declares beyond the defaults.
+DECLARED = {"claims-sharding": {"shards_optimizer": True}}
 
 
 @tp.hookimpl
@@ -104,5 +121,6 @@ def torchplug_register_strategies(register):
                 factory=factory,
                 description="broken on purpose",
                 precisions=("32", "bf16", "fp16"),
+                **DECLARED.get(name, {}),
             )
         )

@@ -329,6 +329,70 @@ def replica_reference() -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in _unseeded_model().state_dict().items()}
 
 
+def barrier_waits(
+    strategy: str,
+    marker: str,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+) -> bool:
+    """The last rank arrives late at ``engine.barrier()``, writing ``marker`` just before it;
+    every rank must see the marker once its barrier returns (a barrier that does not wait lets
+    rank 0 through first). A slow machine only makes the others wait longer."""
+    import time
+    from pathlib import Path
+
+    register(plugins)
+    with tp.Engine(strategy, **(options or {})) as engine:
+        engine.barrier()  # all started
+        if engine.rank == engine.world_size - 1:
+            time.sleep(1.0)
+            Path(marker).write_text("arrived")
+        engine.barrier()
+        return Path(marker).exists()
+
+
+def _elements(tensor: Any) -> int:
+    """Elements this rank holds of ``tensor``: its shard of a DTensor, its partition of a
+    DeepSpeed ZeRO-3 parameter."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().numel()
+    partition = getattr(tensor, "ds_tensor", None)
+    if partition is not None:
+        return partition.numel()
+    return tensor.numel() if isinstance(tensor, torch.Tensor) else 0
+
+
+def held_elements(
+    strategy: str,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    precision: str | None = None,
+) -> dict[str, int]:
+    """Elements of parameters and of optimizer state (AdamW, after one step) this rank holds,
+    beside the model's full parameter count: what ``shards_parameters`` / ``shards_optimizer``
+    declare is measured against them."""
+    register(plugins)
+    with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
+        model = make_model(width=64)
+        full = sum(p.numel() for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = engine.setup(model, optimizer)
+        x, y = next(iter(_batches(engine.data_parallel_size)))
+        engine.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        params = sum(_elements(p) for p in model.parameters())
+        state = sum(
+            _elements(v)
+            for values in optimizer.state.values()
+            for k, v in values.items()
+            if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        return {"params": params, "optimizer": state, "full": full}
+
+
 def _unseeded_model(width: int = 16) -> torch.nn.Module:
     """:func:`make_model` without its own seeding (the caller seeds before init_module)."""
     return torch.nn.Sequential(

@@ -121,6 +121,12 @@ class Conformance:
     def test_replicas(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.replicas())
 
+    def test_barrier(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.barrier())
+
+    def test_sharding(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.sharding())
+
     def test_unsupported(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.unsupported())
 

@@ -42,6 +42,8 @@ PROPERTIES = (
     "single_process",
     "materialization",
     "replicas",
+    "barrier",
+    "sharding",
     "unsupported",
 )
 #: Checked only when asked for (``torchplug check NAME --only compile``): compiling takes seconds.
@@ -512,6 +514,55 @@ class Kit:
             "a meta-device model materialised by setup equals the eager build, bit for bit"
             if not differ
             else f"materialised parameters differ from the eager build: {differ[:5]}",
+        )
+
+    def barrier(self) -> Outcome:
+        """``engine.barrier()`` waits for the last rank (delayed by a second before it)."""
+        if self.nprocs == 1:
+            return Outcome("barrier", False, "one process: nothing to wait for", skipped=True)
+        marker = self._tmp / f"barrier-{len(list(self._tmp.iterdir()))}"
+        seen = self.run(bodies.barrier_waits, str(marker))
+        late = [rank for rank, ok in enumerate(seen) if not ok]
+        return Outcome(
+            "barrier",
+            not late,
+            f"rank(s) {late} left engine.barrier() before the last rank arrived"
+            if late
+            else "every rank waited in engine.barrier() for the delayed last rank",
+        )
+
+    def sharding(self) -> Outcome:
+        """Each rank's parameter and optimizer-state elements match what the registration
+        declares: ``shards_parameters`` / ``shards_optimizer`` hold at most 3/4 of the whole on
+        a rank (2 ranks hold about half), the others the whole."""
+        if self.nprocs == 1:
+            return Outcome("sharding", False, "one process: nothing to shard", skipped=True)
+        held = self.run(bodies.held_elements)
+        problems = []
+        for rank, h in enumerate(held):
+            for what, declared, whole in (
+                ("parameters", self.info.shards_parameters, h["full"]),
+                ("optimizer state", self.info.shards_optimizer, 2 * h["full"]),
+            ):
+                mine = h["params" if what == "parameters" else "optimizer"]
+                if declared and mine > 0.75 * whole:
+                    problems.append(
+                        f"rank {rank} holds {mine} of {whole} {what} elements, but the strategy "
+                        f"declares shards_{'parameters' if what == 'parameters' else 'optimizer'}"
+                    )
+                if not declared and mine < whole:
+                    problems.append(
+                        f"rank {rank} holds {mine} of {whole} {what} elements: sharded, but the "
+                        f"strategy does not declare shards_"
+                        f"{'parameters' if what == 'parameters' else 'optimizer'}=True"
+                    )
+        first = held[0]
+        return Outcome(
+            "sharding",
+            not problems,
+            "; ".join(problems[:2])
+            or f"rank 0 holds {first['params']}/{first['full']} parameter and "
+            f"{first['optimizer']}/{2 * first['full']} optimizer-state elements, as declared",
         )
 
     def replicas(self) -> Outcome:
