@@ -85,6 +85,19 @@ class ReinitialisesPerRank(DDPStrategy):
         return wrapped, optimizers
 
 
+class KeepsItsLr(DDPStrategy):
+    """Loads the optimizer's state but keeps the learning rates it had (a backend that rebuilds
+    its param groups from the setup-time optimizer)."""
+
+    @tp.hookimpl
+    def torchplug_load_optimizer_state(self, engine, model, optimizer, state):
+        kept = [group["lr"] for group in optimizer.param_groups]
+        super().torchplug_load_optimizer_state(engine, model, optimizer, state)
+        for group, lr in zip(optimizer.param_groups, kept, strict=True):
+            group["lr"] = lr
+        return True
+
+
 class NoBarrier(DDPStrategy):
     """Answers engine.barrier() without waiting for the other ranks."""
 
@@ -105,6 +118,7 @@ BROKEN = {
     "ignores-skip": (IgnoresSkip, "fp16_skip"),
     "drops-scheduler": (DropsScheduler, "schedulers"),
     "reinitialises-per-rank": (ReinitialisesPerRank, "replicas"),
+    "keeps-its-lr": (KeepsItsLr, "hyperparameters"),
     "no-barrier": (NoBarrier, "barrier"),
     "claims-sharding": (ClaimsSharding, "sharding"),
 }

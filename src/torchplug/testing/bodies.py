@@ -351,6 +351,48 @@ def barrier_waits(
         return Path(marker).exists()
 
 
+#: The learning rate :func:`hyperparameters_saved` sets by hand before saving.
+SET_LR = 0.0123
+
+
+def hyperparameters_saved(
+    strategy: str,
+    path: str,
+    load: bool,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    precision: str | None = None,
+) -> dict[str, Any]:
+    """Save (``load=False``): two SGD steps under a StepLR scheduler, then the learning rate set
+    by hand to :data:`SET_LR`, saved with the scheduler. Load: fresh objects loaded from it.
+    Either way: the optimizer's lr and momentum, and the scheduler's state."""
+    register(plugins)
+    with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        model, optimizer = engine.setup(model, optimizer)
+        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        if load:
+            engine.load(path, state)
+        else:
+            for x, y in list(engine.setup_dataloader(_batches(engine.data_parallel_size)))[:2]:
+                engine.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+            for group in optimizer.param_groups:
+                group["lr"] = SET_LR
+            engine.save(path, state)
+        group = optimizer.param_groups[0]
+        sched = scheduler.state_dict()
+        return {
+            "lr": group["lr"],
+            "momentum": group.get("momentum"),
+            "scheduler": {k: sched[k] for k in ("last_epoch", "_step_count", "base_lrs")},
+        }
+
+
 def _elements(tensor: Any) -> int:
     """Elements this rank holds of ``tensor``: its shard of a DTensor, its partition of a
     DeepSpeed ZeRO-3 parameter."""

@@ -42,6 +42,7 @@ PROPERTIES = (
     "single_process",
     "materialization",
     "replicas",
+    "hyperparameters",
     "barrier",
     "sharding",
     "unsupported",
@@ -514,6 +515,28 @@ class Kit:
             "a meta-device model materialised by setup equals the eager build, bit for bit"
             if not differ
             else f"materialised parameters differ from the eager build: {differ[:5]}",
+        )
+
+    def hyperparameters(self) -> Outcome:
+        """A learning rate changed by hand and a scheduler's position, saved, come back in
+        fresh objects after load (the optimizer's param_groups and the scheduler's state)."""
+        path = str(self._tmp / "hyperparameters")
+        saved = self.run(bodies.hyperparameters_saved, path, False)[0]
+        loaded = self.run(bodies.hyperparameters_saved, path, True)
+        wrong = [
+            f"rank {rank}: {what} {got[what]!r}, saved {saved[what]!r}"
+            for rank, got in enumerate(loaded)
+            for what in ("lr", "momentum", "scheduler")
+            if got[what] != saved[what]
+        ]
+        if saved["lr"] != bodies.SET_LR:
+            wrong.insert(0, f"the lr set by hand read back as {saved['lr']!r} before saving")
+        return Outcome(
+            "hyperparameters",
+            not wrong,
+            "; ".join(wrong[:2])
+            or f"lr {bodies.SET_LR} set by hand and the scheduler at step "
+            f"{saved['scheduler']['last_epoch']} come back after load into fresh objects",
         )
 
     def barrier(self) -> Outcome:
