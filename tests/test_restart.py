@@ -130,6 +130,52 @@ def test_rotation_keeps_the_newest_complete_checkpoint(tmp_path):
         assert engine.resume(state) == 3 and state["value"] == 30
 
 
+def test_a_crash_while_rotation_removes_a_checkpoint_leaves_no_false_complete_one(
+    tmp_path, monkeypatch
+):
+    """Killed while deleting step-1's files: what is left is not a step-N with a manifest (it
+    was renamed out of the namespace first), so resume never picks a checkpoint missing files;
+    the next rotation removes the leftover."""
+    import shutil
+
+    from torchplug.core import resume
+
+    real = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):
+        data = sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name != "manifest.json")
+        data[0].unlink()  # one data file gone, the manifest still there: then the crash
+        raise KeyboardInterrupt
+
+    with tp.Engine("single", checkpoint_dir=tmp_path, resume="latest", keep_last=1) as engine:
+        engine.save_checkpoint({"step": 1, "value": 10})
+        monkeypatch.setattr(resume.shutil, "rmtree", killed_midway)
+        with pytest.raises(KeyboardInterrupt):
+            engine.save_checkpoint({"step": 2, "value": 20})
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step-")] == ["step-2"]
+        assert [step for step, _ in resume.complete(tmp_path)] == [2]
+        monkeypatch.setattr(resume.shutil, "rmtree", real)
+        engine.save_checkpoint({"step": 3, "value": 30})
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]  # leftover removed
+
+
+def test_a_renamed_checkpoint_is_not_resumed_as_the_step_its_name_says(tmp_path):
+    with tp.Engine("single", checkpoint_dir=tmp_path, resume="latest") as engine:
+        engine.save_checkpoint({"step": 5})
+        (tmp_path / "step-5").rename(tmp_path / "step-999")
+        with pytest.raises(tp.CheckpointError) as info:
+            engine.resume({"step": 0})
+        assert "its name says step 999, but it was saved at step 5" in str(info.value)
+
+
+def test_a_user_key_named_like_the_rng_entry_is_refused(tmp_path):
+    with (
+        tp.Engine("single", checkpoint_dir=tmp_path) as engine,
+        pytest.raises(tp.CheckpointError, match="under the key 'rng', which your state uses too"),
+    ):
+        engine.save_checkpoint({"step": 1, "rng": [1, 2, 3]})
+
+
 def test_resume_with_nothing_saved_yet_is_a_fresh_start(tmp_path):
     with tp.Engine("single", checkpoint_dir=tmp_path / "none", resume="latest") as engine:
         state = {"step": 0}

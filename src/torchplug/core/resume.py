@@ -141,6 +141,24 @@ def complete(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def _step_mismatch(step: int, path: Path, key: bytes | None) -> str | None:
+    """Why the checkpoint at ``path`` is not the step its name says (a renamed directory would
+    otherwise be resumed as a step it never was, and never rotated away), or ``None``."""
+    from torchplug.checkpoint import read_manifest
+
+    try:
+        saved = read_manifest(path, key).get("metadata", {}).get("step")
+    except CheckpointError as exc:
+        return f"Cannot resume from {path}: {exc}"
+    if saved is not None and saved != step:
+        return (
+            f"Cannot resume from {path}: its name says step {step}, but it was saved at step "
+            f"{saved} (the directory was renamed or copied). Rename it back to step-{saved}, or "
+            f"move it out of {path.parent}."
+        )
+    return None
+
+
 def save_checkpoint(engine: Engine, state: dict[str, Any], step: int | None = None) -> Path:
     """Write ``state`` (plus every rank's RNG) to ``checkpoint_dir/step-N``; rotate old ones."""
     policy = engine.checkpoints
@@ -148,6 +166,11 @@ def save_checkpoint(engine: Engine, state: dict[str, Any], step: int | None = No
         raise ConfigurationError(
             "save_checkpoint writes to the Engine's checkpoint_dir, which is not set. Fix: "
             "Engine(..., checkpoint_dir='checkpoints'), or use engine.save(path, state)."
+        )
+    if RNG_KEY in state:
+        raise CheckpointError(
+            f"save_checkpoint keeps every rank's RNG state under the key {RNG_KEY!r}, which your "
+            f"state uses too (it would be silently replaced). Rename your {RNG_KEY!r} entry."
         )
     n = step_of(state, step)
     path = policy.directory / f"step-{n}"
@@ -160,8 +183,27 @@ def save_checkpoint(engine: Engine, state: dict[str, Any], step: int | None = No
         newest = kept[0][1] if kept else path
         for _, old in kept[policy.keep_last :]:
             if old != newest and old != path:
-                shutil.rmtree(old, ignore_errors=True)
+                remove(old)
+        for leftover in policy.directory.glob(f"{REMOVING}*"):  # a crash mid-removal
+            shutil.rmtree(leftover, ignore_errors=True)
     return path
+
+
+#: Prefix of a checkpoint being removed: renamed out of the ``step-N`` namespace first.
+REMOVING = ".removing-"
+
+
+def remove(checkpoint: Path) -> None:
+    """Remove an old checkpoint so that no crash can leave a ``step-N`` that looks complete
+    but lost files: it is renamed out of the ``step-N`` namespace (one atomic rename) before
+    anything inside it is deleted; a crash leaves a ``.removing-*`` directory, removed by the
+    next rotation and never resumed from."""
+    hidden = checkpoint.with_name(f"{REMOVING}{checkpoint.name}-{os.urandom(4).hex()}")
+    try:
+        checkpoint.rename(hidden)
+    except OSError:
+        return  # gone already, or not ours to rename: leave it whole
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def resume(engine: Engine, state: dict[str, Any]) -> int | None:
@@ -170,7 +212,12 @@ def resume(engine: Engine, state: dict[str, Any]) -> int | None:
     if policy.resume != "latest" or policy.directory is None:
         return None
     found = complete(policy.directory) if engine.is_main else []
-    chosen = engine.broadcast_object(str(found[0][1]) if found else None)
+    problem = _step_mismatch(found[0][0], found[0][1], engine.checkpoint_key) if found else None
+    chosen, problem = engine.broadcast_object(
+        (str(found[0][1]) if found else None, problem)
+    )
+    if problem is not None:
+        raise CheckpointError(problem)
     if chosen is None:
         return None
     merged = {**state, RNG_KEY: RNGState(engine)}
