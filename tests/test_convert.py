@@ -97,3 +97,41 @@ def test_converted_files_honour_the_umask(tmp_path):
         run = convert(str(tmp_path / "ckpt"), str(out), umask=mask)
         assert run.returncode == 0, run.stderr
         assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == mode
+
+
+def _planted_pickle(directory, marker) -> None:
+    """A directory laid out like DeepSpeed's native checkpoint whose files run code when
+    unpickled (they would create ``marker``)."""
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    step = directory / "global_step1"
+    step.mkdir(parents=True)
+    (directory / "latest").write_text("global_step1")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (step / name).write_bytes(pickle.dumps(Payload()))
+
+
+def test_a_directory_without_a_manifest_is_never_unpickled_without_the_opt_in(tmp_path):
+    source, marker = tmp_path / "native", tmp_path / "ran"
+    _planted_pickle(source, marker)
+    run = convert(str(source), str(tmp_path / "out"))
+    assert run.returncode == 2 and not marker.exists()
+    assert "has no manifest.json" in run.stderr and "unpickles its files" in run.stderr
+    assert "--from deepspeed --trust-pickles" in run.stderr
+
+
+def test_with_a_key_set_a_directory_without_a_manifest_is_refused_even_when_trusted(tmp_path):
+    source, marker = tmp_path / "native", tmp_path / "ran"
+    _planted_pickle(source, marker)
+    env = {**os.environ, "TORCHPLUG_CHECKPOINT_KEY": "k" * 32}
+    run = subprocess.run(
+        [sys.executable, "-m", "torchplug", "convert", str(source), str(tmp_path / "out")]
+        + ["--from", "deepspeed", "--trust-pickles"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert run.returncode == 2 and not marker.exists()
+    assert "a checkpoint key is set" in run.stderr and "only signed" in run.stderr

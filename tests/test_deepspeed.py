@@ -309,8 +309,9 @@ def test_convert_accepts_a_native_deepspeed_checkpoint(ranks, tmp_path):
     )[0]
     for source in (path, path / "deepspeed"):  # the torchplug checkpoint, and DeepSpeed's own
         out = tmp_path / f"out-{source.name}"
+        trust = ["--from", "deepspeed", "--trust-pickles"] if source.name == "deepspeed" else []
         run = subprocess.run(
-            [sys.executable, "-m", "torchplug", "convert", str(source), str(out)],
+            [sys.executable, "-m", "torchplug", "convert", str(source), str(out), *trust],
             capture_output=True,
             text=True,
             timeout=300,
@@ -496,7 +497,7 @@ def test_a_plain_deepspeed_checkpoint_converts_and_resumes_under_fsdp(ranks, tmp
     held = ranks.run(plain_deepspeed, str(native), stage, timeout=300)[0]
     run = subprocess.run(
         [sys.executable, "-m", "torchplug", "convert", str(native), str(portable)]
-        + ["--to", "checkpoint"],
+        + ["--to", "checkpoint", "--from", "deepspeed", "--trust-pickles"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,29 @@ def _module_entry(entries: dict[str, Any], requested: str | None, root: Path) ->
 FORMATS = ("safetensors", "checkpoint")
 
 
+def _trusted_foreign(
+    root: Path, key: bytes | None, trust_pickles: bool, source_format: str | None
+) -> None:
+    """Refuse to read a directory without a manifest unless the user trusts its pickles, and
+    always while a checkpoint key is set."""
+    where = f"{root} has no {MANIFEST}: it is not a torchplug checkpoint"
+    if key is not None:
+        raise CheckpointError(
+            f"{where}, and a checkpoint key is set (TORCHPLUG_CHECKPOINT_KEY or key=): only "
+            f"signed torchplug checkpoints are read then, and another library's format (e.g. "
+            f"DeepSpeed's native one) unpickles its files. Unset the key to convert a checkpoint "
+            f"you trust, or convert a signed torchplug checkpoint."
+        )
+    if not trust_pickles:
+        named = f" --from {source_format}" if source_format else " --from deepspeed"
+        raise CheckpointError(
+            f"{where} (a deleted or missing manifest, or another library's format). Reading "
+            f"another library's checkpoint (e.g. DeepSpeed's native one) unpickles its files, "
+            f"which runs any code they contain. If you trust this directory, say what it is and "
+            f"that you trust it: torchplug convert {root} DST{named} --trust-pickles."
+        )
+
+
 def convert(
     source: str | os.PathLike[str],
     destination: str | os.PathLike[str],
@@ -150,12 +174,18 @@ def convert(
     progress: bool | None = None,
     key: str | bytes | None = None,
     to: str = "safetensors",
+    trust_pickles: bool = False,
+    source_format: str | None = None,
 ) -> list[Path]:
     """Write ``destination/model.safetensors`` (and ``optimizer.safetensors``), or with
     ``to="checkpoint"`` a portable torchplug checkpoint at ``destination``; return the paths.
 
-    A directory that is not a torchplug checkpoint is offered to the installed plugins (the
-    ``torchplug_read_checkpoint`` hook), e.g. DeepSpeed's for its native checkpoints.
+    A directory that is not a torchplug checkpoint (no ``manifest.json``) is another library's
+    format, whose readers unpickle its files, which runs any code they contain. It is read only
+    with ``trust_pickles=True`` (``--trust-pickles``), offered to the installed plugins (the
+    ``torchplug_read_checkpoint`` hook; only the one named by ``source_format``,
+    ``--from deepspeed``, when given), and never while a checkpoint key is set: signed
+    checkpoints are the only ones trusted then.
     """
     if to not in FORMATS:
         raise CheckpointError(f"Unknown output format {to!r}; use one of {', '.join(FORMATS)}.")
@@ -165,7 +195,23 @@ def convert(
     if root.is_dir() and not (root / MANIFEST).exists():
         from torchplug.core import manager
 
-        hook = manager.get_registry().pm.hook
+        _trusted_foreign(root, key_from(key), trust_pickles, source_format)
+        registry = manager.get_registry()
+        hook = registry.pm.hook
+        if source_format is not None:
+            others = [
+                plugin
+                for name, plugin in registry.pm.list_name_plugin()
+                if source_format.lower() not in str(name).lower()
+            ]
+            hook = types.SimpleNamespace(
+                torchplug_read_checkpoint=registry.pm.subset_hook_caller(
+                    "torchplug_read_checkpoint", others
+                ),
+                torchplug_convert_checkpoint=registry.pm.subset_hook_caller(
+                    "torchplug_convert_checkpoint", others
+                ),
+            )
         foreign = hook.torchplug_read_checkpoint(
             source=root, optimizer=optimizer or to == "checkpoint"
         )

@@ -75,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--entry", default=None, help="which module entry (default: the only one)")
     p.add_argument("--optimizer", action="store_true", help="also write optimizer.safetensors")
     p.add_argument(
+        "--trust-pickles",
+        action="store_true",
+        help="read a directory that is not a torchplug checkpoint (e.g. DeepSpeed's native "
+        "one), whose files are pickles: only for a checkpoint you trust; never with a key set",
+    )
+    p.add_argument(
+        "--from",
+        dest="source_format",
+        default=None,
+        metavar="FORMAT",
+        help="with --trust-pickles: which plugin reads it (e.g. deepspeed)",
+    )
+    p.add_argument(
         "--to",
         choices=("safetensors", "checkpoint"),
         default="safetensors",

@@ -18,6 +18,8 @@ def convert(args: Any) -> int:
             optimizer=args.optimizer,
             progress=args.progress,
             to=args.to,
+            trust_pickles=args.trust_pickles,
+            source_format=args.source_format,
         )
     except TorchplugError as exc:
         print(f"torchplug convert: {exc}", file=sys.stderr)

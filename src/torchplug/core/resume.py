@@ -213,9 +213,7 @@ def resume(engine: Engine, state: dict[str, Any]) -> int | None:
         return None
     found = complete(policy.directory) if engine.is_main else []
     problem = _step_mismatch(found[0][0], found[0][1], engine.checkpoint_key) if found else None
-    chosen, problem = engine.broadcast_object(
-        (str(found[0][1]) if found else None, problem)
-    )
+    chosen, problem = engine.broadcast_object((str(found[0][1]) if found else None, problem))
     if problem is not None:
         raise CheckpointError(problem)
     if chosen is None:
