@@ -47,7 +47,39 @@ def test_slurm_task_identity():
     info = cluster.detect(SLURM)
     assert (info.rank, info.world_size, info.local_rank, info.node_rank) == (5, 8, 1, 2)
     assert (info.num_nodes, info.local_world_size, info.master_addr) == (5, 2, "gpu07")
-    assert info.master_port == 10000 + 3456 and info.source == "SLURM"
+    assert info.master_port == cluster.job_port("slurm", SLURM["SLURM_JOB_ID"], "")
+    assert info.source == "SLURM"
+
+
+def test_each_slurm_step_gets_its_own_port_and_its_own_nodes():
+    """Two concurrent steps of one allocation (a sweep) never share a rendezvous, and a step on
+    the job's second node takes its master from the step, not the job."""
+    a = cluster.detect({**SLURM, "SLURM_STEP_ID": "0"})
+    b = cluster.detect({**SLURM, "SLURM_STEP_ID": "1"})
+    assert a.master_port != b.master_port
+    assert a.master_port == cluster.detect({**SLURM, "SLURM_STEP_ID": "0"}).master_port
+    step = {
+        **SLURM,
+        "SLURM_STEP_ID": "2",
+        "SLURM_STEP_NODELIST": "gpu09",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_PROCID": "1",
+        "SLURMD_NODENAME": "gpu09",
+    }
+    step.pop("SLURM_NTASKS_PER_NODE", None)
+    info = cluster.detect(step)
+    assert (info.master_addr, info.num_nodes, info.world_size, info.node_rank) == (
+        "gpu09", 1, 2, 0,
+    )  # fmt: skip
+
+
+def test_two_mpi_jobs_on_a_node_get_different_ports():
+    env = {k: v for k, v in OPEN_MPI.items() if k != "MASTER_PORT"}
+    a = cluster.detect({**env, "PMIX_NAMESPACE": "prterun-node1-1111@1"})
+    b = cluster.detect({**env, "PMIX_NAMESPACE": "prterun-node1-2222@1"})
+    assert a.master_port != b.master_port
 
 
 def test_torchrun_inside_slurm_wins():
@@ -153,7 +185,10 @@ def fields(info: cluster.ClusterInfo) -> tuple:
     [
         (KUBEFLOW, (2, 4, 0, 1, 2, 4, "mnist-master-0", 23456, "Kubeflow PyTorchJob")),
         (LSF, (5, 8, 1, 4, 1, 2, "c01n01", 14321, "LSF")),
-        (OPEN_MPI, (3, 4, 1, 2, 1, 2, "node1", 29500, "mpirun (Open MPI)")),
+        (
+            OPEN_MPI,
+            (3, 4, 1, 2, 1, 2, "node1", cluster.job_port("mpi", "3405643777"), "mpirun (Open MPI)"),
+        ),
         (MPICH, (2, 4, 0, 2, 1, 2, "10.0.0.7", 31000, "mpirun (MPICH/Intel MPI)")),
     ],
     ids=["kubeflow", "lsf", "open-mpi", "mpich"],

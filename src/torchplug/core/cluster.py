@@ -66,6 +66,15 @@ def _int(env: Mapping[str, str], key: str, default: int) -> int:
         ) from None
 
 
+def job_port(*ids: str) -> int:
+    """A TCP port every process of one job (step) derives alike from the scheduler's ids, and
+    that another job or step (other ids) gets a different one of 30,000 with high probability:
+    concurrent steps of one allocation must never meet at one rendezvous."""
+    import zlib
+
+    return 20000 + zlib.crc32("/".join(ids).encode()) % 30000
+
+
 def master_port(value: str | None, name: str = "MASTER_PORT") -> int | None:
     """``value`` as a TCP port (1-65535), or ``None`` when unset; else a ConfigurationError."""
     if value is None or not value.strip():

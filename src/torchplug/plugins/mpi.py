@@ -7,7 +7,9 @@ and ``OMPI_COMM_WORLD_LOCAL_SIZE``; MPICH's and Intel MPI's Hydra launcher set `
 
 MPI says nothing about a TCP address for torch's store: give ``MASTER_ADDR`` (the first node)
 with ``mpirun -x MASTER_ADDR=host`` (Open MPI) or ``-genv MASTER_ADDR host`` (MPICH) when the job
-spans nodes; on one node it is 127.0.0.1. The port is ``MASTER_PORT`` if set, else 29500.
+spans nodes; on one node it is 127.0.0.1. The port is ``MASTER_PORT`` if set, else derived from
+the MPI job's id (``PMIX_NAMESPACE``, Hydra's ``PMI_KVS_NAME``, ...), so two concurrent jobs on
+one node do not share it (29500 without one).
 
 Two patterns work: ``mpirun -np 8 python train.py`` (each MPI rank is a training process) and
 ``mpirun -np 2 --map-by node torchplug launch -n 4 train.py`` (one launcher per node; torchrun's
@@ -18,11 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchplug.core.cluster import ClusterInfo, _int, master_port
+from torchplug.core.cluster import ClusterInfo, _int, job_port, master_port
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.spec import hookimpl
 
 DEFAULT_PORT = 29500
+#: Variables naming the MPI job (Open MPI / PMIx namespace, MPICH's Hydra KVS name), from which
+#: the port is derived; without one, DEFAULT_PORT.
+JOB_IDS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMI_KVS_NAME")
 
 #: (implementation, rank, size, local rank, local size) variables, in the order they are tried.
 FLAVOURS = (
@@ -56,6 +61,9 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
                 )
             address = "127.0.0.1"
         port = master_port(env.get("MASTER_PORT"))
+        if port is None:  # one port per MPI job: two concurrent jobs on a node must not meet
+            job = next((env[k] for k in JOB_IDS if env.get(k)), "")
+            port = job_port("mpi", job) if job else DEFAULT_PORT
         return ClusterInfo(
             rank=rank,
             world_size=world,
@@ -64,7 +72,7 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
             node_rank=rank // local_world,
             num_nodes=nodes,
             master_addr=address,
-            master_port=port if port is not None else DEFAULT_PORT,
+            master_port=port,
             source=f"mpirun ({flavour})",
         )
     return None

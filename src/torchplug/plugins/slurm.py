@@ -3,8 +3,11 @@
 
 It answers when SLURM started this process as one of its tasks (``SLURM_PROCID`` and
 ``SLURM_NTASKS`` set) and torchrun did not (under torchrun, torchrun's variables describe the
-process). The master is the first node of ``SLURM_JOB_NODELIST``; the port is ``MASTER_PORT`` if
-set, else derived from the job id so that every task of the job agrees without talking.
+process). The step's own variables come first (``SLURM_STEP_NODELIST``,
+``SLURM_STEP_NUM_TASKS``, ...: a step may run on part of the job's nodes): the master is the
+step's first node; the port is ``MASTER_PORT`` if set, else derived from the job *and step*
+ids, so that every task of a step agrees without talking and concurrent steps of one allocation
+(a sweep) do not meet.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from torchplug.core.cluster import ClusterInfo, master_port
+from torchplug.core.cluster import ClusterInfo, job_port, master_port
 from torchplug.core.spec import hookimpl
 
 
@@ -45,22 +48,31 @@ def tasks_per_node(value: str, node: int) -> int:
 def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
     if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env or "TORCHELASTIC_RUN_ID" in env:
         return None
-    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
-    node = int(env.get("SLURM_NODEID", "0"))
-    local_world = int(
-        env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        or tasks_per_node(env.get("SLURM_TASKS_PER_NODE", "1"), node)
+    # The step's own layout first: a step may use part of the job's nodes (srun -N 1 -w b)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get(
+        "SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")
     )
+    hosts = expand_nodelist(nodelist)
+    node = int(env.get("SLURM_NODEID", "0"))
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+    local_world = int(
+        env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or tasks_per_node(per_node, node)
+    )
+    if "SLURM_STEP_NODELIST" in env and hosts:  # this task's node index within the step
+        host = env.get("SLURMD_NODENAME", "")
+        node = hosts.index(host) if host in hosts else node
     job = env.get("SLURM_JOB_ID", "0")
+    step = env.get("SLURM_STEP_ID", "")
     port = master_port(env.get("MASTER_PORT"))
-    port = port if port is not None else 10000 + int(job[-4:] or 0)
+    port = port if port is not None else job_port("slurm", job, step)
     return ClusterInfo(
         rank=int(env["SLURM_PROCID"]),
-        world_size=int(env["SLURM_NTASKS"]),
+        world_size=int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
         local_rank=int(env.get("SLURM_LOCALID", "0")),
         local_world_size=local_world,
         node_rank=node,
-        num_nodes=len(hosts) or int(env.get("SLURM_JOB_NUM_NODES", "1")),
+        num_nodes=len(hosts)
+        or int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES", "1")),
         master_addr=env.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1"),
         master_port=port,
         source="SLURM",
