@@ -302,3 +302,77 @@ def test_mpirun_style_plugin_from_the_docs_works_under_torchplug_launch(tmp_path
     assert run.returncode == 0, run.stderr[-3000:]
     lines = sorted(line for line in run.stdout.splitlines() if line.startswith("RANK"))
     assert lines == ["RANK 0/2 ddp torchrun", "RANK 1/2 ddp torchrun"], run.stdout
+
+
+# -- several tasks per node: the scheduler starts every rank ---------------------------------------
+
+ONE_WORLD = """
+import torch, torchplug as tp
+with tp.Engine() as engine:
+    total = engine.reduce(torch.tensor([float(engine.rank + 1)]), "sum").item()
+    print(f"world={engine.world_size} rank={engine.rank} strategy={engine.strategy} sum={total}")
+"""
+
+
+def _tasks(kind: str, rank: int, port: int, step: str = "0") -> dict[str, str]:
+    if kind == "srun":
+        return {
+            "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "2",
+            "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": step, "MASTER_PORT": str(port),
+        }  # fmt: skip
+    return {
+        "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_PORT": str(port),
+    }  # fmt: skip
+
+
+def _start_tasks(kind: str, script, *flags: str) -> list[subprocess.CompletedProcess]:
+    """What ``srun -n 2`` / ``mpirun -np 2`` do to ``torchplug launch``: two processes on one
+    node, each with the scheduler's variables for its task."""
+    port = cluster.free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torchplug", "launch", *flags, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**CLEAN_ENV, **_tasks(kind, rank, port), "PYTHONWARNINGS": "ignore"},
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+CLEAN_ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("SLURM_", "OMPI_", "PMI", "TORCHPLUG_", "MASTER_", "RANK", "WORLD_"))
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["srun", "mpirun"])
+def test_several_tasks_per_node_under_torchplug_launch_form_one_world(tmp_path, kind):
+    script = tmp_path / "one_world.py"
+    script.write_text(ONE_WORLD)
+    runs = _start_tasks(kind, script)
+    for rank, run in enumerate(runs):
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert f"world=2 rank={rank} strategy=ddp sum=3.0" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+def test_several_tasks_per_node_with_n_above_one_is_refused_naming_both_ways(tmp_path):
+    script = tmp_path / "one_world.py"
+    script.write_text(ONE_WORLD)
+    for run in _start_tasks("srun", script, "-n", "2"):
+        assert run.returncode == 2 and "world=" not in run.stdout
+        assert "SLURM started 2 tasks on this node" in run.stderr
+        assert "srun -n 2 torchplug launch SCRIPT, without -n" in run.stderr
+        assert "srun --ntasks-per-node=1 torchplug launch -n 2 SCRIPT" in run.stderr

@@ -118,6 +118,26 @@ def launch_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def scheduler_started_every_rank(info: Any, asked_for: str | None) -> bool:
+    """Whether the scheduler started several tasks on this node (``srun -n 2 torchplug launch``,
+    ``mpirun -np 2 torchplug launch``): then each task is one rank of one world, and the script
+    runs in this process, with the scheduler's identity. Spawning ``-n`` workers per task would
+    make a world per task (silently: every one training alone, all writing the same files). An
+    explicit ``-n`` above 1 there is refused, naming the two ways to say what is meant."""
+    if info.source in ("torchrun", "single process") or info.local_world_size <= 1:
+        return False
+    if asked_for is not None and str(asked_for).strip() not in ("1",):
+        raise LaunchError(
+            f"{info.source} started {info.local_world_size} tasks on this node (rank "
+            f"{info.rank} of {info.world_size}), and each would spawn -n {asked_for} workers: "
+            f"{info.world_size} separate jobs. Either let the scheduler start every rank "
+            f"(srun -n {info.world_size} torchplug launch SCRIPT, without -n), or start one "
+            f"launcher per node that spawns the workers (srun --ntasks-per-node=1 torchplug "
+            f"launch -n {info.local_world_size} SCRIPT; mpirun --map-by ppr:1:node)."
+        )
+    return True
+
+
 def apply_cluster(args: Any, parser: argparse.ArgumentParser, info: Any) -> list[str]:
     """Fill torchrun's multi-node flags the user left at their defaults from the cluster
     environment a plugin detected (SLURM, SageMaker, ...); return the flags filled."""
@@ -332,7 +352,8 @@ def check_loggers(names: Sequence[str]) -> None:
 
 
 def _launch_in_process(args: Any, strategy: str) -> int:
-    """One process per host (torch_xla SPMD): run the script here, not under torchrun."""
+    """One process per host (torch_xla SPMD), or one rank the scheduler started: run the script
+    here, not under torchrun."""
     import runpy
 
     if str(args.nproc_per_node or "1") != "1":
@@ -342,6 +363,12 @@ def _launch_in_process(args: Any, strategy: str) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
+    if args.sync_batchnorm:
+        os.environ["TORCHPLUG_SYNC_BATCHNORM"] = "1"
+    if args.logger:
+        os.environ["TORCHPLUG_LAUNCH_LOGGERS"] = ",".join(args.logger)
     sys.argv = [args.training_script, *args.training_script_args]
     if args.module:
         runpy.run_module(args.training_script, run_name="__main__", alter_sys=True)
@@ -369,12 +396,17 @@ def launch(argv: Sequence[str]) -> int:
         from torchplug.core import cluster
 
         import_plugins(args.plugin)
+        asked_for = args.nproc_per_node
         args.nproc_per_node = nproc(args.nproc_per_node)
         check_script(args)
         check_rendezvous(args, argv)
-        apply_cluster(args, parser, cluster.detect())
+        found = cluster.detect()
+        in_place = scheduler_started_every_rank(found, asked_for)
+        if not in_place:
+            apply_cluster(args, parser, found)
         warn_flags_after_script(args)
-        info = check_settings(args, args.nproc_per_node)
+        world = str(found.world_size) if in_place else args.nproc_per_node
+        info = check_settings(args, world)
         check_loggers(args.logger)
         if args.strategy:
             os.environ["TORCHPLUG_LAUNCH_STRATEGY"] = info.name if info else args.strategy
@@ -384,6 +416,9 @@ def launch(argv: Sequence[str]) -> int:
             os.environ["TORCHPLUG_LAUNCH_PRECISION"] = normalize_precision(args.precision)
         if info is not None and info.launcher == "xla":
             return _launch_in_process(args, info.name)
+        if in_place:  # this process is one rank of the scheduler's world: run the script here
+            args.nproc_per_node = "1"
+            return _launch_in_process(args, f"one rank of {found.source}'s world")
         if info is not None and info.launcher != "torchrun":
             raise LaunchError(
                 f"Strategy '{info.name}' needs the '{info.launcher}' launcher, which this "
