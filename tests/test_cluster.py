@@ -376,3 +376,27 @@ def test_several_tasks_per_node_with_n_above_one_is_refused_naming_both_ways(tmp
         assert "SLURM started 2 tasks on this node" in run.stderr
         assert "srun -n 2 torchplug launch SCRIPT, without -n" in run.stderr
         assert "srun --ntasks-per-node=1 torchplug launch -n 2 SCRIPT" in run.stderr
+
+
+def test_a_multi_node_run_on_a_host_named_as_loopback_names_the_interface_variables(
+    monkeypatch, capsys
+):
+    import socket
+
+    from torchplug.cli.launch import warn_loopback
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    answers = {"nodea": "127.0.1.1", "10.1.2.3": "10.1.2.3"}
+    monkeypatch.setattr(socket, "gethostname", lambda: "nodea")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: answers.get(name, "127.0.0.1"))
+    warn_loopback(2, "10.1.2.3")
+    err = capsys.readouterr().err
+    assert "resolves to 127.0.1.1, a loopback address, on a 2-node run" in err
+    assert "GLOO_SOCKET_IFNAME" in err and "NCCL_SOCKET_IFNAME" in err
+    for quiet in [(1, "10.1.2.3"), (2, "127.0.0.1")]:  # one node; every node on this host
+        warn_loopback(*quiet)
+        assert capsys.readouterr().err == ""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    warn_loopback(2, "10.1.2.3")
+    assert capsys.readouterr().err == ""

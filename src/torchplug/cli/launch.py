@@ -118,6 +118,37 @@ def launch_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _int_or(value: Any, default: int) -> int:
+    text = str(value).split(":")[-1]
+    return int(text) if text.isdigit() else default
+
+
+def warn_loopback(nodes: int, master_addr: str | None) -> None:
+    """On a multi-node run, say so when this host's name resolves to a loopback address: gloo
+    and NCCL would then offer 127.0.0.1 to the other nodes (``Gloo connectFullMesh failed``,
+    or a wait for the timeout) unless told which interface to use."""
+    import socket
+
+    if nodes <= 1 or os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME"):
+        return
+    try:
+        own = socket.gethostbyname(socket.gethostname())
+        master = socket.gethostbyname(master_addr or "127.0.0.1")
+    except OSError:
+        return
+    if master.startswith("127."):
+        return  # every node on this host (a test on loopback): nothing to tell apart
+    if own.startswith("127."):
+        print(
+            f"torchplug launch: warning: this host's name ({socket.gethostname()}) resolves to "
+            f"{own}, a loopback address, on a {nodes}-node run (master {master_addr}): gloo and "
+            f"NCCL would offer it to the other nodes. Set GLOO_SOCKET_IFNAME (gloo) or "
+            f"NCCL_SOCKET_IFNAME (NCCL) to the interface the nodes reach each other on, e.g. "
+            f"GLOO_SOCKET_IFNAME=eth0 (docs/launcher.md).",
+            file=sys.stderr,
+        )
+
+
 def scheduler_started_every_rank(info: Any, asked_for: str | None) -> bool:
     """Whether the scheduler started several tasks on this node (``srun -n 2 torchplug launch``,
     ``mpirun -np 2 torchplug launch``): then each task is one rank of one world, and the script
@@ -401,6 +432,10 @@ def launch(argv: Sequence[str]) -> int:
         check_script(args)
         check_rendezvous(args, argv)
         found = cluster.detect()
+        warn_loopback(
+            max(found.num_nodes, _int_or(args.nnodes, 1)),
+            getattr(args, "master_addr", None) or found.master_addr,
+        )
         in_place = scheduler_started_every_rank(found, asked_for)
         if not in_place:
             apply_cluster(args, parser, found)
