@@ -204,3 +204,39 @@ def test_launch_debug_turns_the_check_on_in_every_rank(tmp_path):
     assert run.returncode == 1
     assert "CollectiveError: Ranks disagree on torchplug collective #1" in run.stderr
     assert "rank(s) [1] call gather on shape (3,) float32" in run.stderr
+
+
+SLEEPER = textwrap.dedent(
+    """
+    import sys, time, torchplug as tp
+    with tp.Engine("ddp") as engine:
+        engine.barrier()
+        print(f"ready {engine.rank}", flush=True)
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_the_workers_and_says_so_without_a_traceback(tmp_path):
+    import signal
+    import subprocess
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchplug", "launch", "-n", "2", str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    seen = []
+    while len(seen) < 2:  # both workers are in the loop
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]
+        if line.startswith("ready"):
+            seen.append(line)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "torchplug launch: stopped by SIGTERM" in err
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]

@@ -475,17 +475,40 @@ def launch(argv: Sequence[str]) -> int:
 def _run(args: Any) -> int:
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
     # torchrun's own failure report (a FAILED block per rank) is replaced by the summary below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
     try:
         run(args)
     except ChildFailedError as exc:
         print(summary(exc.failures, args.training_script), file=sys.stderr)
         return 1
+    except SignalException as exc:
+        # SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C): torchrun's agent has passed
+        # it on to the workers and waited for them; say so in one screen, not its traceback.
+        name = signal_name(exc.sigval)
+        print(
+            f"torchplug launch: stopped by {name} ({args.training_script}): the signal was "
+            f"passed on to every worker, which were given time to exit (a script can save a "
+            f"checkpoint on SIGTERM, e.g. with a signal handler, and resume from it). Exit code "
+            f"{128 + int(exc.sigval)}.",
+            file=sys.stderr,
+        )
+        return 128 + int(exc.sigval)
     return 0
+
+
+def signal_name(value: Any) -> str:
+    import signal
+
+    try:
+        return signal.Signals(int(value)).name
+    except ValueError:
+        return f"signal {value}"
 
 
 # -- the failure summary --------------------------------------------------------------------------
