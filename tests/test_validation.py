@@ -178,3 +178,61 @@ def test_every_row_of_docs_errors_is_backed_by_a_test():
     rows = [line for line in doc.splitlines() if line.startswith("| ") and "---" not in line]
     unbacked = [r for r in rows if not r.startswith("| input") and not r.startswith("| fault")]
     assert all("`tests/" in r for r in unbacked), [r for r in unbacked if "`tests/" not in r]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"seed": "abc"}, "seed must be a whole number from 0 to 2\\*\\*64 - 1, got str"),
+        ({"seed": 1.5}, "seed must be a whole number"),
+        ({"seed": None}, "seed must be a whole number"),
+        ({"seed": 2**70}, "seed must be a whole number"),
+        ({"seed": True}, "seed must be a whole number"),
+        ({"checkpoint_key": 64}, "checkpoint_key must be a str or bytes secret, got int"),
+        ({"checkpoint_key": 3.5}, "checkpoint_key must be a str or bytes secret, got float"),
+        ({"checkpoint_key": ["x"]}, "checkpoint_key must be a str or bytes secret, got list"),
+        ({"checkpoint_dir": 5}, "checkpoint_dir must be a directory path"),
+        ({"checkpoint_dir": True}, "checkpoint_dir must be a directory path"),
+        ({"checkpoint_dir": ""}, "checkpoint_dir is an empty path"),
+        ({"log_dir": 5}, "log_dir must be a non-empty directory path"),
+        ({"activation_checkpointing": 5}, "activation_checkpointing takes module classes"),
+        ({"plugins": [5]}, "plugins takes plugin objects or module names, got int"),
+    ],
+)
+def test_engine_arguments_are_checked_where_they_enter(kwargs, message):
+    with pytest.raises(tp.ConfigurationError, match=message):
+        tp.Engine("single", **kwargs)
+
+
+def test_config_files_that_are_no_toml_or_no_table_are_named(tmp_path, monkeypatch):
+    from torchplug.core import config
+
+    (tmp_path / "torchplug.toml").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(tp.ConfigurationError, match="is not text"):
+        config.find_config(tmp_path, {})
+    (tmp_path / "torchplug.toml").unlink()
+    (tmp_path / "torchplug.toml").mkdir()
+    with pytest.raises(tp.ConfigurationError, match=r"is not a file \(a directory\)"):
+        config.find_config(tmp_path, {})
+    (tmp_path / "torchplug.toml").rmdir()
+    (tmp_path / "pyproject.toml").write_text("tool = 5\n")
+    with pytest.raises(tp.ConfigurationError, match="sets tool = 5"):
+        config.find_config(tmp_path, {})
+
+
+def test_a_misspelled_strategy_table_is_an_error_in_the_engine_too(tmp_path, monkeypatch):
+    (tmp_path / "torchplug.toml").write_text("[strategies.dpp]\nbucket_cap_mb = 5\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(tp.ConfigurationError, match=r"\[strategies\.dpp\].*Did you mean 'ddp'"):
+        tp.Engine("single")
+
+
+@pytest.mark.slow
+def test_a_negative_max_restarts_is_refused_before_starting(tmp_path):
+    from test_cli import torchplug
+
+    script = tmp_path / "x.py"
+    script.write_text("print('ran')\n")
+    run = torchplug("launch", "--max-restarts", "-1", str(script))
+    assert run.returncode == 2 and "ran" not in run.stdout
+    assert "--max-restarts -1 is negative" in run.stderr

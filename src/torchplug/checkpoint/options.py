@@ -33,6 +33,12 @@ def key_from(explicit: str | bytes | None, env: Mapping[str, str] | None = None)
         key, source = env[KEY_ENV], KEY_ENV
     if key is None:
         return None
+    if not isinstance(key, (str, bytes, bytearray)):
+        raise ConfigurationError(
+            f"checkpoint_key must be a str or bytes secret, got {type(key).__name__} {key!r} "
+            f"(an int would become that many zero bytes). Pass e.g. "
+            f"checkpoint_key=secrets.token_hex(32), or set {KEY_ENV}."
+        )
     raw = key.encode() if isinstance(key, str) else bytes(key)
     if len(raw) < MIN_KEY_BYTES:
         raise CheckpointError(

@@ -431,6 +431,11 @@ def launch(argv: Sequence[str]) -> int:
         args.nproc_per_node = nproc(args.nproc_per_node)
         check_script(args)
         check_rendezvous(args, argv)
+        if int(getattr(args, "max_restarts", 0) or 0) < 0:
+            raise LaunchError(
+                f"--max-restarts {args.max_restarts} is negative; expected 0 (no restarts, the "
+                f"default) or more, e.g. --max-restarts 3."
+            )
         found = cluster.detect()
         warn_loopback(
             max(found.num_nodes, _int_or(args.nnodes, 1)),

@@ -110,6 +110,28 @@ def _load_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(handle)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigurationError(f"Config file {path} is not valid TOML: {exc}. Fix it.") from None
+    except UnicodeDecodeError as exc:  # a binary file under the config file's name
+        raise ConfigurationError(
+            f"Config file {path} is not text (UTF-8 TOML): {exc.reason} at byte {exc.start}. "
+            f"Replace it with a TOML file, or remove it."
+        ) from None
+    except OSError as exc:
+        raise ConfigurationError(
+            f"Cannot read config file {path}: {exc.strerror or exc}. Fix its permissions, or "
+            f"remove it."
+        ) from None
+
+
+def _tool_table(data: dict[str, Any], path: Path) -> Any:
+    """``[tool.torchplug]`` of a pyproject.toml (``None`` when absent); a ``tool`` that is not
+    a table is an error naming the file."""
+    tool = data.get("tool", {})
+    if not isinstance(tool, dict):
+        raise ConfigurationError(
+            f"{path} sets tool = {tool!r} ({type(tool).__name__}); `tool` must be a table of "
+            f"tools' settings, e.g. [tool.torchplug]. Fix the file."
+        )
+    return tool.get("torchplug")
 
 
 def find_config(
@@ -121,22 +143,29 @@ def find_config(
     explicit = env.get("TORCHPLUG_CONFIG")
     if explicit:
         path = Path(explicit)
-        if not path.is_file():
+        if not path.is_file():  # a directory, or nothing at all
             raise ConfigurationError(
                 f"TORCHPLUG_CONFIG={explicit} names no file. Point it at a torchplug.toml or "
                 f"unset it."
             )
         data = _load_toml(path)
-        table = (
-            data.get("tool", {}).get("torchplug", data) if path.name == "pyproject.toml" else data
-        )
+        if path.name == "pyproject.toml":
+            table = _tool_table(data, path)
+            table = data if table is None else table
+        else:
+            table = data
         return _checked(table, path), path
     own = cwd / "torchplug.toml"
+    if own.exists() and not own.is_file():
+        raise ConfigurationError(
+            f"{own} is not a file (a {'directory' if own.is_dir() else 'special file'}); "
+            f"torchplug reads its settings from a torchplug.toml file there. Rename or remove it."
+        )
     if own.is_file():
         return _checked(_load_toml(own), own), own
     pyproject = cwd / "pyproject.toml"
     if pyproject.is_file():
-        table = _load_toml(pyproject).get("tool", {}).get("torchplug")
+        table = _tool_table(_load_toml(pyproject), pyproject)
         if table is not None:
             return _checked(table, pyproject), pyproject
     return {}, None
@@ -353,21 +382,29 @@ def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str
             found.append(f"options (from {', '.join(sources)}): {exc}")
     # The code may name another strategy: only names no strategy has are wrong.
     found += unknown_shared_options(settings, registry, every_source=info is None or not named)
+    found += unknown_strategy_tables(settings, registry)
     for table, values in sorted(settings.strategy_tables.items()):
         canonical = registry.canonical(table)
         if canonical is None:
-            names = sorted(registry.strategies)
-            found.append(
-                f"[strategies.{table}] (in {settings.config_file}) names no installed strategy."
-                f"{did_you_mean(table, names)} Installed: {', '.join(names) or 'none'}. Rename "
-                f"the table, or install the plugin that provides '{table}'."
-            )
             continue
         try:
             registry.strategies[canonical].resolve_options({n: s.value for n, s in values.items()})
         except ConfigurationError as exc:
             found.append(f"[strategies.{table}] (in {settings.config_file}): {exc}")
     return found
+
+
+def unknown_strategy_tables(settings: Settings, registry: Any) -> list[str]:
+    """``[strategies.NAME]`` tables of the config file that name no installed strategy (a
+    misspelled ``[strategies.dpp]`` would otherwise be ignored, its options with it)."""
+    names = sorted(registry.strategies)
+    return [
+        f"[strategies.{table}] (in {settings.config_file}) names no installed strategy."
+        f"{did_you_mean(table, names)} Installed: {', '.join(names) or 'none'}. Rename "
+        f"the table, or install the plugin that provides '{table}'."
+        for table in sorted(settings.strategy_tables)
+        if registry.canonical(table) is None
+    ]
 
 
 def unknown_shared_options(

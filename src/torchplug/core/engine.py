@@ -51,6 +51,16 @@ class Runtime:
     data_parallel_size: int | None = None
 
 
+def _checked_seed(seed: Any) -> int:
+    """``Engine(seed=...)``: a whole number torch's generators take (0 to 2**64 - 1)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ConfigurationError(
+            f"seed must be a whole number from 0 to 2**64 - 1, got {type(seed).__name__} "
+            f"{seed!r}. Pass e.g. seed=0 (the default), or seed=int(your_value)."
+        )
+    return seed
+
+
 #: Checkpoint entries of torchplug's own (plugins' state): user keys may not start with it.
 RESERVED_PREFIX = "torchplug."
 
@@ -108,11 +118,12 @@ class Engine:
         self.precision = normalize_precision(self.settings.precision.value)
         self._check_precision()
         typos = config.unknown_shared_options(self.settings, registry)
+        typos += config.unknown_strategy_tables(self.settings, registry)
         if typos:
             raise ConfigurationError(typos[0])
         chosen = self.settings.for_strategy(self.info, registry.canonical)
         self.options = self.info.resolve_options({name: s.value for name, s in chosen.items()})
-        self.seed = seed
+        self.seed = _checked_seed(seed)
         from torchplug.core import scaling
 
         #: torch.compile arguments (None: not compiled), applied after the backend's wrap.
@@ -181,6 +192,13 @@ class Engine:
                 )
             )
         active += [p for p in registry.extensions() if p not in active]
+        for plugin in plugins:
+            if plugin is None or isinstance(plugin, (bool, int, float, bytes)):
+                raise ConfigurationError(
+                    f"plugins takes plugin objects or module names, got "
+                    f"{type(plugin).__name__} {plugin!r}. Pass e.g. plugins=['my_module'] or "
+                    f"plugins=[MyExtension()]."
+                )
         active += [manager.load_extension(p) if isinstance(p, str) else p for p in plugins]
         self._pm = manager.new_plugin_manager()
         for plugin in active:

@@ -53,6 +53,16 @@ class LoggerSet:
         registry: Any,
     ) -> None:
         wanted, self.source = requested(loggers)
+        if log_dir is not None and (
+            isinstance(log_dir, bool)
+            or not isinstance(log_dir, (str, os.PathLike))
+            or not str(os.fspath(log_dir)).strip()
+        ):
+            raise ConfigurationError(
+                f"log_dir must be a non-empty directory path (str or pathlib.Path), got "
+                f"{type(log_dir).__name__} {log_dir!r}. Pass e.g. log_dir='logs', or leave it out "
+                f"for {LOG_DIR_ENV} or ./{DEFAULT_LOG_DIR}."
+            )
         self.log_dir = Path(log_dir or os.environ.get(LOG_DIR_ENV) or DEFAULT_LOG_DIR)
         self.infos: list[Any] = []
         self.objects: list[object] = []

@@ -62,7 +62,24 @@ class CheckpointPolicy:
                 "resume='latest' and keep_last need checkpoint_dir, the directory the numbered "
                 "checkpoints go to. Fix: Engine(..., checkpoint_dir='checkpoints')."
             )
-        return cls(None if directory is None else Path(directory), mode, keep_last)
+        return cls(path_argument("checkpoint_dir", directory), mode, keep_last)
+
+
+def path_argument(name: str, value: Any) -> Path | None:
+    """A directory argument (``checkpoint_dir``, ``log_dir``): a non-empty path or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
+        raise ConfigurationError(
+            f"{name} must be a directory path (str or pathlib.Path), got "
+            f"{type(value).__name__} {value!r}. Pass e.g. {name}='checkpoints'."
+        )
+    if not str(os.fspath(value)).strip():
+        raise ConfigurationError(
+            f"{name} is an empty path; it would write into the current directory unnoticed. "
+            f"Pass a directory, e.g. {name}='checkpoints', or leave it out."
+        )
+    return Path(value)
 
 
 class RNGState:

@@ -57,6 +57,12 @@ def block_classes(value: Iterable[type | str] | None) -> tuple[type | str, ...]:
         return ()
     if isinstance(value, (type, str)):
         value = [value]
+    if not isinstance(value, Iterable):
+        raise ConfigurationError(
+            f"activation_checkpointing takes module classes or class names, got "
+            f"{type(value).__name__} {value!r}. Pass e.g. "
+            f"activation_checkpointing=[TransformerBlock]."
+        )
     found = tuple(value)
     bad = [v for v in found if not isinstance(v, (type, str))]
     if bad:
