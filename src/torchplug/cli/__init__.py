@@ -8,6 +8,7 @@ each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -116,7 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plugins":
         from torchplug.cli.plugins import plugins
 
-        return plugins(verbose=args.verbose)
+        try:
+            return plugins(verbose=args.verbose)
+        except BrokenPipeError:  # `torchplug plugins | head`: the reader has what it wanted
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+            return 0
     if args.command == "doctor":
         from torchplug.cli.doctor import doctor
 
