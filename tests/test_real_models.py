@@ -15,6 +15,15 @@ from torchplug.checkpoint.tensors import assign
 EVAL_INPUT_SEED = 1234
 
 
+def sgd_step(engine: tp.Engine, model: Any, optimizer: Any, x: Any, y: Any) -> torch.Tensor:
+    """One plain training step on classification logits; the loss, detached."""
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    engine.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
 def train_bn_and_save(strategy: str, path: str, steps: int = 3) -> dict[str, Any]:
     """Each rank trains on its own batches (so its BatchNorm statistics are its own), saves,
     and reports its buffers and its eval logits."""
@@ -25,10 +34,7 @@ def train_bn_and_save(strategy: str, path: str, steps: int = 3) -> dict[str, Any
         model.train()
         for step in range(steps):
             x, y = images(seed=100 * engine.rank + step)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+            sgd_step(engine, model, optimizer, x, y)
         engine.save(path, {"model": model, "optimizer": optimizer})
         full = engine.full_state(model)["model"]
         buffers = {k: v.clone() for k, v in full.items() if "running" in k or "batches" in k}
@@ -95,11 +101,8 @@ def train_norms(strategy: str, precision: str | None, steps: int = 4) -> dict[st
         losses = []
         for step in range(steps):
             x, y = images(seed=100 * engine.rank + step)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(engine.reduce(loss.detach(), "mean").item())
+            loss = sgd_step(engine, model, optimizer, x, y)
+            losses.append(engine.reduce(loss, "mean").item())
         state = engine.full_state(model)["model"]
         return {"losses": losses, "dtypes": {k: v.dtype for k, v in state.items()}}
 
@@ -152,11 +155,8 @@ def train_resnet(strategy: str, steps: int = 3, **engine_args: Any) -> dict[str,
             mine = slice(
                 engine.rank * 8 // engine.world_size, (engine.rank + 1) * 8 // engine.world_size
             )
-            loss = torch.nn.functional.cross_entropy(model(x[mine]), y[mine])
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(engine.reduce(loss.detach(), "mean").item())
+            loss = sgd_step(engine, model, optimizer, x[mine], y[mine])
+            losses.append(engine.reduce(loss, "mean").item())
         kinds = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})
         state = {k: v.clone() for k, v in engine.full_state(model)["model"].items()}
     after_close = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})

@@ -28,6 +28,9 @@ OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug", "--
 PLUGIN_ENV = "TORCHPLUG_PLUGIN_MODULES"
 DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
 LAUNCHED_ENV = "TORCHPLUG_LAUNCHED"
+#: The same variable as :data:`torchplug.core.syncbn.SYNC_BATCHNORM_ENV` (core is not imported
+#: here at module level: ``torchplug launch --help`` stays cheap).
+SYNC_BATCHNORM_ENV = "TORCHPLUG_SYNC_BATCHNORM"
 
 USAGE = "torchplug launch [-n N] [--strategy NAME] [--precision P] [torchrun flags] SCRIPT [args]"
 
@@ -382,6 +385,16 @@ def check_loggers(names: Sequence[str]) -> None:
 # -- run ------------------------------------------------------------------------------------------
 
 
+def export_flags(args: Any) -> None:
+    """The launcher's flags for the script, as the variables every process reads."""
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
+    if args.sync_batchnorm:
+        os.environ[SYNC_BATCHNORM_ENV] = "1"
+    if args.logger:
+        os.environ["TORCHPLUG_LAUNCH_LOGGERS"] = ",".join(args.logger)
+
+
 def _launch_in_process(args: Any, strategy: str) -> int:
     """One process per host (torch_xla SPMD), or one rank the scheduler started: run the script
     here, not under torchrun."""
@@ -394,12 +407,7 @@ def _launch_in_process(args: Any, strategy: str) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.debug:
-        os.environ[DEBUG_ENV] = "1"
-    if args.sync_batchnorm:
-        os.environ["TORCHPLUG_SYNC_BATCHNORM"] = "1"
-    if args.logger:
-        os.environ["TORCHPLUG_LAUNCH_LOGGERS"] = ",".join(args.logger)
+    export_flags(args)
     sys.argv = [args.training_script, *args.training_script_args]
     if args.module:
         runpy.run_module(args.training_script, run_name="__main__", alter_sys=True)
@@ -467,12 +475,7 @@ def launch(argv: Sequence[str]) -> int:
     except TorchplugError as exc:
         print(f"torchplug launch: {exc}", file=sys.stderr)
         return 2
-    if args.debug:
-        os.environ[DEBUG_ENV] = "1"
-    if args.sync_batchnorm:
-        os.environ["TORCHPLUG_SYNC_BATCHNORM"] = "1"
-    if args.logger:
-        os.environ["TORCHPLUG_LAUNCH_LOGGERS"] = ",".join(args.logger)
+    export_flags(args)
     os.environ[LAUNCHED_ENV] = "1"
     return _run(args)
 

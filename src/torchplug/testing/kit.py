@@ -557,8 +557,8 @@ class Kit:
         """``engine.barrier()`` waits for the last rank (delayed by a second before it)."""
         if self.nprocs == 1:
             return Outcome("barrier", False, "one process: nothing to wait for", skipped=True)
-        if self.precision_independent("barrier"):
-            return self.precision_independent("barrier")
+        if (skip := self.precision_independent("barrier")) is not None:
+            return skip
         marker = self._tmp / f"barrier-{len(list(self._tmp.iterdir()))}"
         seen = self.run(bodies.barrier_waits, str(marker))
         late = [rank for rank, ok in enumerate(seen) if not ok]
@@ -579,21 +579,20 @@ class Kit:
         held = self.run(bodies.held_elements)
         problems = []
         for rank, h in enumerate(held):
-            for what, declared, whole in (
-                ("parameters", self.info.shards_parameters, h["full"]),
-                ("optimizer state", self.info.shards_optimizer, 2 * h["full"]),
+            for what, key, flag, whole in (
+                ("parameters", "params", "shards_parameters", h["full"]),
+                ("optimizer state", "optimizer", "shards_optimizer", 2 * h["full"]),
             ):
-                mine = h["params" if what == "parameters" else "optimizer"]
+                mine, declared = h[key], getattr(self.info, flag)
                 if declared and mine > 0.75 * whole:
                     problems.append(
                         f"rank {rank} holds {mine} of {whole} {what} elements, but the strategy "
-                        f"declares shards_{'parameters' if what == 'parameters' else 'optimizer'}"
+                        f"declares {flag}"
                     )
                 if not declared and mine < whole:
                     problems.append(
                         f"rank {rank} holds {mine} of {whole} {what} elements: sharded, but the "
-                        f"strategy does not declare shards_"
-                        f"{'parameters' if what == 'parameters' else 'optimizer'}=True"
+                        f"strategy does not declare {flag}=True"
                     )
         first = held[0]
         return Outcome(
@@ -610,8 +609,8 @@ class Kit:
         that skipped that would shard a mix of differently initialised models)."""
         if self.nprocs == 1:
             return Outcome("replicas", False, "one process: nothing to compare", skipped=True)
-        if self.precision_independent("replicas"):
-            return self.precision_independent("replicas")
+        if (skip := self.precision_independent("replicas")) is not None:
+            return skip
         expected = bodies.replica_reference()
         problems = []
         for empty in (False, True):
