@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,9 +26,15 @@ def train(
     every: int = 3,
     kill_after: int | None = None,
     keep_last: int = 2,
+    preempt_marker: str | None = None,
+    preempt_after: int = 7,
 ) -> dict[str, Any]:
     """Train ``steps`` steps, saving every ``every``; rank 1 SIGKILLs itself after step
-    ``kill_after`` on the first attempt. Returns the final parameters and where it resumed."""
+    ``kill_after`` on the first attempt. Returns the final parameters and where it resumed.
+
+    With ``preempt_marker`` the loop reads ``engine.preempted`` every step, as a script that
+    saves on preemption does; a fresh run touches the marker after step ``preempt_after`` and
+    then takes as long as a slow step until the notice arrives (so the test knows the step)."""
     torch.manual_seed(0)
     random.seed(0)
     with tp.Engine(
@@ -57,6 +65,14 @@ def train(
                     engine.save_checkpoint(state)
                 if step == kill_after and attempt == 0 and engine.rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if preempt_marker and resumed is None and step == preempt_after:
+                    if engine.rank == 0:
+                        Path(preempt_marker).touch()
+                    while not engine.preempted:
+                        time.sleep(0.1)
+                if preempt_marker and engine.preempted:
+                    engine.save_checkpoint(state)
+                    return {"preempted": step}
                 if step >= steps:
                     break
         params = engine.full_state(model)["model"]

@@ -482,14 +482,33 @@ def launch(argv: Sequence[str]) -> int:
 
 def _run(args: Any) -> int:
     import logging
+    import tempfile
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
+
+    from torchplug.core.preemption import STATUS_ENV
 
     # torchrun's own failure report (a FAILED block per rank) is replaced by the summary below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
+    if getattr(args, "signals_to_handle", None) == "SIGTERM,SIGINT,SIGHUP,SIGQUIT":
+        # torchrun's default, plus SLURM's early notice (srun --signal=USR1@90): passed on to
+        # the workers (engine.preempted) instead of ending this launcher and orphaning them.
+        args.signals_to_handle += ",SIGUSR1"
+    status = tempfile.TemporaryDirectory(prefix="torchplug-launch-")
+    os.environ[STATUS_ENV] = status.name
+    try:
+        return _run_torchrun(args, run, status.name)
+    finally:
+        status.cleanup()
+
+
+def _run_torchrun(args: Any, run: Any, status: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from torchplug.core.preemption import last_checkpoint
+
     try:
         run(args)
     except ChildFailedError as exc:
@@ -499,11 +518,18 @@ def _run(args: Any) -> int:
         # SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C): torchrun's agent has passed
         # it on to the workers and waited for them; say so in one screen, not its traceback.
         name = signal_name(exc.sigval)
+        grace = args.shutdown_timeout or os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)
+        saved = last_checkpoint(status)
         print(
             f"torchplug launch: stopped by {name} ({args.training_script}): the signal was "
-            f"passed on to every worker, which were given time to exit (a script can save a "
-            f"checkpoint on SIGTERM, e.g. with a signal handler, and resume from it). Exit code "
-            f"{128 + int(exc.sigval)}.",
+            f"passed on to every worker, which had {grace} s to exit (--shutdown-timeout). "
+            + (
+                f"The last checkpoint saved in this run: {saved[1]} (step {saved[0]}). "
+                if saved
+                else "No checkpoint was saved in this run (a script that reads "
+                "engine.preempted each step can save one before it exits). "
+            )
+            + f"Exit code {128 + int(exc.sigval)}.",
             file=sys.stderr,
         )
         return 128 + int(exc.sigval)

@@ -211,6 +211,7 @@ class Engine:
             **{name: dispatch.resolve(self._pm, name, self._pm.tracing) for name in _PER_STEP}
         )
         self._undo: list[Callable[[], None]] = []
+        self._preemption: Any = None
         self._check_contract()
 
         try:
@@ -881,6 +882,31 @@ class Engine:
                 f"engine.log({{'loss': 0.5}}, step=10), got {type(metrics).__name__}."
             )
         self.loggers.log(self.rank, metrics, step)
+
+    @property
+    def preempted(self) -> bool:
+        """``True`` on every rank once any rank has been sent SIGTERM or SIGUSR1 (a scheduler's
+        notice: preemption, ``scancel``, ``srun --signal=USR1@90``, ``torchplug launch`` passing
+        on its own SIGTERM): time to save a checkpoint and leave the loop.
+
+        The first read installs the handler (chained to one the script set; removed at close):
+        until then, and in a script that never reads it, those signals end the process as
+        usual. Ranks see a signal at different moments, so the answer is agreed on: a
+        collective, read at the same point on every rank (e.g. once per step)."""
+        from torchplug.core.preemption import Preemption
+
+        if self._preemption is None:
+            self._preemption = Preemption()
+            if self._preemption.arm():
+                self._undo.insert(0, self._preemption.disarm)
+        notice = self._preemption
+        if notice.agreed:
+            return True
+        seen = notice.received is not None
+        if self.world_size > 1:
+            seen = bool(self.reduce(float(seen), "max").item())
+        notice.agreed = seen
+        return seen
 
     def barrier(self) -> None:
         """Wait until every rank arrives here."""

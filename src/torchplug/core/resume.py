@@ -203,6 +203,10 @@ def save_checkpoint(engine: Engine, state: dict[str, Any], step: int | None = No
                 remove(old)
         for leftover in policy.directory.glob(f"{REMOVING}*"):  # a crash mid-removal
             shutil.rmtree(leftover, ignore_errors=True)
+    if engine.is_main:
+        from torchplug.core.preemption import note_checkpoint
+
+        note_checkpoint(path, n)
     return path
 
 
