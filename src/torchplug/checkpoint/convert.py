@@ -19,7 +19,7 @@ import torch
 
 from torchplug.checkpoint import tensors as store
 from torchplug.checkpoint.io import open_checkpoint
-from torchplug.checkpoint.manifest import MANIFEST, decode, tensor_paths
+from torchplug.checkpoint.manifest import MANIFEST, PINS, decode, tensor_paths
 from torchplug.checkpoint.options import key_from
 from torchplug.core.errors import CheckpointError
 
@@ -251,7 +251,7 @@ def convert(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     bar = Progress(total, sys.stderr.isatty() or total > 2**30 if progress is None else progress)
     for chunk in _chunks(tensors, CHUNK_BYTES):  # read in pieces so the bar moves
-        store.read(root, index, chunk)
+        store.read(root, index, chunk, manifest[PINS])
         bar.advance(sum(t.numel() * t.element_size() for t in chunk.values()))
     bar.close()
     out = Path(destination)

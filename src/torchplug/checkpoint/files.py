@@ -8,6 +8,7 @@ leaves a half-written checkpoint under the final name and never destroys the las
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import glob
@@ -16,7 +17,9 @@ import os
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from torchplug.checkpoint.manifest import MANIFEST
 from torchplug.core.errors import CheckpointError
@@ -51,13 +54,7 @@ def sha256(path: Path) -> str:
     buffer without a Python-level loop: a few percent faster than 1 MiB ``read()`` blocks, which
     matters because verification is most of what a load costs over plain DCP."""
     with path.open("rb") as handle:
-        file_digest = getattr(hashlib, "file_digest", None)
-        if file_digest is not None:
-            return file_digest(handle, "sha256").hexdigest()
-        digest = hashlib.sha256()
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-        return digest.hexdigest()
+        return _digest(handle)
 
 
 def resolve_target(path: str | os.PathLike[str]) -> Path:
@@ -144,6 +141,60 @@ def remove_previous(old: Path, final: Path) -> None:
             f"The checkpoint at {final} was saved, but the previous one left at {old} could "
             f"not be removed ({describe_os_error(exc)}); remove it by hand.",
             stacklevel=3,
+        )
+
+
+def _digest(handle: Any) -> str:
+    file_digest = getattr(hashlib, "file_digest", None)
+    if file_digest is not None:
+        return file_digest(handle, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    for block in iter(lambda: handle.read(1 << 20), b""):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+#: A file as opened: (inode, size, mtime_ns, ctime_ns). Replacing the path (rename) gives another
+#: inode, writing to it moves ctime, which no one can set back; the device is left out because
+#: it differs between the nodes that mount one shared file system.
+Pin = tuple[int, int, int, int]
+
+
+def pin_of(handle: Any) -> Pin:
+    info = os.fstat(handle.fileno())
+    return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def hash_pinned(path: Path) -> tuple[str, Pin]:
+    """The sha256 of the file at ``path`` and the pin of the very file that was hashed (opened
+    once; a change while it was being read is an error)."""
+    with path.open("rb") as handle:
+        before = pin_of(handle)
+        digest = _digest(handle)
+        if pin_of(handle) != before:
+            raise CheckpointError(
+                f"Checkpoint file {path} changed while it was being verified (another process "
+                f"writes to it). Wait until nothing writes to the checkpoint, then load again."
+            )
+    return digest, before
+
+
+@contextlib.contextmanager
+def open_pinned(path: Path, pin: Pin | None, *, buffering: int = -1) -> Iterator[Any]:
+    """Open ``path`` for reading, refusing a file other than the one verified (``pin``), before
+    and after it is read: what is loaded is the file whose bytes were hashed."""
+    with path.open("rb", buffering=buffering) as handle:
+        _same_file(path, pin, handle)
+        yield handle
+        _same_file(path, pin, handle)
+
+
+def _same_file(path: Path, pin: Pin | None, handle: Any) -> None:
+    if pin is not None and pin_of(handle) != tuple(pin):
+        raise CheckpointError(
+            f"Checkpoint file {path} is not the file that was verified: it was replaced or "
+            f"modified during the load (another process renamed or wrote a file in the "
+            f"checkpoint). Refusing its bytes; load again once nothing changes the checkpoint."
         )
 
 

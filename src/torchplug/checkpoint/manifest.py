@@ -13,8 +13,10 @@ them) but never read.
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Iterator, Mapping
@@ -30,6 +32,8 @@ FORMAT_VERSION = 2
 MIN_FORMAT_VERSION = 2
 LAYOUT = "dcp"
 MANIFEST = "manifest.json"
+#: Where a loaded manifest keeps the pins of its verified files (never written to disk).
+PINS = "torchplug_verified_files"
 TENSORS = "tensors"
 
 #: The kinds of entries the generic loader restores. Plugins may record their own kinds
@@ -207,6 +211,14 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse(raw: bytes, where: str) -> dict[str, Any]:
     """Parse and validate manifest bytes; every problem is a CheckpointError naming the key."""
+    body = load_json(raw, where)
+    check(body, where)
+    return body
+
+
+def load_json(raw: bytes, where: str) -> Any:
+    """The manifest's JSON, its digest checked: all a signature check needs (linear in the
+    bytes). :func:`check` validates it afterwards."""
     try:
         body = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except CheckpointError as exc:
@@ -225,6 +237,11 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
                 f"recorded {recorded[:12]}...): it was altered or corrupted after saving. "
                 f"Load an earlier checkpoint."
             )
+    return body
+
+
+def check(body: Any, where: str) -> None:
+    """Validate a manifest body (see :func:`validate`), as a CheckpointError naming the key."""
     try:
         validate(body, where)
     except _Invalid as exc:
@@ -234,7 +251,6 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
         ) from None
     except RecursionError:
         raise CheckpointError(f"Checkpoint manifest {where} is nested too deeply.") from None
-    return body
 
 
 class _Invalid(Exception):
@@ -394,20 +410,97 @@ def _validate_tensor(name: str, meta: Any, files: Mapping[str, Any]) -> None:
     for d in shape:
         total *= d
     _expect(
-        volume == total and not _overlap(boxes),
+        volume == total and _disjoint(shape, boxes),
         f"{where}.chunks",
         "pieces that cover the tensor exactly once",
     )
 
 
-def _overlap(boxes: list[tuple[list[int], list[int]]]) -> bool:
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1 :]:
-            if all(
-                max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, sa, ob, sb, strict=True)
-            ) and all(s > 0 for s in sa + sb):
-                return True
-    return False
+#: Irregular (non-grid) layouts of 3 or more dimensions are compared pairwise; torchplug and
+#: DCP write grids (every DTensor placement is one), so more pieces than this is not a layout
+#: any save produced.
+IRREGULAR_LIMIT = 2048
+
+Box = tuple[list[int], list[int]]
+
+
+def _disjoint(shape: list[int], boxes: list[Box]) -> bool:
+    """No element is in two of ``boxes`` (offsets, sizes). With the volume check beside it: the
+    boxes cover the tensor exactly once. O(n log n) in the number of pieces for every layout a
+    save writes (a grid: each piece one cell of the grid its own edges cut), and for any layout
+    of one or two dimensions (a sweep); pairwise only for small irregular ones."""
+    boxes = [(o, s) for o, s in boxes if all(x > 0 for x in s)]  # empty pieces hold nothing
+    if len(boxes) < 2:
+        return True
+    cells = _grid_cells(shape, boxes)
+    if cells is not None:
+        return len(set(cells)) == len(cells)
+    if len(shape) == 1:
+        ordered = sorted((o[0], o[0] + s[0]) for o, s in boxes)
+        return all(end <= start for (_, end), (start, _) in itertools.pairwise(ordered))
+    if len(shape) == 2:
+        return _sweep(boxes)
+    if len(boxes) > IRREGULAR_LIMIT:
+        raise _Invalid(
+            f"an irregular layout of {len(boxes)} pieces (not one a save writes: at most "
+            f"{IRREGULAR_LIMIT} pieces of 3 or more dimensions that are not a grid)"
+        )
+    return not any(
+        all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, sa, ob, sb, strict=True))
+        for i, (oa, sa) in enumerate(boxes)
+        for ob, sb in boxes[i + 1 :]
+    )
+
+
+def _grid_cells(shape: list[int], boxes: list[Box]) -> list[tuple[int, ...]] | None:
+    """Each box's cell in the grid cut by every box's edges, if there are as many cells as boxes
+    and each box is exactly one cell (then they tile iff the cells differ); else ``None``."""
+    cuts = [
+        sorted({0, n, *(o[k] for o, _ in boxes), *(o[k] + s[k] for o, s in boxes)})
+        for k, n in enumerate(shape)
+    ]
+    count = 1
+    for c in cuts:
+        count *= len(c) - 1
+        if count > len(boxes):
+            return None
+    if count != len(boxes):
+        return None
+    where = [{v: i for i, v in enumerate(c)} for c in cuts]
+    cells = []
+    for offsets, sizes in boxes:
+        cell = tuple(where[k][o] for k, o in enumerate(offsets))
+        if any(
+            where[k][o + s] != cell[k] + 1
+            for k, (o, s) in enumerate(zip(offsets, sizes, strict=True))
+        ):
+            return None
+        cells.append(cell)
+    return cells
+
+
+def _sweep(boxes: list[Box]) -> bool:
+    """Two-dimensional boxes disjoint: a sweep along dimension 0 keeps the active boxes' spans
+    of dimension 1 sorted and disjoint; a new box need only be compared with its neighbours."""
+    events = []
+    for i, (offsets, sizes) in enumerate(boxes):
+        events.append((offsets[0], 1, i))
+        events.append((offsets[0] + sizes[0], 0, i))  # at one position: leave before enter
+    events.sort()
+    starts: list[int] = []
+    ends: list[int] = []
+    for _, enter, i in events:
+        low = boxes[i][0][1]
+        high = low + boxes[i][1][1]
+        at = bisect.bisect_left(starts, low)
+        if not enter:
+            del starts[at], ends[at]
+            continue
+        if (at > 0 and ends[at - 1] > low) or (at < len(starts) and starts[at] < high):
+            return False
+        starts.insert(at, low)
+        ends.insert(at, high)
+    return True
 
 
 def _validate_skeleton(node: Any, where: str, tensors: Mapping[str, Any]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from torchplug.checkpoint.files import confined
+from torchplug.checkpoint.files import confined, open_pinned
 from torchplug.checkpoint.manifest import DTYPES, TENSORS, dtype_name
 from torchplug.core.errors import CheckpointError
 
@@ -352,8 +352,33 @@ def merge(indexes: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def reader(root: Path, index: Mapping[str, Any]) -> Any:
-    """A DCP storage reader whose metadata comes from the manifest's index, never from a file."""
+def _pinned_file_system(root: Path, pins: Mapping[str, Any] | None) -> Any:
+    """A DCP file system that opens only the files that were verified (their pins)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class PinnedFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            name = Path(path).relative_to(root).as_posix()
+            with open_pinned(Path(path), _pin(pins, name, root)) as stream:
+                yield stream
+
+    return PinnedFileSystem()
+
+
+def _pin(pins: Mapping[str, Any] | None, name: str, root: Path) -> Any:
+    if pins is None:
+        return None
+    if name not in pins:
+        raise CheckpointError(
+            f"Checkpoint {root}: file {name!r} was not verified; refusing to read it."
+        )
+    return pins[name]
+
+
+def reader(root: Path, index: Mapping[str, Any], pins: Mapping[str, Any] | None = None) -> Any:
+    """A DCP storage reader whose metadata comes from the manifest's index, never from a file,
+    and which reads only the verified files (``pins``, from ``open_checkpoint``)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -383,6 +408,10 @@ def reader(root: Path, index: Mapping[str, Any]) -> Any:
         )
 
     class IndexedReader(FileSystemReader):
+        def __init__(self, path: Any) -> None:
+            super().__init__(path)
+            self.fs = _pinned_file_system(Path(self.path), pins)
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return Metadata(
                 state_dict_metadata=state_dict_metadata,
@@ -398,7 +427,7 @@ def reader(root: Path, index: Mapping[str, Any]) -> Any:
                 raw = item.type == LoadItemType.TENSOR and item.storage_index in raw_chunks
                 (direct if raw else rest).append(item)
             if direct:
-                _read_raw(root, direct, raw_chunks, planner)
+                _read_raw(root, direct, raw_chunks, planner, pins)
             return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
     raw_chunks: dict[Any, tuple[str, int, torch.Size, torch.dtype]] = {}
@@ -420,6 +449,7 @@ def _read_raw(
     items: list[Any],
     raw_chunks: Mapping[Any, tuple[str, int, torch.Size, torch.dtype]],
     planner: Any,
+    pins: Mapping[str, Any] | None = None,
 ) -> None:
     """Read chunks whose bytes are stored raw: straight into the target when it is the whole
     chunk, contiguous and of the same dtype on the CPU; otherwise into a temporary, then the
@@ -432,7 +462,7 @@ def _read_raw(
     for name, wanted in by_file.items():
         path = confined(root, name, "a tensor chunk refers to file")
         wanted.sort(key=lambda item: raw_chunks[item.storage_index][1])
-        with path.open("rb", buffering=0) as handle:
+        with open_pinned(path, _pin(pins, name, root), buffering=0) as handle:
             for item in wanted:
                 _, start, sizes, dtype = raw_chunks[item.storage_index]
                 target = planner.resolve_tensor(item).detach()
@@ -477,15 +507,21 @@ def _fill(handle: Any, start: int, tensor: torch.Tensor, path: Path) -> None:
         done += got
 
 
-def read(root: Path, index: Mapping[str, Any], targets: dict[str, torch.Tensor]) -> None:
-    """Fill ``targets`` in place from the store (resharding as needed); no collective."""
+def read(
+    root: Path,
+    index: Mapping[str, Any],
+    targets: dict[str, torch.Tensor],
+    pins: Mapping[str, Any] | None,
+) -> None:
+    """Fill ``targets`` in place from the store (resharding as needed); no collective. With
+    ``pins`` (what ``open_checkpoint`` verified) every file read must be the one hashed."""
     if not targets:
         return
     import torch.distributed.checkpoint as dcp
 
     wanted = {name: index[name] for name in targets}
     with _quiet_single_process():
-        dcp.load(targets, storage_reader=reader(root, wanted), no_dist=True)
+        dcp.load(targets, storage_reader=reader(root, wanted, pins), no_dist=True)
 
 
 def allocate(index: Mapping[str, Any], names: list[str]) -> dict[str, torch.Tensor]:

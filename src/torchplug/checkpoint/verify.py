@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchplug.checkpoint.files import confined, sha256
+from torchplug.checkpoint.files import Pin, confined, hash_pinned
 from torchplug.checkpoint.manifest import canonical
 from torchplug.checkpoint.options import KEY_ENV
 from torchplug.core.errors import CheckpointError
@@ -31,9 +31,18 @@ def sign(body: dict[str, Any], key: bytes | None) -> None:
 
 def check_signature(body: Mapping[str, Any], key: bytes | None, where: str) -> None:
     """With a key: refuse an unsigned or mis-signed manifest. Without one: nothing to check."""
-    if key is None:
-        return
+    if key is None or not isinstance(body, Mapping):
+        return  # not an object: validation refuses it
     signature = body.get("signature")
+    if signature is not None and not (
+        isinstance(signature, Mapping)
+        and signature.get("alg") == "hmac-sha256"
+        and isinstance(signature.get("value"), str)
+    ):
+        raise CheckpointError(
+            f"Checkpoint {where} has a malformed signature (expected {{alg: 'hmac-sha256', "
+            f"value: 64 hex digits}}): refusing it. Load an earlier checkpoint."
+        )
     if signature is None:
         raise CheckpointError(
             f"Checkpoint {where} is not signed, but a checkpoint key is configured ({KEY_ENV} or "
@@ -49,8 +58,10 @@ def check_signature(body: Mapping[str, Any], key: bytes | None, where: str) -> N
         )
 
 
-def check_files(root: Path, files: Mapping[str, Any], names: list[str]) -> None:
-    """Check that each named file is inside ``root`` with the size and sha256 the manifest lists."""
+def check_files(root: Path, files: Mapping[str, Any], names: list[str]) -> dict[str, Pin]:
+    """Check that each named file is inside ``root`` with the size and sha256 the manifest lists;
+    return the pin of each file hashed (the reads check that they get the same file)."""
+    pins: dict[str, Pin] = {}
     for name in names:
         expected = files[name]
         path = confined(root, name, "the manifest lists file")
@@ -59,20 +70,22 @@ def check_files(root: Path, files: Mapping[str, Any], names: list[str]) -> None:
                 f"Checkpoint file {path} is missing (the manifest lists it). The checkpoint is "
                 f"incomplete; restore the file or load an earlier checkpoint."
             )
-        size = path.stat().st_size
+        digest, pin = hash_pinned(path)
+        size = pin[1]
         if size != expected["size"]:
             raise CheckpointError(
                 f"Checkpoint file {path} has {size} bytes, the manifest says {expected['size']}: "
                 f"it was truncated or changed after saving. Restore it or load an earlier "
                 f"checkpoint."
             )
-        digest = sha256(path)
         if digest != expected["sha256"]:
             raise CheckpointError(
                 f"Checkpoint file {path} fails its sha256 check ({digest[:12]}..., the manifest "
                 f"says {expected['sha256'][:12]}...): it was altered or corrupted after saving. "
                 f"Restore it or load an earlier checkpoint."
             )
+        pins[name] = pin
+    return pins
 
 
 def share(names: list[str], rank: int, world_size: int) -> list[str]:
