@@ -25,10 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report, startup
+from benchmarks import report, startup, validation
 
 ROOT = Path(__file__).resolve().parent
-SECTIONS = ("step", "dispatch", "import", "cli", "launch", "memory", "checkpoint", "gpu")
+SECTIONS = (
+    "step", "dispatch", "import", "cli", "launch", "memory", "checkpoint", "validation", "gpu",
+)  # fmt: skip
 MEMORY_STRATEGIES = (
     "ddp",
     "fsdp",
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     section("launch", lambda: startup.launch(5 if not smoke else 1, have))
     section("memory", memory)
     section("checkpoint", checkpoint)
+    section("validation", lambda: validation.run(3 if not smoke else 1, smoke))
     section("gpu", gpu)
 
     records = (

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_smoke_run_writes_the_table(tmp_path):
-    sections = "step,dispatch,import,cli,memory,checkpoint,gpu"
+    sections = "step,dispatch,import,cli,memory,checkpoint,validation,gpu"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--smoke", "--only", sections, "--no-chart"]
         + ["--out", str(tmp_path)],

@@ -18,6 +18,7 @@ import datetime
 import hashlib
 import itertools
 import json
+import operator
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -201,11 +202,11 @@ def build(
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise CheckpointError(f"manifest.json repeats the key {key!r}")
-        seen[key] = value
+    seen = dict(pairs)  # one call per JSON object: the common case stays at C speed
+    if len(seen) != len(pairs):
+        keys: set[str] = set()
+        repeated = next(k for k, _ in pairs if k in keys or keys.add(k))  # type: ignore[func-returns-value]
+        raise CheckpointError(f"manifest.json repeats the key {repeated!r}")
     return seen
 
 
@@ -347,6 +348,58 @@ def validate(body: Any, where: str = MANIFEST) -> None:
         _validate_skeleton(entry["data"], f"{where}.data", tensors)
 
 
+def _explain_chunk(
+    where: str, i: int, chunk: Any, shape: list[int], meta: dict, files: Mapping[str, Any]
+) -> None:
+    """Raise ``_Invalid`` naming what is wrong with a chunk the fast check refused."""
+    cw = f"{where}.chunks[{i}]"
+    _expect(isinstance(chunk, dict), cw, "an object")
+    offsets, sizes = chunk.get("offsets"), chunk.get("sizes")
+    _expect(
+        _is_ints(offsets) and _is_ints(sizes) and len(offsets) == len(sizes) == len(shape),
+        cw,
+        f"offsets and sizes of {len(shape)} integers >= 0",
+    )
+    _expect(
+        all(o + s <= d for o, s, d in zip(offsets, sizes, shape, strict=True)),
+        cw,
+        f"inside the tensor's shape {shape}",
+    )
+    _expect(
+        isinstance(chunk.get("file"), str) and chunk["file"] in files,
+        f"{cw}.file",
+        "a file listed in 'files'",
+    )
+    _expect(
+        _is_int(chunk.get("offset"))
+        and chunk["offset"] >= 0
+        and _is_int(chunk.get("length"))
+        and chunk["length"] >= 0
+        and chunk["offset"] + chunk["length"] <= files[chunk["file"]]["size"],
+        cw,
+        "a byte range inside its file",
+    )
+    n = 1
+    for s in sizes:
+        n *= s
+    # The chunk's bytes must hold its elements: no forged shape makes a load allocate more
+    # memory than the (hashed) files hold.
+    _expect(
+        n * _ITEMSIZE[meta["dtype"]] <= chunk["length"],
+        cw,
+        f"a byte range large enough for its {n} elements",
+    )
+    if "raw" in chunk:  # where the chunk's row-major bytes start (read without unzipping)
+        _expect(
+            _is_int(chunk["raw"])
+            and chunk["offset"] <= chunk["raw"]
+            and chunk["raw"] + n * _ITEMSIZE[meta["dtype"]] <= chunk["offset"] + chunk["length"],
+            f"{cw}.raw",
+            "a byte position inside the chunk's byte range, with room for its elements",
+        )
+    raise _Invalid(f"{where}.chunks[{i}] must be a valid chunk")  # not reached: one check fails
+
+
 def _validate_tensor(name: str, meta: Any, files: Mapping[str, Any]) -> None:
     where = f"tensors[{name!r}]"
     _expect(isinstance(meta, dict), where, "an object")
@@ -357,53 +410,43 @@ def _validate_tensor(name: str, meta: Any, files: Mapping[str, Any]) -> None:
     _expect(isinstance(chunks, list), f"{where}.chunks", "a list")
     volume = 0
     boxes = []
+    dims = len(shape)
+    itemsize = _ITEMSIZE[meta["dtype"]]
     for i, chunk in enumerate(chunks):
-        cw = f"{where}.chunks[{i}]"
-        _expect(isinstance(chunk, dict), cw, "an object")
-        offsets, sizes = chunk.get("offsets"), chunk.get("sizes")
-        _expect(
-            _is_ints(offsets) and _is_ints(sizes) and len(offsets) == len(sizes) == len(shape),
-            cw,
-            f"offsets and sizes of {len(shape)} integers >= 0",
-        )
-        _expect(
-            all(o + s <= d for o, s, d in zip(offsets, sizes, shape, strict=True)),
-            cw,
-            f"inside the tensor's shape {shape}",
-        )
-        _expect(
-            isinstance(chunk.get("file"), str) and chunk["file"] in files,
-            f"{cw}.file",
-            "a file listed in 'files'",
-        )
-        _expect(
-            _is_int(chunk.get("offset"))
-            and chunk["offset"] >= 0
-            and _is_int(chunk.get("length"))
-            and chunk["length"] >= 0
-            and chunk["offset"] + chunk["length"] <= files[chunk["file"]]["size"],
-            cw,
-            "a byte range inside its file",
-        )
+        # One pass of plain comparisons per chunk (a manifest holds ranks x tensors of them);
+        # the first failure is explained by the detailed check below.
         n = 1
-        for s in sizes:
-            n *= s
-        # The chunk's bytes must hold its elements: no forged shape makes a load allocate more
-        # memory than the (hashed) files hold.
-        _expect(
-            n * _ITEMSIZE[meta["dtype"]] <= chunk["length"],
-            cw,
-            f"a byte range large enough for its {n} elements",
-        )
-        if "raw" in chunk:  # where the chunk's row-major bytes start (read without unzipping)
-            _expect(
-                _is_int(chunk["raw"])
-                and chunk["offset"] <= chunk["raw"]
-                and chunk["raw"] + n * _ITEMSIZE[meta["dtype"]]
-                <= chunk["offset"] + chunk["length"],
-                f"{cw}.raw",
-                "a byte position inside the chunk's byte range, with room for its elements",
+        try:
+            offsets, sizes = chunk["offsets"], chunk["sizes"]
+            offset, length, info = chunk["offset"], chunk["length"], files[chunk["file"]]
+            ok = (
+                type(offsets) is list
+                and type(sizes) is list
+                and len(offsets) == dims == len(sizes)
+                and type(offset) is int
+                and type(length) is int
+                and offset >= 0
+                and length >= 0
+                and offset + length <= info["size"]
+                and type(chunk["file"]) is str
             )
+            if ok:
+                for o, size, d in zip(offsets, sizes, shape, strict=True):
+                    if type(o) is not int or type(size) is not int or o < 0 or size < 0:
+                        ok = False
+                        break
+                    if o + size > d:
+                        ok = False
+                        break
+                    n *= size
+            ok = ok and n * itemsize <= length
+            if ok and "raw" in chunk:
+                raw = chunk["raw"]
+                ok = type(raw) is int and offset <= raw and raw + n * itemsize <= offset + length
+        except (TypeError, KeyError):
+            ok = False
+        if not ok:
+            _explain_chunk(where, i, chunk, shape, meta, files)
         volume += n
         boxes.append((offsets, sizes))
     total = 1
@@ -455,28 +498,29 @@ def _disjoint(shape: list[int], boxes: list[Box]) -> bool:
 def _grid_cells(shape: list[int], boxes: list[Box]) -> list[tuple[int, ...]] | None:
     """Each box's cell in the grid cut by every box's edges, if there are as many cells as boxes
     and each box is exactly one cell (then they tile iff the cells differ); else ``None``."""
-    cuts = [
-        sorted({0, n, *(o[k] for o, _ in boxes), *(o[k] + s[k] for o, s in boxes)})
-        for k, n in enumerate(shape)
+    starts = list(zip(*(o for o, _ in boxes), strict=True))  # per dimension, C-speed
+    ends = [
+        list(map(operator.add, a, b))
+        for a, b in zip(starts, zip(*(s for _, s in boxes), strict=True), strict=True)
     ]
     count = 1
-    for c in cuts:
-        count *= len(c) - 1
+    cuts = []
+    for k, n in enumerate(shape):
+        cut = sorted({0, n, *starts[k], *ends[k]})
+        count *= len(cut) - 1
         if count > len(boxes):
             return None
+        cuts.append(cut)
     if count != len(boxes):
         return None
-    where = [{v: i for i, v in enumerate(c)} for c in cuts]
     cells = []
-    for offsets, sizes in boxes:
-        cell = tuple(where[k][o] for k, o in enumerate(offsets))
-        if any(
-            where[k][o + s] != cell[k] + 1
-            for k, (o, s) in enumerate(zip(offsets, sizes, strict=True))
-        ):
-            return None
-        cells.append(cell)
-    return cells
+    for k, cut in enumerate(cuts):
+        where = {v: i for i, v in enumerate(cut)}
+        first = list(map(where.__getitem__, starts[k]))
+        if list(map(where.__getitem__, ends[k])) != [c + 1 for c in first]:
+            return None  # a box spans several cells: not one cell each
+        cells.append(first)
+    return list(zip(*cells, strict=True))
 
 
 def _sweep(boxes: list[Box]) -> bool:
