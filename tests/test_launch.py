@@ -216,3 +216,46 @@ def test_bad_checkpoint_settings_are_refused_before_spawning(tmp_path):
     assert run.returncode == 2, run.stderr[-2000:]
     assert "TORCHPLUG_CHECKPOINT_TIMEOUT='abc' is not a usable number" in run.stderr
     assert not marker.exists()
+
+
+ECHO_ARGS = textwrap.dedent(
+    """
+    import argparse, json, sys
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int)
+    parser.add_argument("--log")
+    parser.add_argument("--node")
+    parser.add_argument("--logger", action="append")
+    parser.add_argument("rest", nargs="*")
+    print("ARGS " + json.dumps(vars(parser.parse_args())))
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_scripts_own_arguments_are_never_parsed_by_the_launcher(tmp_path):
+    """Words after the script are the script's: no prefix matching ('--n' is not '--nnodes'),
+    torchrun's own flag names included, and no warning for a flag the script defines."""
+    script = tmp_path / "tiny.py"
+    script.write_text(ECHO_ARGS)
+    run = torchplug(
+        "launch", "-n", "1", str(script), "--n", "5", "--log", "x", "--node", "a",
+        "--logger", "csv", "--", "--nnodes", "3",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    seen = [line for line in run.stdout.splitlines() if line.startswith("ARGS ")]
+    assert seen == [
+        'ARGS {"n": 5, "log": "x", "node": "a", "logger": ["csv"], "rest": ["--nnodes", "3"]}'
+    ], run.stdout
+    assert "warning" not in run.stderr, run.stderr  # the script defines --logger itself
+
+
+def test_flags_without_a_script_are_one_line_with_the_usage(tmp_path):
+    run = torchplug("launch", "-n", "2", "--strategy", "ddp")
+    assert run.returncode == 2
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert lines == [
+        "torchplug launch: no training script given after the flags -n 2 --strategy ddp. Usage: "
+        "torchplug launch [-n N] [--strategy NAME] [--precision P] [torchrun flags] SCRIPT "
+        "[args] (torchplug launch --help lists every flag)."
+    ]

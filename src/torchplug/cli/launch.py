@@ -268,6 +268,28 @@ def check_script(args: Any) -> None:
         )
 
 
+def script_position(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int | None:
+    """The index of the training script in ``argv``: the first word that is neither a flag nor
+    a flag's value (``--`` ends the flags). ``None`` when there is none."""
+    takes_value = {
+        option: action.nargs != 0
+        for action in parser._actions  # argparse's documented way to list them has no API
+        for option in action.option_strings
+    }
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return i + 1 if i + 1 < len(argv) else None
+        if not word.startswith("-") or word == "-":
+            return i
+        flag = word.split("=", 1)[0]
+        if "=" not in word and takes_value.get(flag, False):
+            i += 1  # its value
+        i += 1
+    return None
+
+
 def warn_flags_after_script(args: Any) -> None:
     """A torchplug flag after the script reaches the script, not torchplug: say so loudly."""
     rest = list(args.training_script_args)
@@ -279,6 +301,8 @@ def warn_flags_after_script(args: Any) -> None:
         shown = f"{flag} {value}".strip() if flag != "--debug" else flag
         if getattr(args, flag.lstrip("-")):
             continue  # also given before the script: torchplug uses that one
+        if _script_mentions(args, flag):
+            continue  # the script has a flag of that name: it is the script's
         print(
             f"torchplug launch: warning: '{shown}' comes after the script "
             f"{args.training_script}, so it goes to the script, not to torchplug launch. If it "
@@ -286,6 +310,19 @@ def warn_flags_after_script(args: Any) -> None:
             f"{args.training_script} ...",
             file=sys.stderr,
         )
+
+
+def _script_mentions(args: Any, flag: str) -> bool:
+    """Whether the script's source names ``flag`` (its own argparse option, most likely)."""
+    path: str | None = args.training_script
+    if args.module:
+        spec = importlib.util.find_spec(args.training_script)
+        path = spec.origin if spec is not None else None
+    try:
+        text = Path(path).read_text(errors="replace") if path else ""
+    except OSError:
+        return False
+    return f'"{flag}"' in text or f"'{flag}'" in text
 
 
 def check_rendezvous(args: Any, argv: Sequence[str]) -> None:
@@ -427,10 +464,22 @@ def launch(argv: Sequence[str]) -> int:
         )
         return 2
     parser = launch_parser()
+    at = script_position(parser, argv)
+    if at is None and not {"-h", "--help"} & set(argv):
+        print(
+            f"torchplug launch: no training script given after the flags {' '.join(argv)}. "
+            f"Usage: {USAGE} (torchplug launch --help lists every flag).",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        args = parser.parse_args(argv)
+        # Only what comes before the script is torchplug's and torchrun's: the script's own
+        # arguments are never parsed here (no prefix matching of '--n' against '--nnodes').
+        args = parser.parse_args(argv if at is None else argv[: at + 1])
     except SystemExit as exc:  # argparse already printed its message (or the help)
         return int(exc.code or 0)
+    if at is not None:
+        args.training_script_args = argv[at + 1 :]
     try:
         from torchplug.core import cluster
 
