@@ -184,3 +184,36 @@ def test_a_real_os_error_on_rank_zero_reaches_every_rank(ranks, tmp_path):
         assert "failed on rank 0" in result["message"]
         assert "EEXIST" in result["message"] or "ENOTDIR" in result["message"]
         assert result["elapsed"] < 60  # 30x below the 1800 s timeouts it would wait for
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs: a real full disk (needs root and mount rights; skipped, saying so,
+    where the machine gives neither)."""
+    import subprocess
+
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()[:200]}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_full_disk_is_named_enospc_not_a_torch_internal_error(small_disk):
+    with tp.Engine("single") as engine:
+        engine.save(small_disk / "ckpt", {"step": 1})
+        model = engine.setup(torch.nn.Linear(512, 512))  # 1 MB: four times the disk
+        with pytest.raises(tp.CheckpointError) as error:
+            engine.save(small_disk / "ckpt", {"step": 2, "model": model})
+        message = str(error.value)
+        assert "ENOSPC: No space left on device" in message, message
+        assert "MB free of 0.3 MB" in message and "save again" in message
+        assert engine.load(small_disk / "ckpt", {"step": 0}) == {"step": 1}  # the last one kept
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt"]  # nothing left behind

@@ -36,6 +36,37 @@ def describe_os_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def os_error_behind(directory: Path) -> OSError | None:
+    """The OS error a failed write was really about, found by writing and fsyncing 64 KiB in
+    ``directory`` again: libraries report a full disk or a read-only file system in their own
+    words (torch's ``[enforce fail at inline_container.cc] unexpected pos``). ``None`` when the
+    probe succeeds (the failure was something else)."""
+    probe = directory / f".torchplug-probe-{os.getpid()}"
+    try:
+        with probe.open("wb") as handle:
+            handle.write(bytes(65536))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        return OSError(exc.errno, exc.strerror, str(directory))
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
+
+
+def free_space(directory: Path) -> str:
+    """'N MB free of M MB' for the file system holding ``directory`` (or '' if unknown)."""
+    try:
+        info = os.statvfs(directory)
+    except OSError:
+        return ""
+    return (
+        f"{info.f_bavail * info.f_frsize / 1e6:.1f} MB free of "
+        f"{info.f_blocks * info.f_frsize / 1e6:.1f} MB"
+    )
+
+
 def fsync(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

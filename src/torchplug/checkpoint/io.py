@@ -174,9 +174,14 @@ def save(
         owners = store.assign([t["sizes"] for t in taken], [set(t["spread"]) for t in taken])
 
         def write() -> dict[str, Any]:
-            index, digests = store.write(
-                tmp, store.owned(tensors, engine.rank, owners), engine.rank
-            )
+            try:
+                index, digests = store.write(
+                    tmp, store.owned(tensors, engine.rank, owners), engine.rank
+                )
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                raise _named_os_error(exc, tmp) from exc
             mine = tmp / mf.TENSORS / f"rank-{engine.rank}"
             described = _describe(tmp, mine, digests=digests) if mine.is_dir() else {}
             return {"index": index, "files": described}
@@ -212,6 +217,23 @@ def save(
         raise
     if old_name is not None:
         _remove_previous(engine, co, final.parent / old_name, final)
+
+
+def _named_os_error(exc: BaseException, directory: Path) -> BaseException:
+    """A write that failed in a library's words, as the OS error behind it (ENOSPC, EDQUOT,
+    EROFS, EIO) with the path and the free space; anything else unchanged."""
+    from torchplug.checkpoint.coordinate import error_text
+
+    found = fs.os_error_behind(directory)
+    if found is None:
+        return exc
+    space = fs.free_space(directory)
+    return CheckpointError(
+        f"{fs.describe_os_error(found)} while writing tensors"
+        + (f" ({space})" if space else "")
+        + f"; the writer reported: {error_text(exc)[:200]}. Free space (or fix the file system) "
+        f"and save again."
+    )
 
 
 def _remove_previous(engine: Engine, co: Coordinator, old: Path, final: Path) -> None:
