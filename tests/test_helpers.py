@@ -196,6 +196,73 @@ def test_tensorboard_logger_writes_events(tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_tensorboard_logger_writes_hyperparameters_to_the_hparams_tab(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    with tp.Engine("single", loggers="tensorboard", log_dir=tmp_path) as engine:
+        engine.log_hyperparams({"lr": 0.5, "optim": {"name": "sgd"}, "layers": [2, 3]})
+    found = {}
+    for events in (tmp_path / "tensorboard").glob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        try:
+            contents = accumulator.PluginTagToContent("hparams").values()
+        except KeyError:
+            continue  # the scalars' file
+        for content in contents:
+            data = plugin_data_pb2.HParamsPluginData.FromString(content)
+            if data.HasField("session_start_info"):
+                found = {
+                    k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind"))
+                    for k, v in data.session_start_info.hparams.items()
+                }
+    assert found == {"lr": 0.5, "optim.name": "sgd", "layers": "[2, 3]"}
+
+
+@pytest.mark.slow
+def test_trainer_logs_its_hparams_once_on_rank_zero(ranks, tmp_path):
+    results = ranks.run(_train_with_hparams, str(tmp_path))
+    assert results == [None, None]
+    assert json.loads((tmp_path / "hparams.json").read_text()) == {
+        "lr": 0.1, "model.width": 8, "note": "baseline"
+    }  # fmt: skip
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x for x in lines if "hparams" in x] == [
+        {"hparams": {"lr": 0.1, "model.width": 8, "note": "baseline"}}
+    ]
+    assert not list(tmp_path.glob("rank-*"))  # rank 1 wrote nothing
+
+
+def _train_with_hparams(log_dir: str) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    model = torch.nn.Linear(4, 1)
+    trainer = tp.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.functional.mse_loss,
+        DataLoader(data, batch_size=4),
+        strategy="ddp",
+        loggers=["csv", "jsonl"],
+        log_dir=log_dir,
+        hparams={"lr": 0.1, "model": {"width": 8}, "note": "baseline"},
+        progress=False,
+    )
+    trainer.fit()
+    trainer.close()
+
+
+def test_log_hyperparams_wants_a_dict(tmp_path):
+    with (
+        tp.Engine("single", loggers=["jsonl"], log_dir=tmp_path) as engine,
+        pytest.raises(tp.ConfigurationError, match="expects a dict of names to values"),
+    ):
+        engine.log_hyperparams(["lr", 0.1])
+
+
 def test_metric_values_must_be_numbers(tmp_path):
     with (
         tp.Engine("single", loggers=["jsonl"], log_dir=tmp_path) as engine,

@@ -65,6 +65,19 @@ def _checked_seed(seed: Any) -> int:
 RESERVED_PREFIX = "torchplug."
 
 
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1}}`` as ``{"optim.lr": 1}``: what MLflow and TensorBoard's hparams
+    take (flat names to plain values)."""
+    flat: dict[str, Any] = {}
+    for name, value in params.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_params(value, f"{key}."))
+        else:
+            flat[key] = value
+    return flat
+
+
 class Engine:
     """Runs a plain PyTorch training loop on the backend chosen by name.
 
@@ -882,6 +895,18 @@ class Engine:
                 f"engine.log({{'loss': 0.5}}, step=10), got {type(metrics).__name__}."
             )
         self.loggers.log(self.rank, metrics, step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Record the run's hyperparameters with every logger (rank 0's, and loggers that log
+        on every rank): csv/jsonl write them beside the metrics, TensorBoard in its hparams
+        tab, MLflow as the run's params. Nested mappings are flattened to ``"a.b"`` keys."""
+        if not isinstance(params, Mapping):
+            raise ConfigurationError(
+                f"engine.log_hyperparams expects a dict of names to values, e.g. "
+                f"engine.log_hyperparams({{'lr': 3e-4, 'batch_size': 32}}), got "
+                f"{type(params).__name__}."
+            )
+        self.loggers.log_hyperparams(self.rank, flatten_params(params))
 
     @property
     def preempted(self) -> bool:

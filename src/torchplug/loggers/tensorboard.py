@@ -26,7 +26,14 @@ class TensorBoardLogger(Logger):
         self._writer.flush()
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self._writer.add_text("hparams", "\n".join(f"{k}: {v}" for k, v in params.items()))
+        """In TensorBoard's HPARAMS tab (values other than numbers, strings and booleans as
+        their text), and as a text summary."""
+        plain = {
+            k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in params.items()
+        }
+        self._writer.add_hparams(plain, {}, run_name=".")
+        self._writer.add_text("hparams", "\n".join(f"{k}: {v}" for k, v in plain.items()))
+        self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()

@@ -56,8 +56,9 @@ class Trainer:
     ``checkpoint_every`` steps and at the end, and ``resume="latest"`` continues from the newest
     one: running the same command again after a crash carries on from its last checkpoint.
     ``callbacks`` are objects with ``@torchplug.hookimpl`` functions named as in
-    :mod:`torchplug.trainer.hooks`. Further keyword arguments go to the :class:`Engine` (or
-    pass ``engine=`` one you made).
+    :mod:`torchplug.trainer.hooks`. ``hparams`` (a dict) is logged once with every logger when
+    ``fit()`` starts (:meth:`Engine.log_hyperparams`). Further keyword arguments go to the
+    :class:`Engine` (or pass ``engine=`` one you made).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class Trainer:
         metrics: Mapping[str, Metric] | None = None,
         callbacks: Iterable[object] = (),
         progress: bool | None = None,
+        hparams: Mapping[str, Any] | None = None,
         engine: Engine | None = None,
         **engine_options: Any,
     ) -> None:
@@ -135,6 +137,7 @@ class Trainer:
         for callback in callbacks:
             self.callbacks.register(callback)
         self.hook = self.callbacks.hook
+        self.hparams = dict(hparams or {})
         self._warn_accelerate_schedule()
 
     # -- overridable steps ------------------------------------------------------------------------
@@ -182,6 +185,8 @@ class Trainer:
         self.step = int(state["step"])
         if resumed is not None:
             engine.print(f"resumed from step {resumed}")
+        if self.hparams:
+            engine.log_hyperparams(self.hparams)
         self.hook.on_train_start(trainer=self)
         result: dict[str, Any] = {}
         stop = self._done()
