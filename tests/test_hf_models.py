@@ -124,3 +124,45 @@ def test_gpt2_checkpoint_moves_from_fsdp_to_single_continues_and_converts(ranks,
     state = loaded.state_dict()
     for name, value in second["params"].items():
         assert torch.equal(state[name], value), name
+
+
+def test_a_sharded_export_loads_with_from_pretrained(tmp_path):
+    """``convert --max-shard-size``: shards and an index as save_pretrained writes them; a
+    transformers model loads them, tie kept, every tensor equal."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import GPT2LMHeadModel
+
+    ckpt = str(tmp_path / "ckpt")
+    trained = hf_models.train("single", {}, hf_models.gpt2, 1, ckpt)
+    out = tmp_path / "hf"
+    run = subprocess.run(
+        [sys.executable, "-m", "torchplug", "convert", ckpt, str(out), "--max-shard-size", "20KB"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    from safetensors import safe_open
+
+    for shard in shards:  # none above the limit unless one tensor alone is
+        with safe_open(str(out / shard), "pt") as f:
+            tensors = [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118 - safe_open's API
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        assert sum(sizes) <= 20_000 or len(sizes) == 1, (shard, sizes)
+    hf_models.gpt2().config.save_pretrained(out)
+    loaded = GPT2LMHeadModel.from_pretrained(out)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    state = loaded.state_dict()
+    for name, value in trained["params"].items():
+        assert torch.equal(state[name], value), name
+    again = subprocess.run(
+        [sys.executable, "-m", "torchplug", "convert", ckpt, str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 2 and "from an earlier export in the other layout" in again.stderr

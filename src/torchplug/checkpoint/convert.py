@@ -60,15 +60,92 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def write_safetensors(state: dict[str, torch.Tensor], out: Path, source: Path, entry: str) -> Path:
-    """``out/model.safetensors`` from a flat state dict."""
+#: Hugging Face's names for an export: one file, or shards with an index beside them.
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(value: str | int) -> int:
+    """``"2GB"`` (decimal, as Hugging Face counts), ``"500MiB"`` or a number of bytes."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", str(value), re.IGNORECASE)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise CheckpointError(
+            f"--max-shard-size {value!r} is not a size; expected a number of bytes or a number "
+            f"with a unit (KB, MB, GB, or KiB, MiB, GiB), e.g. --max-shard-size 2GB."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def write_safetensors(
+    state: dict[str, torch.Tensor],
+    out: Path,
+    source: Path,
+    entry: str,
+    max_shard_size: int | None = None,
+) -> list[Path]:
+    """``out/model.safetensors`` from a flat state dict; with ``max_shard_size`` (bytes) and a
+    state larger than that, ``model-0000K-of-0000N.safetensors`` shards (tensors in order, a
+    shard never above the size unless one tensor is) and ``model.safetensors.index.json`` (its
+    ``weight_map`` names each tensor's shard), as ``save_pretrained`` writes them."""
     st = _safetensors()
     out.mkdir(parents=True, exist_ok=True)
-    target = out / "model.safetensors"
     flat = {name: tensor.contiguous() for name, tensor in state.items()}
-    st.save_file(flat, str(target), metadata={"torchplug_source": str(source), "entry": entry})
-    _honour_umask(target)
-    return target
+    sizes = {name: t.numel() * t.element_size() for name, t in flat.items()}
+    total = sum(sizes.values())
+    metadata = {"torchplug_source": str(source), "entry": entry, "format": "pt"}
+    sharded = max_shard_size is not None and total > max_shard_size
+    stale = [
+        p.name
+        for p in (
+            [out / SINGLE_FILE]
+            if sharded
+            else [out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]
+        )
+        if p.exists()
+    ]
+    if stale:
+        raise CheckpointError(
+            f"{out} holds {', '.join(sorted(stale))} from an earlier export in the other layout "
+            f"({'single file' if sharded else 'shards'}); from_pretrained would read the wrong "
+            f"one. Remove them or convert into an empty directory."
+        )
+    if not sharded:
+        target = out / SINGLE_FILE
+        st.save_file(flat, str(target), metadata=metadata)
+        _honour_umask(target)
+        return [target]
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name in flat:
+        if shards[-1] and filled + sizes[name] > max_shard_size:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += sizes[name]
+    written, weight_map = [], {}
+    for k, names in enumerate(shards, start=1):
+        target = out / f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        st.save_file({n: flat[n] for n in names}, str(target), metadata=metadata)
+        _honour_umask(target)
+        written.append(target)
+        weight_map.update({n: target.name for n in names})
+    index = out / INDEX_FILE
+    index.write_text(
+        json.dumps(
+            {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map},
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"  # fmt: skip
+    )
+    return [*written, index]
 
 
 def _umask() -> int:
@@ -176,6 +253,7 @@ def convert(
     to: str = "safetensors",
     trust_pickles: bool = False,
     source_format: str | None = None,
+    max_shard_size: str | int | None = None,
 ) -> list[Path]:
     """Write ``destination/model.safetensors`` (and ``optimizer.safetensors``), or with
     ``to="checkpoint"`` a portable torchplug checkpoint at ``destination``; return the paths.
@@ -189,6 +267,12 @@ def convert(
     """
     if to not in FORMATS:
         raise CheckpointError(f"Unknown output format {to!r}; use one of {', '.join(FORMATS)}.")
+    if max_shard_size is not None:
+        if to != "safetensors":
+            raise CheckpointError(
+                "--max-shard-size splits a safetensors export; drop it with --to checkpoint."
+            )
+        max_shard_size = parse_size(max_shard_size)
     root = Path(source)
     if root.is_file():
         raise _not_a_checkpoint(root)
@@ -218,7 +302,9 @@ def convert(
         if foreign is not None:
             if to == "checkpoint":
                 return [write_checkpoint(foreign, Path(destination), root)]
-            written = [write_safetensors(foreign["model"], Path(destination), root, "model")]
+            written = write_safetensors(
+                foreign["model"], Path(destination), root, "model", max_shard_size
+            )
             if optimizer:
                 if not foreign.get("optimizer"):
                     raise CheckpointError(f"{root} holds no optimizer state; drop --optimizer.")
@@ -259,7 +345,7 @@ def convert(
     written = []
 
     model_state = decode(entries[module_key]["data"], tensors)
-    written.append(write_safetensors(model_state, out, root, module_key))
+    written.extend(write_safetensors(model_state, out, root, module_key, max_shard_size))
 
     if optimizer:
         opt_key = next(k for k in wanted if k != module_key)

@@ -96,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
         "DeepSpeed checkpoint: model, optimizer state and step, loadable by every strategy)",
     )
     p.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="split the safetensors export into shards of at most SIZE (e.g. 2GB, 500MiB) with "
+        "model.safetensors.index.json, as save_pretrained does (default: one file)",
+    )
+    p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -20,6 +20,7 @@ def convert(args: Any) -> int:
             to=args.to,
             trust_pickles=args.trust_pickles,
             source_format=args.source_format,
+            max_shard_size=args.max_shard_size,
         )
     except TorchplugError as exc:
         print(f"torchplug convert: {exc}", file=sys.stderr)
