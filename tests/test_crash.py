@@ -19,6 +19,7 @@ SAVER = textwrap.dedent(
     from torchplug.checkpoint import files as fs
 
     path, step, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    background = sys.argv[4] == "async"  # the write, fsyncs and swap on the save's own thread
     # The saver kills itself from inside its own save, at a chosen point: the kill_at-th fsync
     # of a file the save wrote (1, 2, ...), or just before the new checkpoint is swapped into
     # place (0). A deterministic stand-in for a SIGKILL "at a random moment".
@@ -51,15 +52,17 @@ SAVER = textwrap.dedent(
             with torch.no_grad():
                 for p in model.parameters():
                     p.fill_(float(step))
-            engine.save(path, {"model": model, "optimizer": optimizer, "step": step})
+            state = {"model": model, "optimizer": optimizer, "step": step}
+            engine.save(path, state, async_=background)
+            engine.wait_for_save()
             print(step, before_swap, flush=True)
     """
 )
 
 
-def run_saver(script, path, last_good: int, kill_at: int) -> list[str]:
+def run_saver(script, path, last_good: int, kill_at: int, mode: str) -> list[str]:
     proc = subprocess.run(
-        [sys.executable, str(script), str(path), str(last_good), str(kill_at)],
+        [sys.executable, str(script), str(path), str(last_good), str(kill_at), mode],
         capture_output=True,
         text=True,
         timeout=120,
@@ -71,17 +74,18 @@ def run_saver(script, path, last_good: int, kill_at: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sigkill_inside_a_save_always_leaves_the_previous_checkpoint_loadable(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_inside_a_save_always_leaves_the_previous_checkpoint_loadable(tmp_path, mode):
     script = tmp_path / "saver.py"
     script.write_text(SAVER)
     path = tmp_path / "ckpt"
     last_good = 0
-    _, fsyncs = run_saver(script, path, last_good, 0)  # fsyncs of one save before its swap
+    _, fsyncs = run_saver(script, path, last_good, 0, mode)  # fsyncs of one save before its swap
     last_good = 1
     kill_points = sorted({0, 1, int(fsyncs) // 2, int(fsyncs)})
     assert int(fsyncs) >= 2, "a save fsyncs each file it writes"
     for kill_at in kill_points:
-        first, _ = run_saver(script, path, last_good, kill_at)
+        first, _ = run_saver(script, path, last_good, kill_at, mode)
         assert int(first) == last_good + 1  # the first save of this process completed
         # killed inside the second save: its temporary directory is there, unfinished
         assert any(p.name.startswith(".ckpt.tmp-") for p in tmp_path.iterdir()), kill_at

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchplug.checkpoint import background, verify
 from torchplug.checkpoint import files as fs
 from torchplug.checkpoint import manifest as mf
 from torchplug.checkpoint import tensors as store
-from torchplug.checkpoint import verify
 from torchplug.checkpoint.coordinate import ARRIVING, Coordinator
 from torchplug.core.errors import CheckpointError
 
@@ -172,23 +172,32 @@ def save(
 
         taken = co.run("capturing state", take, share=True)
         owners = store.assign([t["sizes"] for t in taken], [set(t["spread"]) for t in taken])
+        mine = store.owned(tensors, engine.rank, owners)
+        pending = background.taker() if native is None else None  # native: written already
+        if pending is not None:
+            mine = co.run("staging state in memory", lambda: background.stage(mine))
 
         def write() -> dict[str, Any]:
             try:
-                index, digests = store.write(
-                    tmp, store.owned(tensors, engine.rank, owners), engine.rank
-                )
+                index, digests = store.write(tmp, mine, engine.rank)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
                 raise _named_os_error(exc, tmp) from exc
-            mine = tmp / mf.TENSORS / f"rank-{engine.rank}"
-            described = _describe(tmp, mine, digests=digests) if mine.is_dir() else {}
+            here = tmp / mf.TENSORS / f"rank-{engine.rank}"
+            described = _describe(tmp, here, digests=digests) if here.is_dir() else {}
             return {"index": index, "files": described}
 
-        written = co.run("writing tensors", write, share=True)
+        # what the manifest records about the run, taken now (an async commit comes later)
+        recorded = {**engine.checkpoint_header(state), **(header or {}), "metadata": metadata}
 
-        def commit() -> str | None:
+        def finish() -> None:
+            written = co.run("writing tensors", write, share=True)
+            old_name = co.run("committing", lambda: commit(written), share=True)[0]
+            if old_name is not None:
+                _remove_previous(engine, co, final.parent / old_name, final)
+
+        def commit(written: list[dict[str, Any]]) -> str | None:
             if not engine.is_main:
                 return None
             described: dict[str, Any] = {}
@@ -196,11 +205,7 @@ def save(
                 described.update(part["files"])
             described.update(_describe(tmp, tmp, skip=described))
             body = mf.build(
-                {
-                    **engine.checkpoint_header(state),
-                    **(header or {}),
-                    "metadata": metadata,
-                },
+                recorded,
                 entries,
                 store.merge([part["index"] for part in written]),
                 described,
@@ -210,13 +215,23 @@ def save(
             old = fs.swap_into_place(tmp, final, remove_old=False)
             return old.name if old is not None else None
 
-        old_name = co.run("committing", commit, share=True)[0]
+        if pending is None:
+            finish()
+            return
+
+        def finish_or_clean() -> None:
+            try:
+                finish()
+            except BaseException:
+                if engine.is_main and tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+
+        pending.start(finish_or_clean)
     except BaseException:
         if engine.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if old_name is not None:
-        _remove_previous(engine, co, final.parent / old_name, final)
 
 
 def _named_os_error(exc: BaseException, directory: Path) -> BaseException:

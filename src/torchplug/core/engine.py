@@ -225,6 +225,7 @@ class Engine:
         )
         self._undo: list[Callable[[], None]] = []
         self._preemption: Any = None
+        self._pending_save: Any = None  # an asynchronous save in flight (checkpoint.background)
         self._check_contract()
 
         try:
@@ -1019,6 +1020,8 @@ class Engine:
         path: str | os.PathLike[str],
         state: dict[str, Any],
         metadata: dict[str, Any] | None = None,
+        *,
+        async_: bool = False,
     ) -> None:
         """Write ``state`` (modules, optimizers, tensors, JSON values) as a checkpoint at ``path``.
 
@@ -1026,7 +1029,14 @@ class Engine:
         is complete. ``metadata`` (JSON values) is recorded in the manifest for your own use.
         A failure on any rank raises a CheckpointError on every rank naming the rank and the
         error; a save that some ranks never call fails after ``checkpoint_timeout`` seconds.
+
+        With ``async_=True`` it returns once the state is copied (staged) in memory; writing,
+        hashing, fsync and the commit go on in a background thread while training continues.
+        The next save, load or resume and :meth:`close` wait for it (:meth:`wait_for_save`
+        does so explicitly), and raise its failure, on every rank. A backend that writes its
+        own format (DeepSpeed's ``native_checkpoint``) saves synchronously.
         """
+        self.wait_for_save()
         if not isinstance(state, dict):
             raise TypeError(
                 f"engine.save expects a dict of what to save, e.g. {{'model': model, "
@@ -1047,11 +1057,32 @@ class Engine:
                 f"them."
             )
         state = {**state, **self._plugin_state()}
-        with self.native_state_dicts():
+        from torchplug.checkpoint import background
+
+        pending = background.PendingSave(str(path)) if async_ else None
+        handoff = background.handing_off(pending) if pending else contextlib.nullcontext()
+        with self.native_state_dicts(), handoff:
             done = self.hook.torchplug_save(
                 engine=self, path=str(Path(path)), state=state, metadata=metadata
             )
+        self._pending_save = pending
         self._answer("torchplug_save", done, bool, "True")
+
+    def wait_for_save(self) -> None:
+        """Wait until an asynchronous save (``save(..., async_=True)``) has committed; raise its
+        failure as a CheckpointError (on every rank). Nothing to do without one in flight."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.wait()
+
+    def after_save(self, step: Callable[[], None]) -> None:
+        """Run ``step`` once the last save has committed: now for a synchronous one, in the
+        background after the commit for an asynchronous one (used for checkpoint rotation)."""
+        pending = self._pending_save
+        if pending is None:
+            step()
+        else:
+            pending.then(step)
 
     def _plugin_state(self) -> dict[str, Any]:
         """What the active set's plugins keep in every checkpoint (``torchplug_checkpoint_state``),
@@ -1087,6 +1118,7 @@ class Engine:
         state into a dict, another backend's optimizer format) is an error unless
         ``strict=False``, which also loads the common part of a module whose keys differ.
         """
+        self.wait_for_save()
         if state is not None and not isinstance(state, dict):
             raise TypeError(
                 f"engine.load expects a dict of the objects to restore, e.g. {{'model': model, "
@@ -1109,16 +1141,19 @@ class Engine:
 
     # -- fault tolerance --------------------------------------------------------------------------
 
-    def save_checkpoint(self, state: dict[str, Any], step: int | None = None) -> Path:
+    def save_checkpoint(
+        self, state: dict[str, Any], step: int | None = None, *, async_: bool = False
+    ) -> Path:
         """Save ``state`` and every rank's RNG state as ``checkpoint_dir/step-N``.
 
         ``N`` is ``step`` or ``state["step"]``. With ``keep_last`` the oldest numbered
         checkpoints beyond that count are deleted, never the newest complete one. Put the
-        loader from :meth:`setup_dataloader` in ``state`` to resume mid-epoch.
+        loader from :meth:`setup_dataloader` in ``state`` to resume mid-epoch. ``async_=True``
+        returns once the state is staged in memory (see :meth:`save`).
         """
         from torchplug.core import resume
 
-        return resume.save_checkpoint(self, state, step)
+        return resume.save_checkpoint(self, state, step, async_)
 
     def resume(self, state: dict[str, Any]) -> int | None:
         """With ``resume="latest"``: load the newest complete checkpoint in ``checkpoint_dir``
@@ -1137,12 +1172,30 @@ class Engine:
         """Release the backend (process group and the like). Called by ``with Engine(...)``."""
         if not self._closed:
             self._closed = True
+            failed_save = None
             try:
+                failed_save = self._finish_saving()
                 self.loggers.close()
                 self.hook.torchplug_teardown(engine=self)
             finally:
                 while self._undo:  # what setup patched on user objects, newest first
                     self._undo.pop()()
+            if failed_save is not None:
+                raise failed_save
+
+    def _finish_saving(self) -> CheckpointError | None:
+        """At close: an asynchronous save in flight is finished first. Its failure is returned
+        (raised once the Engine is released), unless the Engine is closing because of another
+        error (then it is a warning)."""
+        try:
+            self.wait_for_save()
+        except CheckpointError as exc:
+            if not self.failing:
+                return exc
+            import warnings
+
+            warnings.warn(str(exc), stacklevel=3)
+        return None
 
     def __enter__(self) -> Engine:
         return self

@@ -176,8 +176,11 @@ def _step_mismatch(step: int, path: Path, key: bytes | None) -> str | None:
     return None
 
 
-def save_checkpoint(engine: Engine, state: dict[str, Any], step: int | None = None) -> Path:
-    """Write ``state`` (plus every rank's RNG) to ``checkpoint_dir/step-N``; rotate old ones."""
+def save_checkpoint(
+    engine: Engine, state: dict[str, Any], step: int | None = None, async_: bool = False
+) -> Path:
+    """Write ``state`` (plus every rank's RNG) to ``checkpoint_dir/step-N``; rotate old ones
+    (after the commit: in the background for an asynchronous save)."""
     policy = engine.checkpoints
     if policy.directory is None:
         raise ConfigurationError(
@@ -193,9 +196,20 @@ def save_checkpoint(engine: Engine, state: dict[str, Any], step: int | None = No
     path = policy.directory / f"step-{n}"
     if engine.is_main:
         policy.directory.mkdir(parents=True, exist_ok=True)
+    engine.wait_for_save()
     engine.barrier()
-    engine.save(path, {**state, RNG_KEY: RNGState(engine)}, metadata={"step": n})
-    if engine.is_main and policy.keep_last is not None:
+    engine.save(path, {**state, RNG_KEY: RNGState(engine)}, metadata={"step": n}, async_=async_)
+    if engine.is_main:
+        engine.after_save(lambda: _rotate(policy, path, n))
+    return path
+
+
+def _rotate(policy: CheckpointPolicy, path: Path, n: int) -> None:
+    """Rank 0, once ``path`` (step ``n``) has committed: delete what ``keep_last`` drops."""
+    from torchplug.core.preemption import note_checkpoint
+
+    assert policy.directory is not None
+    if policy.keep_last is not None:
         kept = complete(policy.directory)
         newest = kept[0][1] if kept else path
         for _, old in kept[policy.keep_last :]:
@@ -203,11 +217,7 @@ def save_checkpoint(engine: Engine, state: dict[str, Any], step: int | None = No
                 remove(old)
         for leftover in policy.directory.glob(f"{REMOVING}*"):  # a crash mid-removal
             shutil.rmtree(leftover, ignore_errors=True)
-    if engine.is_main:
-        from torchplug.core.preemption import note_checkpoint
-
-        note_checkpoint(path, n)
-    return path
+    note_checkpoint(path, n)
 
 
 #: Prefix of a checkpoint being removed: renamed out of the ``step-N`` namespace first.

@@ -1,0 +1,140 @@
+"""``engine.save(..., async_=True)``: the state as it was at the call, written while training
+goes on; failures raised at the next checkpoint call on every rank; rotation after the commit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchplug as tp
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
+
+
+def _step(engine: tp.Engine, model: Any, optimizer: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed * 10 + engine.rank)
+    loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+    engine.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def save_async_and_train_on(strategy: str, path: str) -> dict[str, Any]:
+    """Save at step 2 asynchronously, train 3 more steps while it writes, then load it back:
+    what was loaded is step 2's state, bit for bit."""
+    with tp.Engine(strategy) as engine:
+        model = _model()
+        model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters()))
+        for seed in range(2):
+            _step(engine, model, optimizer, seed)
+        at_save = engine.full_state(model, optimizer)
+        engine.save(path, {"model": model, "optimizer": optimizer, "step": 2}, async_=True)
+        for seed in range(2, 5):  # training changes the parameters in place meanwhile
+            _step(engine, model, optimizer, seed)
+        moved = engine.full_state(model)["model"]
+        engine.wait_for_save()
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        engine.load(path, state)
+        loaded = engine.full_state(model, optimizer)
+        return {"at_save": at_save, "loaded": loaded, "moved": moved, "step": state["step"]}
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    differ = []
+    for key, value in a.items():
+        if isinstance(value, dict):
+            differ += [f"{key}.{d}" for d in _same(value, b[key])]
+        elif isinstance(value, torch.Tensor) and not torch.equal(value, b[key]):
+            differ.append(key)
+    return differ
+
+
+def test_an_async_save_holds_the_state_of_the_call_in_one_process(tmp_path):
+    result = save_async_and_train_on("single", str(tmp_path / "ckpt"))
+    assert result["step"] == 2
+    assert _same(result["at_save"], result["loaded"]) == []
+    assert _same(result["at_save"]["model"], result["moved"])  # training did go on
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_async_save_holds_the_state_of_the_call_on_two_ranks(ranks, tmp_path, strategy):
+    for result in ranks.run(save_async_and_train_on, strategy, str(tmp_path / strategy)):
+        assert result["step"] == 2
+        assert _same(result["at_save"], result["loaded"]) == []
+
+
+def fail_on_rank_one(path: str) -> list[str]:
+    """Rank 1's write fails in the background: every rank hears of it at its next call."""
+    from torchplug.checkpoint import tensors
+
+    real = tensors.write
+
+    def broken(root, mine, rank):
+        if rank == 1:
+            raise OSError(5, "Input/output error", str(root))
+        return real(root, mine, rank)
+
+    tensors.write = broken
+    messages = []
+    try:
+        with tp.Engine("ddp") as engine:
+            model = engine.setup(_model())
+            engine.save(path, {"model": model}, async_=True)  # returns: the error comes later
+            try:
+                engine.save(path, {"model": model})
+            except tp.CheckpointError as exc:
+                messages.append(str(exc))
+            tensors.write = real
+            engine.save(path, {"model": model, "step": 7})  # a later save works again
+            messages.append(str(engine.load(path, {"model": model, "step": 0})))
+    finally:
+        tensors.write = real
+    return messages
+
+
+def test_a_background_failure_is_raised_at_the_next_call_on_every_rank(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    for messages in ranks.run(fail_on_rank_one, path):
+        assert len(messages) == 2, messages
+        assert "The asynchronous save of" in messages[0] and "failed on rank 1" in messages[0]
+        assert "EIO: Input/output error" in messages[0]
+        assert messages[1] == "{'step': 7}"
+    assert not [p for p in Path(tmp_path).iterdir() if p.name.startswith(".")]  # no temp left
+
+
+def test_close_waits_for_the_save_and_rotation_follows_the_commit(tmp_path):
+    with tp.Engine("single", checkpoint_dir=tmp_path / "ckpt", keep_last=2) as engine:
+        model = _model()
+        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in range(1, 5):
+            _step(engine, model, optimizer, step)
+            engine.save_checkpoint({"model": model, "step": step}, async_=True)
+    kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert kept == ["step-3", "step-4"]  # the last save committed at close, then rotated
+    with tp.Engine("single", checkpoint_dir=tmp_path / "ckpt", resume="latest") as engine:
+        state = {"model": engine.setup(_model()), "step": 0}
+        assert engine.resume(state) == 4
+
+
+def test_a_failure_at_close_is_raised_after_the_engine_is_released(tmp_path, monkeypatch):
+    from torchplug.checkpoint import tensors
+
+    def broken(root, mine, rank):
+        raise OSError(28, "No space left on device", str(root))
+
+    engine = tp.Engine("single")
+    model = engine.setup(_model())
+    monkeypatch.setattr(tensors, "write", broken)
+    engine.save(tmp_path / "ckpt", {"model": model}, async_=True)
+    with pytest.raises(tp.CheckpointError, match="ENOSPC"):
+        engine.close()
+    assert engine._closed and not (tmp_path / "ckpt").exists()
+    assert not list(tmp_path.iterdir())  # the temporary directory is gone too
