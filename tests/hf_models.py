@@ -136,3 +136,62 @@ def built_empty(strategy: str, options: dict[str, Any], make: Any = llama) -> di
         assert all(p.is_meta for p in model.parameters())
         model = engine.setup(model)
         return {k: v.clone() for k, v in engine.full_state(model)["model"].items()}
+
+
+def load_pretrained_under(strategy: str, options: dict[str, Any], path: str) -> dict:
+    """An empty-built llama (another seed), set up under ``strategy``, loaded from ``path``:
+    its full state, and how many elements this rank read from the files."""
+    import safetensors
+
+    import torchplug as tp
+
+    read = [0]
+    real = safetensors.safe_open
+
+    class Counting:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._inner = real(*args, **kwargs)
+
+        def __enter__(self) -> Any:
+            inner = self._inner.__enter__()
+
+            class Handle:
+                def get_slice(self, name: str) -> Any:
+                    stored = inner.get_slice(name)
+
+                    class Slice:
+                        def get_shape(self) -> Any:
+                            return stored.get_shape()
+
+                        def __getitem__(self, block: Any) -> torch.Tensor:
+                            out = stored[block]
+                            read[0] += out.numel()
+                            return out
+
+                    return Slice()
+
+                def get_tensor(self, name: str) -> torch.Tensor:
+                    out = inner.get_tensor(name)
+                    read[0] += out.numel()
+                    return out
+
+                def keys(self) -> Any:
+                    return inner.keys()
+
+            return Handle()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self._inner.__exit__(*exc)
+
+    safetensors.safe_open = Counting  # torchplug imports it when it reads
+    try:
+        with tp.Engine(strategy, **options) as engine:
+            torch.manual_seed(123)  # not the saved model's numbers
+            with engine.init_module(empty=True):
+                model = llama(seed=123)
+            model = engine.setup(model)
+            report = engine.load_pretrained(model, path)
+            state = {k: v.clone() for k, v in engine.full_state(model)["model"].items()}
+    finally:
+        safetensors.safe_open = real
+    return {"state": state, "read": read[0], "missing": report["missing"]}

@@ -166,3 +166,48 @@ def test_a_sharded_export_loads_with_from_pretrained(tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert again.returncode == 2 and "from an earlier export in the other layout" in again.stderr
+
+
+@pytest.fixture(scope="module")
+def sharded_llama(tmp_path_factory) -> tuple[str, dict]:
+    """A llama saved by transformers' own save_pretrained in shards, and its weights."""
+    model = hf_models.llama(seed=7)
+    out = tmp_path_factory.mktemp("llama-sharded")
+    model.save_pretrained(out, max_shard_size="20KB", safe_serialization=True)
+    assert (out / "model.safetensors.index.json").is_file()
+    return str(out), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_load_pretrained_in_one_process_is_bit_exact(sharded_llama):
+    path, expected = sharded_llama
+    result = hf_models.load_pretrained_under("single", {}, path)
+    assert result["missing"] == []
+    assert [k for k in expected if not torch.equal(result["state"][k], expected[k])] == []
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
+def test_load_pretrained_into_an_empty_built_model_under_each_strategy(
+    ranks, sharded_llama, strategy
+):
+    path, expected = sharded_llama
+    total = sum(v.numel() for v in expected.values())
+    for result in ranks.run(hf_models.load_pretrained_under, strategy, {}, path, timeout=600):
+        assert [k for k in expected if not torch.equal(result["state"][k], expected[k])] == []
+        if strategy == "fsdp":  # each rank read its shards, not the model
+            assert result["read"] <= 0.6 * total, (result["read"], total)
+        if strategy == "ddp":
+            assert result["read"] == total
+
+
+def test_load_pretrained_names_what_is_missing(tmp_path):
+    from safetensors.torch import save_file
+
+    import torchplug as tp
+
+    save_file({"model.embed_tokens.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with tp.Engine("single") as engine:
+        model = engine.setup(hf_models.llama())
+        with pytest.raises(tp.CheckpointError, match="has no weights for"):
+            engine.load_pretrained(model, tmp_path)
+        with pytest.raises(tp.CheckpointError, match="with shape \\(1,\\); the model's is"):
+            engine.load_pretrained(model, tmp_path, strict=False)

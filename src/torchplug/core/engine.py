@@ -1134,6 +1134,21 @@ class Engine:
         answer = self._answer("torchplug_load", result, dict, "a dict of the values loaded")
         return {k: v for k, v in answer.items() if not str(k).startswith(RESERVED_PREFIX)}
 
+    def load_pretrained(
+        self, model: torch.nn.Module, path: str | os.PathLike[str], *, strict: bool = True
+    ) -> dict[str, list[str]]:
+        """Copy safetensors weights (a file, or a directory with ``model.safetensors`` or the
+        shards of ``model.safetensors.index.json``, as ``save_pretrained`` writes them) into a
+        model this Engine set up, under any strategy whose parameters are plain tensors or
+        DTensors; no collective. Each rank reads only the block of its own shards, so a model
+        built with ``init_module(empty=True)`` and set up sharded is never whole on a rank.
+
+        Returns ``{"loaded", "missing", "unexpected"}`` (tensor names); a model tensor the
+        files lack is an error unless ``strict=False``. Call it after :meth:`setup`."""
+        from torchplug.checkpoint import pretrained
+
+        return pretrained.load_into(self.unwrap(model), path, strict=strict)
+
     @property
     def checkpoint_timeout(self) -> float:
         """Seconds a save or load waits for every rank to arrive before naming the absent ones."""
