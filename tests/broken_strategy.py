@@ -111,6 +111,15 @@ class ClaimsSharding(DDPStrategy):
     size their jobs by that claim."""
 
 
+class RefusesClipping(DDPStrategy):
+    """Refuses clip_grad_norm_ with a clear ConfigurationError but never declares it: a backend
+    must not pass the kit by refusing what it does not implement."""
+
+    @tp.hookimpl
+    def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
+        raise tp.ConfigurationError("refuses-clipping cannot clip gradients.")
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
@@ -121,9 +130,13 @@ BROKEN = {
     "keeps-its-lr": (KeepsItsLr, "hyperparameters"),
     "no-barrier": (NoBarrier, "barrier"),
     "claims-sharding": (ClaimsSharding, "sharding"),
+    "refuses-clipping": (RefusesClipping, "clipping"),
 }
 #: What a broken strategy's registration declares beyond the defaults.
 DECLARED = {"claims-sharding": {"shards_optimizer": True}}
+
+#: Not broken: the same refusal, declared (the kit passes it as "refused as declared").
+DECLARES_REFUSAL = "declares-no-clipping"
 
 
 @tp.hookimpl
@@ -138,3 +151,11 @@ def torchplug_register_strategies(register):
                 **DECLARED.get(name, {}),
             )
         )
+    register(
+        tp.StrategyInfo(
+            name=DECLARES_REFUSAL,
+            factory=RefusesClipping,
+            description="refuses clipping, as its registration says",
+            refuses=("clipping",),
+        )
+    )

@@ -34,6 +34,21 @@ def test_each_broken_strategy_is_caught_by_the_property_it_breaks(ranks, name):
     assert "parity" not in failed or name in ("no-average", "reinitialises-per-rank"), failed
 
 
+def test_a_declared_refusal_passes_as_one_and_is_counted(ranks):
+    from broken_strategy import DECLARES_REFUSAL
+
+    (clipping,) = check(
+        DECLARES_REFUSAL, plugins=["broken_strategy"], pool=ranks, only=["clipping"]
+    )
+    assert clipping.passed and clipping.refused, clipping
+    assert clipping.detail.startswith("refused as declared: ") and "cannot clip" in clipping.detail
+    (undeclared,) = check(
+        "refuses-clipping", plugins=["broken_strategy"], pool=ranks, only=["clipping"]
+    )
+    assert not undeclared.passed and not undeclared.refused
+    assert "StrategyInfo(..., refuses=('clipping',))" in undeclared.detail, undeclared
+
+
 def test_summing_instead_of_averaging_is_caught_by_sgd_where_adamw_hides_it(ranks):
     parity, sgd = check(
         "no-average", plugins=["broken_strategy"], pool=ranks, only=["parity", "sgd"]

@@ -172,6 +172,11 @@ class StrategyInfo:
     #: ``resume`` property, to 1e-6, whatever ``tolerance`` says). ``False`` only for a strategy
     #: whose communication keeps state that checkpoints do not carry (e.g. PowerSGD's).
     resume_exact: bool = True
+    #: What the strategy refuses by design with a ConfigurationError, by the conformance kit's
+    #: names: ``"compile"`` (Engine(compile=True)), ``"clipping"``, ``"accumulation"``,
+    #: ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate). The kit
+    #: passes a declared refusal as such and fails one that is not declared.
+    refuses: tuple[str, ...] = ()
     #: For a strategy that owns precision: the ``Engine(precision_options=...)`` it understands
     #: (the backend reads the resolved values from ``engine.precision_options`` in setup).
     precision_options: tuple[Option, ...] = ()

@@ -683,6 +683,9 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
         "owns_precision": True,
         "precisions": ("32", "bf16", "fp16"),
         "shards_optimizer": True,
+        # DeepSpeed compiles through its own config; micro-batches are marked by
+        # engine.accumulate (its gradient-accumulation boundary), not by a bare no_sync.
+        "refuses": ("compile", "no_sync"),
     }
     register(
         StrategyInfo(

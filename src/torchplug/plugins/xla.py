@@ -229,5 +229,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             launcher="xla",
             supports_cuda=False,
             check=_usable,
+            refuses=("compile",),  # XLA traces and compiles the step graph itself
         )
     )

@@ -186,6 +186,7 @@ def train(
     global_batch: int = GLOBAL_BATCH,
     precision_options: dict[str, Any] | None = None,
     engine_args: dict[str, Any] | None = None,
+    with_accumulate: bool = False,
 ) -> dict[str, Any]:
     """``steps`` steps on the global batch split over the ranks, as a user writes them.
 
@@ -193,6 +194,8 @@ def train(
     ``accumulate`` micro-batches are accumulated under ``engine.no_sync``; ``inf_at_step`` makes
     rank 0's loss infinite at that step. ``probe_sync`` records, for the first micro-batch
     under no_sync, whether this rank's gradients equal every other rank's (they must not).
+    ``with_accumulate``: the micro-batches go through ``engine.accumulate`` instead (the loop a
+    user writes: step and zero_grad on every micro-batch, the Engine skips them in between).
     ``precision_options`` default (None): fp16 starts at :data:`FP16_SCALE`; ``{}``: the
     precision plugin's own defaults. ``engine_args``: more Engine arguments (``compile``, ...).
     """
@@ -230,6 +233,20 @@ def train(
                 break
             micro = list(zip(x.chunk(accumulate), y.chunk(accumulate), strict=True))
             parts = []
+            if with_accumulate:
+                for i, (xs, ys) in enumerate(micro):
+                    with engine.accumulate(model, steps=len(micro)):
+                        part = torch.nn.functional.mse_loss(model(xs), ys)
+                        engine.backward(part)  # divided by the steps inside accumulate
+                        if probe_sync and i == 0 and step == first_step:
+                            synced.append(_grads_agree(engine, model))
+                        opt.step()
+                        opt.zero_grad()
+                    parts.append(part.detach() / len(micro))
+                skipped.append(bool(getattr(opt, "step_was_skipped", False)))
+                lrs.append(opt.param_groups[0]["lr"])
+                losses.append(engine.reduce(torch.stack(parts).sum(), "mean").item())
+                continue
             for i, (xs, ys) in enumerate(micro):
                 last = i == len(micro) - 1
                 with engine.no_sync(model, enabled=not last):
@@ -453,8 +470,10 @@ def _local(model: torch.nn.Module) -> list[torch.Tensor]:
     return params if rank == 0 else []
 
 
-def _grads_agree(engine: tp.Engine, model: torch.nn.Module) -> bool:
-    """Whether this rank's local gradients equal every rank's (i.e. they were synchronized)."""
+def _grads_agree(engine: tp.Engine, model: torch.nn.Module) -> bool | None:
+    """Whether this rank's local gradients equal every rank's (i.e. they were synchronized);
+    ``None`` where the backend keeps gradients out of ``param.grad`` (DeepSpeed's partitioned
+    buffers), so nothing can be told."""
     from torch.distributed.tensor import DTensor
 
     local = []
@@ -464,7 +483,9 @@ def _grads_agree(engine: tp.Engine, model: torch.nn.Module) -> bool:
             continue
         local.append((grad.to_local() if isinstance(grad, DTensor) else grad).detach().float())
     flat = torch.cat([g.flatten() for g in local]) if local else torch.zeros(1)
-    everyone = engine.gather(flat.cpu())
+    everyone = engine.gather(flat.cpu())  # every rank calls it: the collectives stay paired
+    if not local:
+        return None
     return bool(all(torch.equal(everyone[0], row) for row in everyone))
 
 

@@ -60,6 +60,8 @@ class Outcome:
     passed: bool
     detail: str
     skipped: bool = False
+    #: Passed as a refusal the strategy declares (``StrategyInfo.refuses``), not by working.
+    refused: bool = False
 
     @property
     def status(self) -> str:
@@ -170,14 +172,7 @@ class Kit:
     ) -> Outcome:
         """Losses and parameters of every rank against the reference, within tolerance."""
         if self.tolerance is None:
-            losses = results[0]["losses"]
-            ok = losses[-1] < 0.5 * losses[0]
-            return Outcome(
-                name,
-                ok,
-                f"lossy: checked for convergence, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-                f"({'at least' if ok else 'less than'} halved)",
-            )
+            return self.converges(name, results, reference)
         worst_loss = max(
             0.0 if a == b else abs(a - b)  # the same inf (a skipped step) on both sides
             for r in results
@@ -193,16 +188,62 @@ class Kit:
             f"({len(results)} ranks vs plain PyTorch on the combined batch)",
         )
 
-    def refused(self, name: str, body: Callable[[], Outcome]) -> Outcome:
-        """``body``'s outcome; a ConfigurationError raised on the ranks is a documented refusal."""
+    def converges(
+        self, name: str, results: list[dict[str, Any]], reference: dict[str, Any]
+    ) -> Outcome:
+        """For a lossy backend (``tolerance=None``): every rank's loss falls by at least half as
+        much as the reference's over the same steps (skipped steps' inf left out), and its
+        parameters stay finite. Relative to the reference, so a short run (``fp16_skip``'s 4
+        steps) or a low precision passes when the backend trains, and fails when it does not."""
+        import math
+
+        ref = [v for v in reference["losses"] if math.isfinite(v)]
+        gain_ref = ref[0] - ref[-1] if len(ref) > 1 else 0.0
+        problems = []
+        for rank, result in enumerate(results):
+            losses = [v for v in result["losses"] if math.isfinite(v)]
+            gain = losses[0] - losses[-1] if len(losses) > 1 else 0.0
+            finite = all(bool(torch.isfinite(t).all()) for t in result["params"].values())
+            if not finite or (gain_ref > 0 and gain < 0.5 * gain_ref) or not losses:
+                problems.append(
+                    f"rank {rank}: loss {losses[0] if losses else float('nan'):.4f} -> "
+                    f"{losses[-1] if losses else float('nan'):.4f}"
+                    + ("" if finite else ", non-finite parameters")
+                )
+        detail = (
+            f"lossy: checked for convergence against the reference's loss drop "
+            f"{ref[0]:.4f} -> {ref[-1]:.4f}"
+        )
+        if problems:
+            return Outcome(name, False, f"{detail}: less than half of it on {'; '.join(problems)}")
+        losses = results[0]["losses"]
+        return Outcome(name, True, f"{detail}: {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+    def refused(
+        self, name: str, body: Callable[[], Outcome], declared: str | None = None
+    ) -> Outcome:
+        """``body``'s outcome. A ConfigurationError raised on the ranks passes only as a refusal
+        the strategy declares (``StrategyInfo(refuses=...)`` names ``declared`` or the
+        property); an undeclared one fails, so a backend cannot pass by refusing everything."""
         try:
             return body()
-        except RankError as exc:
-            if "ConfigurationError" in str(exc):
-                return Outcome(name, True, f"refused clearly: {_last_line(str(exc))}")
-            raise
-        except ConfigurationError as exc:
-            return Outcome(name, True, f"refused clearly: {exc}")
+        except (RankError, ConfigurationError) as exc:
+            text = _last_line(str(exc))
+            if isinstance(exc, RankError) and "ConfigurationError" not in str(exc):
+                raise
+        return self.refusal(name, declared or name, text)
+
+    def refusal(self, name: str, what: str, text: str) -> Outcome:
+        """A ConfigurationError for ``what``: PASS (refused) if declared, else FAIL."""
+        if what in self.info.refuses:
+            return Outcome(name, True, f"refused as declared: {text}", refused=True)
+        return Outcome(
+            name,
+            False,
+            f"refused with a ConfigurationError, but strategy '{self.info.name}' does not "
+            f"declare that refusal: {text}. Implement it, or, if refusing is by design, declare "
+            f"it: StrategyInfo(..., refuses=({what!r},)).",
+        )
 
     # -- properties -------------------------------------------------------------------------------
 
@@ -240,22 +281,52 @@ class Kit:
         return self.refused("clipping", body)
 
     def accumulation(self) -> Outcome:
-        def body() -> Outcome:
-            probe = self.nprocs > 1 and not self.info.shards_parameters
-            results = self.run(
-                bodies.train, optimizer="SGD", lr=0.1, accumulate=2, probe_sync=probe
-            )
-            if probe and any(all(r["synced"]) for r in results):
-                return Outcome(
-                    "accumulation",
-                    False,
-                    "gradients were synchronized inside engine.no_sync(): every rank had the "
-                    "same gradients after a micro-batch of different data",
-                )
-            reference = self.reference(optimizer="SGD", lr=0.1, accumulate=2)
-            return self.compare("accumulation", results, reference, "2 micro-batches, no_sync")
+        """``engine.accumulate`` (what users write) must equal the large batch on every backend;
+        the lower-level ``engine.no_sync`` loop too, unless the strategy declares it refuses
+        that (``refuses=("no_sync",)``, e.g. DeepSpeed, whose boundaries only accumulate marks).
+        On a non-sharding backend the first micro-batch's gradients must differ across ranks
+        (a backend that synchronizes inside no_sync wastes the point of accumulating)."""
+        probe = self.nprocs > 1 and not self.info.shards_parameters
+        reference = self.reference(optimizer="SGD", lr=0.1, accumulate=2)
+        outcomes = []
+        for mode, what in ((True, "engine.accumulate"), (False, "engine.no_sync")):
+            if not mode and "no_sync" in self.info.refuses:
+                continue
 
-        return self.refused("accumulation", body)
+            def body(mode: bool = mode, what: str = what) -> Outcome:
+                results = self.run(
+                    bodies.train, optimizer="SGD", lr=0.1, accumulate=2, probe_sync=probe,
+                    with_accumulate=mode,
+                )  # fmt: skip
+                seen = [x for r in results for x in r["synced"]]
+                if probe and seen and all(x is True for x in seen):
+                    return Outcome(
+                        "accumulation",
+                        False,
+                        f"gradients were synchronized inside {what}: every rank had the same "
+                        f"gradients after a micro-batch of different data",
+                    )
+                hidden = probe and any(x is None for x in seen)
+                note = " (gradient sync not observable: the backend keeps its gradients)"
+                outcome = self.compare(
+                    "accumulation", results, reference, f"2 micro-batches, {what}"
+                )
+                if hidden:
+                    outcome = Outcome(outcome.name, outcome.passed, outcome.detail + note)
+                return outcome
+
+            outcomes.append(
+                self.refused("accumulation", body, declared="no_sync" if not mode else None)
+            )
+        failed = [o for o in outcomes if not o.passed]
+        if failed:
+            return failed[0]
+        return Outcome(
+            "accumulation",
+            True,
+            "; ".join(o.detail for o in outcomes),
+            refused=any(o.refused for o in outcomes),
+        )
 
     def schedulers(self) -> Outcome:
         reference = self.reference(optimizer="SGD", lr=0.1, scheduler="step")
@@ -640,12 +711,9 @@ class Kit:
             compiled = self.run(bodies.train, engine_args={"compile": True})[0]
         except (RankError, ConfigurationError) as exc:
             text = _last_line(str(exc))
-            refused = "ConfigurationError" in text or isinstance(exc, ConfigurationError)
-            return Outcome(
-                "compile",
-                refused and "compile" in text,
-                f"refused clearly: {text}" if refused else f"failed: {text}",
-            )
+            if "ConfigurationError" in str(exc) or isinstance(exc, ConfigurationError):
+                return self.refusal("compile", "compile", text)
+            return Outcome("compile", False, f"failed: {text}")
         eager = self.cached("train10", lambda: self.run(bodies.train))[0]
         worst = max(
             max(abs(a - b) for a, b in zip(compiled["losses"], eager["losses"], strict=True)),
