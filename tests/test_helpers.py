@@ -255,6 +255,15 @@ def _train_with_hparams(log_dir: str) -> None:
     trainer.close()
 
 
+def test_hyperparameters_logged_twice_are_kept_by_every_logger(tmp_path):
+    with tp.Engine("single", loggers=["csv", "jsonl"], log_dir=tmp_path) as engine:
+        engine.log_hyperparams({"lr": 0.1, "bs": 8})
+        engine.log_hyperparams({"lr": 0.2, "seed": 3})
+    assert json.loads((tmp_path / "hparams.json").read_text()) == {"lr": 0.2, "bs": 8, "seed": 3}
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"hparams": {"lr": 0.1, "bs": 8}}, {"hparams": {"lr": 0.2, "seed": 3}}]
+
+
 def test_log_hyperparams_wants_a_dict(tmp_path):
     with (
         tp.Engine("single", loggers=["jsonl"], log_dir=tmp_path) as engine,

@@ -211,3 +211,15 @@ def test_load_pretrained_names_what_is_missing(tmp_path):
             engine.load_pretrained(model, tmp_path)
         with pytest.raises(tp.CheckpointError, match="with shape \\(1,\\); the model's is"):
             engine.load_pretrained(model, tmp_path, strict=False)
+
+
+def test_load_pretrained_without_safetensors_names_the_install(tmp_path, monkeypatch):
+    import sys
+
+    import torchplug as tp
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
+    with tp.Engine("single") as engine:
+        model = engine.setup(torch.nn.Linear(2, 2))
+        with pytest.raises(tp.CheckpointError, match=r"pip install torchplug\[convert\]"):
+            engine.load_pretrained(model, tmp_path)

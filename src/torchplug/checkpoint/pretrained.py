@@ -28,10 +28,22 @@ _WRAPPER_PARTS = frozenset(
 )
 
 
+def _safe_open() -> Any:
+    """safetensors' reader, or an error naming the install (it is an optional extra)."""
+    try:
+        from safetensors import safe_open
+    except ModuleNotFoundError:
+        raise CheckpointError(
+            "engine.load_pretrained reads safetensors files and needs the 'safetensors' "
+            "package: pip install torchplug[convert] (or pip install safetensors)."
+        ) from None
+    return safe_open
+
+
 def files_of(path: str | os.PathLike[str]) -> dict[str, Path]:
     """Each tensor name of a safetensors checkpoint (a file, or a directory with one file or an
     index of shards) and the file that holds it."""
-    from safetensors import safe_open
+    safe_open = _safe_open()
 
     root = Path(path)
     if root.is_dir():
@@ -84,8 +96,9 @@ def _targets(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def load_into(model: torch.nn.Module, path: str | os.PathLike[str], strict: bool = True) -> dict:
     """Copy the weights at ``path`` into ``model``'s tensors in place; return what was read:
     ``{"loaded": [...], "missing": [...], "unexpected": [...]}``."""
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor
+
+    safe_open = _safe_open()
 
     where = files_of(path)
     targets = dict(_targets(model))

@@ -40,8 +40,18 @@ class CSVLogger(Logger):
         self._file.flush()
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """``log_dir/hparams.json``; a later call adds to (and updates) what is there, as the
+        other loggers keep every call."""
         path = self.path.parent / "hparams.json"
-        path.write_text(json.dumps(dict(params), indent=2, default=str) + "\n")
+        merged: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                found = json.loads(path.read_text())
+                merged = found if isinstance(found, dict) else {}
+            except (OSError, ValueError):
+                merged = {}
+        merged.update(params)
+        path.write_text(json.dumps(merged, indent=2, default=str) + "\n")
 
     def close(self) -> None:
         self._file.close()
