@@ -233,12 +233,13 @@ def test_sigterm_to_the_launcher_stops_the_workers_and_says_so_without_a_traceba
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip
-    seen = []
-    while len(seen) < 2:  # both workers are in the loop
+    seen = ""
+    while seen.count("ready ") < 2:  # both workers are in the loop
+        # counted in the text, not per line: torchrun runs workers unbuffered (python -u), so
+        # two ranks' prints can interleave as "ready 0ready 1\n\n"
         line = proc.stdout.readline()
         assert line, proc.stderr.read()[-3000:]
-        if line.startswith("ready"):
-            seen.append(line)
+        seen += line
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]

@@ -62,8 +62,11 @@ TRAIN = textwrap.dedent(
             losses.append(engine.reduce(loss.detach(), "mean").item())
         state = {{k: v.detach().clone() for k, v in engine.unwrap(net).state_dict().items()}}
         tag = os.environ.get("SLURM_STEP_ID", "mpi")
-        print(f"world={{engine.world_size}} rank={{engine.rank}} strategy={{engine.strategy}} "
-              f"step={{tag}}", flush=True)
+        # one write per line: torchrun's workers are unbuffered, and two ranks' prints (text,
+        # then newline) could interleave in a shared log
+        sys.stdout.write(f"world={{engine.world_size}} rank={{engine.rank}} "
+                         f"strategy={{engine.strategy}} step={{tag}}\n")
+        sys.stdout.flush()
         if engine.rank == 0:
             torch.save({{"state": state, "losses": losses, "world": engine.world_size,
                         "strategy": str(engine.strategy)}}, sys.argv[1].format(tag=tag))
