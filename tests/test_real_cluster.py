@@ -65,7 +65,7 @@ TRAIN = textwrap.dedent(
         # one write per line: torchrun's workers are unbuffered, and two ranks' prints (text,
         # then newline) could interleave in a shared log
         sys.stdout.write(f"world={{engine.world_size}} rank={{engine.rank}} "
-                         f"strategy={{engine.strategy}} step={{tag}}\n")
+                         f"strategy={{engine.strategy}} step={{tag}}\\n")
         sys.stdout.flush()
         if engine.rank == 0:
             torch.save({{"state": state, "losses": losses, "world": engine.world_size,
