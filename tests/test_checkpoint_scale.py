@@ -45,16 +45,16 @@ def _manifest(ranks: int, tensors: int, rows: int = 64, cols: int = 8) -> dict:
     return body
 
 
-def _overlap_calls(monkeypatch) -> list[int]:
-    """Count the box comparisons validation makes (work, not wall time)."""
+def _counting(monkeypatch, name: str) -> list[int]:
+    """Count the boxes ``manifest.<name>`` is handed (work, not wall time)."""
     calls = [0]
-    real = mf._disjoint
+    real = getattr(mf, name)
 
     def counting(shape, boxes):
         calls[0] += len(boxes)
         return real(shape, boxes)
 
-    monkeypatch.setattr(mf, "_disjoint", counting)
+    monkeypatch.setattr(mf, name, counting)
     return calls
 
 
@@ -65,14 +65,7 @@ def test_a_legitimate_manifest_of_many_ranks_validates_in_work_linear_in_its_chu
     rows = ranks * 2
     body = _manifest(ranks, tensors=40, rows=rows)
     raw = json.dumps(body).encode()
-    comparisons = [0]
-    real = mf._grid_cells
-
-    def counting(shape, boxes):
-        comparisons[0] += len(boxes)
-        return real(shape, boxes)
-
-    monkeypatch.setattr(mf, "_grid_cells", counting)
+    comparisons = _counting(monkeypatch, "_grid_cells")
     parsed = mf.parse(raw, "m.json")
     assert len(parsed["tensors"]) == 40
     assert comparisons[0] == 40 * ranks  # each chunk looked at once: no pairwise comparison
@@ -104,7 +97,7 @@ def test_a_forged_unsigned_manifest_is_refused_before_any_validation_work(monkey
     root = tmp_path / "forged"
     root.mkdir()
     (root / "manifest.json").write_bytes(raw)
-    calls = _overlap_calls(monkeypatch)
+    calls = _counting(monkeypatch, "_disjoint")
     monkeypatch.setattr(mf, "_validate_tensor", lambda *a: calls.__setitem__(0, calls[0] + 1))
     from torchplug.checkpoint.io import read_manifest
 

@@ -79,13 +79,14 @@ def capture(engine: Engine, key: str, obj: Any, state: dict[str, Any]) -> tuple[
 
 #: Module names that wrappers put in front of a model's own names (DDP's and DeepSpeed's
 #: ``module``, torch.compile's ``_orig_mod``, ...): a buffer is found by its name without them.
-_WRAPPER_PARTS = frozenset(
+WRAPPER_PARTS = frozenset(
     {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"}
 )
 
 
-def _unwrapped(name: str) -> str:
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+def unwrapped(name: str) -> str:
+    """A parameter's name without the parts wrappers add (compile, checkpointing, DDP)."""
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
 
 
 def replicated(kind: str, key: str, obj: Any, payload: Any, paths: set[str]) -> set[str]:
@@ -101,7 +102,7 @@ def replicated(kind: str, key: str, obj: Any, payload: Any, paths: set[str]) -> 
         return set()
     names, storages = set(), set()
     for name, buffer in obj.named_buffers():
-        names.add(_unwrapped(name))
+        names.add(unwrapped(name))
         with contextlib.suppress(RuntimeError):  # a buffer without storage (meta, fake)
             storages.add(buffer.untyped_storage().data_ptr())
     buffers = set()
@@ -111,7 +112,7 @@ def replicated(kind: str, key: str, obj: Any, payload: Any, paths: set[str]) -> 
         shared = False
         with contextlib.suppress(RuntimeError):
             shared = value.untyped_storage().data_ptr() in storages and value.numel() > 0
-        if _unwrapped(name) in names or shared:
+        if unwrapped(name) in names or shared:
             buffers.add(f"{key}/{name}")
     return paths - buffers
 

@@ -20,12 +20,8 @@ from typing import Any
 import torch
 
 from torchplug.checkpoint.convert import INDEX_FILE, SINGLE_FILE
+from torchplug.checkpoint.io import unwrapped
 from torchplug.core.errors import CheckpointError
-
-#: Name parts that wrappers add (torch.compile, activation checkpointing, DDP, FSDP1).
-_WRAPPER_PARTS = frozenset(
-    {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module"}
-)
 
 
 def _safe_open() -> Any:
@@ -90,7 +86,7 @@ def _targets(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if name in non_persistent or id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        yield ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS), tensor
+        yield unwrapped(name), tensor
 
 
 def load_into(model: torch.nn.Module, path: str | os.PathLike[str], strict: bool = True) -> dict:
