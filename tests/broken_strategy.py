@@ -120,6 +120,42 @@ class RefusesClipping(DDPStrategy):
         raise tp.ConfigurationError("refuses-clipping cannot clip gradients.")
 
 
+class AveragesBuffers(DDPStrategy):
+    """Averages the floating-point buffers (BatchNorm's running statistics) over the ranks
+    after every step: statistics no rank computed, neither DDP's rule nor SyncBatchNorm's."""
+
+    @tp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        self.model = model
+        return super().torchplug_wrap(engine, model, optimizers)
+
+    @tp.hookimpl
+    def torchplug_optimizer_step(self, engine, optimizer, closure):
+        stepped = super().torchplug_optimizer_step(engine, optimizer, closure)
+        with torch.no_grad():
+            for buffer in self.model.buffers():
+                if buffer.is_floating_point():
+                    torch.distributed.all_reduce(buffer)
+                    buffer.div_(engine.world_size)
+        return stepped
+
+
+class PerRankBuffers(DDPStrategy):
+    """Re-creates the buffers of parameter-free modules from each rank's own RNG in wrap (a
+    backend that rebuilds buffers when it moves the model), after rank 0's were broadcast."""
+
+    @tp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        wrapped, optimizers = super().torchplug_wrap(engine, model, optimizers)
+        torch.manual_seed(2000 + engine.rank)
+        for module in model.modules():
+            own = dict(module.named_buffers(recurse=False))
+            params = dict(module.named_parameters(recurse=False))
+            if own and not params and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        return wrapped, optimizers
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
@@ -131,6 +167,8 @@ BROKEN = {
     "no-barrier": (NoBarrier, "barrier"),
     "claims-sharding": (ClaimsSharding, "sharding"),
     "refuses-clipping": (RefusesClipping, "clipping"),
+    "averages-buffers": (AveragesBuffers, "real_model"),
+    "per-rank-buffers": (PerRankBuffers, "replicas"),
 }
 #: What a broken strategy's registration declares beyond the defaults.
 DECLARED = {"claims-sharding": {"shards_optimizer": True}}

@@ -135,7 +135,9 @@ def replicate_from_rank_zero(model: torch.nn.Module, device: torch.device) -> No
 
     tensors = [*model.parameters(), *model.buffers()]
     if any(isinstance(t, DTensor) or hasattr(t, "ds_id") for t in tensors):
-        return
+        # Parameters already partitioned or distributed are the backend's; the plain tensors
+        # beside them (buffers, which zero.Init does not partition) are still each rank's own.
+        tensors = [t for t in tensors if not isinstance(t, DTensor) and not hasattr(t, "ds_id")]
     on_device = dist.get_backend() not in ("gloo", "mpi")  # nccl/xccl take device tensors only
     with torch.no_grad():
         for tensor in dict.fromkeys(tensors):  # a tied tensor once
@@ -295,7 +297,9 @@ def materialize(
     model's own initialisation (:func:`own_init`), as an eager build runs them."""
     check_initialisable(model)
     how = own_init(model)
+    ties = _ties(model)
     model.to_empty(device=device)
+    _retie(ties)
     saved = torch.get_rng_state()
     if rng_state is not None:
         if _distributed():  # every rank materialises rank 0's model, whatever it seeded
@@ -319,6 +323,30 @@ def materialize(
     finally:
         if rng_state is not None:
             torch.set_rng_state(saved)
+
+
+def _ties(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
+    """Every slot that holds a tensor another slot holds first (a tied embedding and head):
+    ``to_empty`` allocates each slot on its own and would untie them silently."""
+    first: dict[int, tuple[torch.nn.Module, str]] = {}
+    ties = []
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):  # noqa: SLF001
+            for name, tensor in slots.items():
+                if tensor is None:
+                    continue
+                if id(tensor) in first:
+                    ties.append((module, name, *first[id(tensor)]))
+                else:
+                    first[id(tensor)] = (module, name)
+    return ties
+
+
+def _retie(ties: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> None:
+    for module, name, owner, owner_name in ties:
+        slots = module._parameters if name in module._parameters else module._buffers  # noqa: SLF001
+        held = owner._parameters if owner_name in owner._parameters else owner._buffers  # noqa: SLF001
+        slots[name] = held[owner_name]
 
 
 def _local_part(full: torch.Tensor, like: Any) -> torch.Tensor:

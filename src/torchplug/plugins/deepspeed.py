@@ -84,6 +84,43 @@ def _cast_forward(ds_engine: Any, dtype: torch.dtype) -> None:
     ds_engine.forward = cast_forward
 
 
+def _norms_in_fp32(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """DeepSpeed casts parameters to bf16/fp16 but leaves buffers fp32, and torch's batch_norm
+    cannot combine low-precision weights with fp32 running statistics (every BatchNorm model
+    crashed). Each such layer computes in fp32 instead, as torch's AMP runs it: its weight and
+    bias cast up (differentiably) while its own forward runs, its output cast back to its
+    input's dtype; the statistics stay fp32, as in every other strategy's checkpoints. Undone at
+    teardown (:func:`_restore_norms`)."""
+    patched = []
+    for module in model.modules():
+        if not isinstance(module, torch.nn.modules.batchnorm._NormBase):  # noqa: SLF001
+            continue
+        stats = getattr(module, "running_mean", None)
+        weight = getattr(module, "weight", None)
+        if stats is None or weight is None or weight.dtype == stats.dtype:
+            continue
+        module.forward = functools.partial(_fp32_norm_forward, module)
+        patched.append(module)
+    return patched
+
+
+def _fp32_norm_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    slots = module._parameters  # noqa: SLF001
+    held = {name: slots[name] for name in ("weight", "bias") if slots.get(name) is not None}
+    try:
+        for name, param in held.items():
+            slots[name] = param.float()
+        out = type(module).forward(module, x.float())
+    finally:
+        slots.update(held)
+    return out.to(x.dtype)
+
+
+def _restore_norms(modules: list[torch.nn.Module]) -> None:
+    for module in modules:
+        module.__dict__.pop("forward", None)
+
+
 def _reset_deepspeed_state() -> None:
     """Forget DeepSpeed's module-level process groups, so a later Engine starts clean."""
     import deepspeed.comm.comm as comm
@@ -312,6 +349,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         )
         self.ds_engine = ds_engine
         if engine.precision in ("bf16", "fp16"):
+            self.fp32_norms = _norms_in_fp32(model)
             _cast_forward(
                 ds_engine, torch.bfloat16 if engine.precision == "bf16" else torch.float16
             )
@@ -448,6 +486,7 @@ class DeepSpeedStrategy(DistributedStrategy):
     @hookimpl
     def torchplug_teardown(self, engine: Engine) -> None:
         self.ds_engine = None
+        _restore_norms(getattr(self, "fp32_norms", []))
         _reset_deepspeed_state()
         for key, value in getattr(self, "saved_env", {}).items():  # as they were before setup
             if value is None:

@@ -39,6 +39,18 @@ def make_dataset(n: int, seed: int = 1) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def kit_scale(strategy: str, precision: str | None) -> dict[str, Any]:
+    """The Engine arguments that start fp16 at :data:`FP16_SCALE` (none in other precisions,
+    or where the strategy's own fp16 takes no ``init_scale``)."""
+    if precision != "fp16" or strategy == "auto":
+        return {}
+    info = manager.get_registry().strategy(strategy)
+    names = {o.name for o in info.precision_options}
+    if not info.owns_precision or "init_scale" in names:
+        return {"precision_options": {"init_scale": FP16_SCALE}}
+    return {}
+
+
 def register(plugins: Sequence[str]) -> None:
     """Import and register in-house plugin modules by name (in every rank, before the Engine)."""
     registry = manager.get_registry()
@@ -204,11 +216,8 @@ def train(
     if precision_options is not None:
         if precision_options:
             extra["precision_options"] = precision_options
-    elif precision == "fp16" and strategy != "auto":
-        info = manager.get_registry().strategy(strategy)
-        names = {o.name for o in info.precision_options}
-        if not info.owns_precision or "init_scale" in names:
-            extra["precision_options"] = {"init_scale": FP16_SCALE}
+    else:
+        extra.update(kit_scale(strategy, precision))
     guard = [NaNGuard()] if nan_guard else []
     with tp.Engine(
         strategy, precision=precision, plugins=guard, **extra, **(options or {})
@@ -312,38 +321,6 @@ def materialized(
             model = _unseeded_model()
         model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         return {k: v.float() for k, v in engine.full_state(model)["model"].items()}
-
-
-def replicas(
-    strategy: str,
-    plugins: Sequence[str] = (),
-    options: dict[str, Any] | None = None,
-    precision: str | None = None,
-    empty: bool = False,
-) -> dict[str, torch.Tensor]:
-    """The kit's model built from a different seed on every rank (as a script that seeds per
-    rank, or not at all, does), after setup: its full parameters by name. Every rank must hold
-    rank 0's model (the caller compares them with an eager build from rank 0's seed)."""
-    register(plugins)
-    with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
-        torch.manual_seed(REPLICA_SEED + engine.rank)
-        if empty:
-            with engine.init_module(empty=True):
-                model = _unseeded_model()
-        else:
-            model = _unseeded_model()
-        model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        return {k: v.float() for k, v in engine.full_state(model)["model"].items()}
-
-
-#: Rank r of :func:`replicas` seeds ``REPLICA_SEED + r``.
-REPLICA_SEED = 100
-
-
-def replica_reference() -> dict[str, torch.Tensor]:
-    """Rank 0's model of :func:`replicas`, built eagerly in this process."""
-    torch.manual_seed(REPLICA_SEED)
-    return {k: v.float() for k, v in _unseeded_model().state_dict().items()}
 
 
 def barrier_waits(

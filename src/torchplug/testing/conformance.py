@@ -121,6 +121,9 @@ class Conformance:
     def test_replicas(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.replicas())
 
+    def test_real_model(self, torchplug_kit: Kit) -> None:
+        _expect(torchplug_kit.real_model())
+
     def test_hyperparameters(self, torchplug_kit: Kit) -> None:
         _expect(torchplug_kit.hyperparameters())
 

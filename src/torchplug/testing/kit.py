@@ -22,7 +22,7 @@ import torchplug as tp
 from torchplug.core import manager
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import StrategyInfo
-from torchplug.testing import bodies
+from torchplug.testing import bodies, real_model
 from torchplug.testing.processes import RankError, RankPool, default_sys_path
 
 PROPERTIES = (
@@ -42,6 +42,7 @@ PROPERTIES = (
     "single_process",
     "materialization",
     "replicas",
+    "real_model",
     "hyperparameters",
     "barrier",
     "sharding",
@@ -88,6 +89,10 @@ def _rounded(
 ) -> dict[str, torch.Tensor]:
     """``values`` in the dtypes of ``like`` (fp32 state compared with a low-precision copy)."""
     return {k: v.to(like[k].dtype) if k in like else v for k, v in values.items()}
+
+
+def _without(state: dict[str, torch.Tensor], names: set[str]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if k not in names}
 
 
 def bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -142,7 +147,7 @@ class Kit:
     def run(self, body: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``body`` on every rank of the strategy (or in this process if it runs one)."""
         kwargs.update(plugins=self.plugins, options=self.options)
-        if body in (bodies.train, bodies.load, bodies.data_order):
+        if body in (bodies.train, bodies.load, bodies.data_order, real_model.train):
             kwargs.setdefault("precision", self.precision)
         if self.nprocs == 1:
             return [body(self.strategy, *args, **kwargs)]
@@ -682,27 +687,115 @@ class Kit:
             return Outcome("replicas", False, "one process: nothing to compare", skipped=True)
         if (skip := self.precision_independent("replicas")) is not None:
             return skip
-        expected = bodies.replica_reference()
+        expected = real_model.replica_reference()
         problems = []
         for empty in (False, True):
+            how = "built empty" if empty else "built eagerly"
             try:
-                results = self.run(bodies.replicas, empty=empty)
+                results = self.run(real_model.replicas, empty=empty)
             except RankError as exc:
                 if empty and "init_module" in str(exc):  # a backend without meta support
                     continue
                 raise
             for rank, result in enumerate(results):
-                differ = bit_exact(_rounded(result, expected), _rounded(expected, result))
+                state = result["state"]
+                differ = bit_exact(_rounded(state, expected), _rounded(expected, state))
                 if differ:
-                    how = "built empty" if empty else "built eagerly"
                     problems.append(
                         f"rank {rank} ({how}) differs from rank 0's model: {differ[:3]}"
                     )
+                if not result["tied"]:
+                    problems.append(f"rank {rank} ({how}): the tied embedding and head came apart")
         return Outcome(
             "replicas",
             not problems,
             "; ".join(problems[:2])
-            or "ranks seeded differently all hold rank 0's model after setup (eager and empty)",
+            or "ranks seeded differently all hold rank 0's model (parameters, a random buffer, "
+            "BatchNorm statistics, a tied embedding kept tied) after setup, eager and empty",
+        )
+
+    def real_model(self) -> Outcome:
+        """A model with BatchNorm, a convolution, a random buffer and a tied embedding
+        (:class:`~torchplug.testing.real_model.KitNet`), built from a different seed on every
+        rank and trained with SGD + momentum on the ranks' shares, against plain PyTorch
+        running each share's forward (its own batch statistics). Every rank's parameters equal
+        the reference; each rank's BatchNorm statistics are its own shares' or, as DDP gives
+        them, rank 0's updated by its share (never a mix across ranks); the checkpoint loads into
+        ``single`` with exactly rank 0's parameters and buffers."""
+        path = str(self._tmp / "real-model")
+        results = self.run(real_model.train, save_to=path)
+        world = results[0]["dp_size"]
+        reference = self.cached(
+            f"real-model-{world}", lambda: real_model.reference(world, self.precision)
+        )
+        tolerance = self.tolerance
+        problems, rules = [], []
+        if tolerance is None:
+            outcome = self.converges("real_model", results, reference)
+            if not outcome.passed:
+                problems.append(outcome.detail)
+        else:
+            stats = set(reference["own"][0])
+            for rank, result in enumerate(results):
+                mine = result["params"] if rank == 0 else _without(result["params"], stats)
+                worst = max_diff(mine, _without(reference["params"], set() if rank == 0 else stats))
+                worst_loss = max(
+                    abs(a - b) for a, b in zip(result["losses"], reference["losses"], strict=True)
+                )
+                if max(worst, worst_loss) > tolerance:
+                    what = "parameters and buffers" if rank == 0 else "parameters"
+                    problems.append(
+                        f"rank {rank}: {what} differ from plain PyTorch by {worst:.2e}, losses "
+                        f"by {worst_loss:.2e} (tolerance {tolerance:.0e})"
+                    )
+        for rank, result in enumerate(results):
+            dp = result["dp_rank"]
+            mine = result["stats"]
+            fits = [
+                rule
+                for rule in ("own", "ddp")
+                if mine.keys() == reference[rule][dp].keys()
+                and all(
+                    torch.equal(mine[n], v)
+                    if not v.is_floating_point()
+                    else tolerance is None or (mine[n].float() - v.float()).abs().max() <= tolerance
+                    for n, v in reference[rule][dp].items()
+                )
+            ]
+            rules.append("/".join(fits) or "none")
+            if not fits:
+                off = {
+                    rule: max_diff(
+                        {n: mine[n].float() for n in mine},
+                        {n: v.float() for n, v in reference[rule][dp].items()},
+                    )
+                    for rule in ("own", "ddp")
+                }
+                problems.append(
+                    f"rank {rank}'s BatchNorm statistics are neither its own shares' (off by "
+                    f"{off['own']:.2e}) nor rank 0's updated by its share as DDP gives them (off "
+                    f"by {off['ddp']:.2e}): mixed across ranks?"
+                )
+        loaded = real_model.load(path)
+        saved = results[0]["params"]
+        differ = bit_exact(_rounded(loaded, saved), saved)
+        if differ:
+            problems.append(
+                f"the checkpoint loaded into 'single' differs from rank 0's model: {differ[:4]}"
+            )
+        return Outcome(
+            "real_model",
+            not problems,
+            "; ".join(problems[:3])
+            or f"{len(results)} rank(s) from different seeds "
+            + (
+                "converge as plain PyTorch does (lossy: statistics not compared)"
+                if tolerance is None
+                else f"equal plain PyTorch (BatchNorm, conv, tied embedding, SGD momentum); "
+                f"each rank's BatchNorm statistics follow a data-parallel rule (by rank: "
+                f"{', '.join(rules)})"
+            )
+            + "; the checkpoint holds exactly rank 0's model",
         )
 
     def compile(self) -> Outcome:
