@@ -50,9 +50,9 @@ def _counting(monkeypatch, name: str) -> list[int]:
     calls = [0]
     real = getattr(mf, name)
 
-    def counting(shape, boxes):
+    def counting(shape, boxes, *rest):
         calls[0] += len(boxes)
-        return real(shape, boxes)
+        return real(shape, boxes, *rest)
 
     monkeypatch.setattr(mf, name, counting)
     return calls
@@ -65,10 +65,74 @@ def test_a_legitimate_manifest_of_many_ranks_validates_in_work_linear_in_its_chu
     rows = ranks * 2
     body = _manifest(ranks, tensors=40, rows=rows)
     raw = json.dumps(body).encode()
-    comparisons = _counting(monkeypatch, "_grid_cells")
+    comparisons = _counting(monkeypatch, "_disjoint_columns")
+    pairwise = _counting(monkeypatch, "_disjoint")
     parsed = mf.parse(raw, "m.json")
     assert len(parsed["tensors"]) == 40
     assert comparisons[0] == 40 * ranks  # each chunk looked at once: no pairwise comparison
+    assert pairwise == [0]
+
+
+def _random_tensor(rng: random.Random) -> tuple[dict, dict]:
+    """A tensor entry and its files: a grid, rows, or an irregular layout, then perhaps one
+    field of one chunk spoiled (out of range, overlapping, a wrong type, missing, too big)."""
+    dims = rng.choice([1, 2, 3])
+    shape = [rng.choice([1, 2, 4, 6]) for _ in range(dims)]
+    cuts = [sorted({0, n, *rng.sample(range(n + 1), min(n, rng.choice([0, 1, 2])))}) for n in shape]
+    cells = [[]]
+    for cut in cuts:
+        cells = [c + [(a, b)] for c in cells for a, b in zip(cut, cut[1:], strict=False)]
+    files = {"f0": {"size": 10**6, "sha256": "0" * 64}, "f1": {"size": 100, "sha256": "0" * 64}}
+    with_raw = rng.random() < 0.5
+    chunks = []
+    for i, cell in enumerate(cells):
+        n = 1
+        for a, b in cell:
+            n *= b - a
+        chunk = {
+            "offsets": [a for a, _ in cell], "sizes": [b - a for a, b in cell],
+            "file": "f0", "offset": 64 * i, "length": 4 * n + 8,
+        }  # fmt: skip
+        if with_raw:
+            chunk["raw"] = 64 * i + rng.choice([0, 4, 8])
+        chunks.append(chunk)
+    if rng.random() < 0.7:
+        chunk = rng.choice(chunks)
+        key = rng.choice(["offsets", "sizes", "offset", "length", "file", "raw"])
+        spoil = rng.choice([
+            -1, 2**63, 2**70, 1.5, "3", None, [], [0] * (dims + 1), "f1", "nope", 10**7, "drop",
+        ])  # fmt: skip
+        if spoil == "drop":
+            chunk.pop(key, None)
+        elif key in ("offsets", "sizes") and isinstance(spoil, int):
+            chunk[key] = [*chunk[key][:-1], chunk[key][-1] + spoil]
+        else:
+            chunk[key] = spoil
+    if rng.random() < 0.2 and len(chunks) > 1:
+        chunks.append(dict(rng.choice(chunks)))  # a duplicate piece
+    return {"dtype": "float32", "shape": shape, "chunks": chunks}, files
+
+
+def test_the_columnwise_chunk_checks_agree_with_the_chunk_by_chunk_ones(monkeypatch):
+    """The fast column-wise path and the loop that explains failures accept exactly the same
+    tensors, on 3000 random layouts, spoiled and not."""
+    rng = random.Random(0)
+    outcomes = {True: 0, False: 0}
+    for _ in range(3000):
+        meta, files = _random_tensor(rng)
+        results = []
+        for fast in (True, False):
+            with monkeypatch.context() as m:
+                if not fast:
+                    m.setattr(mf, "_columns", lambda *a: None)
+                try:
+                    mf._validate_tensor("t", meta, files)
+                    results.append(None)
+                except (tp.CheckpointError, mf._Invalid) as exc:
+                    results.append(str(exc))
+        assert results[0] == results[1], (meta, results)
+        outcomes[results[0] is None] += 1
+    assert min(outcomes.values()) > 300, outcomes  # both kinds well represented
 
 
 def test_overlapping_and_gapped_layouts_are_refused_in_every_shape():
