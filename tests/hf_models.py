@@ -48,15 +48,28 @@ def tokens(step: int, batch: int = 4, length: int = 16) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=generator)
 
 
-def reference(make: Any = llama, steps: int = 3, lr: float = 0.5) -> dict[str, Any]:
+def reference(
+    make: Any = llama, steps: int = 3, lr: float = 0.5, precision: str = "32"
+) -> dict[str, Any]:
     """``steps`` SGD steps on the whole batch in one process, no torchplug. SGD at lr 0.5 is
-    scale-sensitive; AdamW would turn rounding noise in near-zero gradients into lr-sized steps."""
+    scale-sensitive; AdamW would turn rounding noise in near-zero gradients into lr-sized steps.
+    ``precision`` bf16/fp16: under torch's autocast (fp16 with a GradScaler)."""
     model = make()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     losses = []
     for step in range(steps):
         ids = tokens(step)
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = model(input_ids=ids, labels=ids).loss
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            continue
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -195,3 +208,27 @@ def load_pretrained_under(strategy: str, options: dict[str, Any], path: str) -> 
     finally:
         safetensors.safe_open = real
     return {"state": state, "read": read[0], "missing": report["missing"]}
+
+
+def check_low_precision(ranks: Any, strategy: str, precision: str, make: str) -> None:
+    """``make`` (``"gpt2"``/``"llama"``) trained under ``strategy`` in ``precision`` on the ranks
+    equals torch's autocast in one process (bf16 within 5e-2, fp16 within 1e-2: the precisions
+    round differently); SKIP where the machine cannot run the precision."""
+    import pytest
+
+    from test_parity import assert_close_dicts
+    from torchplug.testing.conformance import require_precision
+
+    require_precision(strategy, precision)
+    build = globals()[make]
+    reference_run = reference(build, precision=precision)
+    tolerance = {"bf16": 5e-2, "fp16": 1e-2}[precision]
+    options = {"precision": precision}
+    if strategy == "single":  # one process: this one
+        results = [train(strategy, options, build)]
+    else:
+        results = ranks.run(train, strategy, options, build, timeout=600)
+    for result in results:
+        assert result["losses"] == pytest.approx(reference_run["losses"], abs=tolerance)
+        params = {k: v.float() for k, v in result["params"].items()}
+        assert_close_dicts(params, reference_run["params"], atol=tolerance)

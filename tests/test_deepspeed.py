@@ -722,6 +722,17 @@ def test_fp16_resume_carries_deepspeeds_loss_scale(ranks, tmp_path):
 
 
 @needs_deepspeed
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", ["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"])
+@pytest.mark.parametrize("make", ["gpt2", "llama"])
+def test_hugging_face_models_train_in_low_precision_like_autocast(ranks, stage, precision, make):
+    pytest.importorskip("transformers")
+    import hf_models
+
+    hf_models.check_low_precision(ranks, stage, precision, make)
+
+
+@needs_deepspeed
 @pytest.mark.parametrize("stage", ["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"])
 def test_hugging_face_models_train_like_one_process(ranks, stage):
     """A tiny GPT-2 (tied embeddings, Conv1D) and Llama under every ZeRO stage."""

@@ -97,3 +97,13 @@ globals().update(classes("fairscale-sdp"))
 @pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
 def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precision):
     check_strategy(ranks, strategy, precision, tmp_path)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("strategy", ["fairscale-oss", "fairscale-sdp"])
+@pytest.mark.parametrize("make", ["gpt2", "llama"])
+def test_hugging_face_models_train_in_low_precision_like_autocast(ranks, strategy, precision, make):
+    pytest.importorskip("transformers")
+    import hf_models
+
+    hf_models.check_low_precision(ranks, strategy, precision, make)

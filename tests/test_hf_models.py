@@ -97,6 +97,16 @@ def test_gpt2_with_tied_embeddings_trains_like_one_process(ranks, gpt2_reference
         assert_close_dicts(result["params"], gpt2_reference["params"], atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("strategy", "precision"),
+    [("single", "bf16"), ("single", "fp16"), ("ddp", "bf16"), ("ddp", "fp16"), ("fsdp", "bf16")],
+)
+@pytest.mark.parametrize("make", ["gpt2", "llama"])
+def test_hugging_face_models_train_in_low_precision_like_autocast(ranks, strategy, precision, make):
+    """(DeepSpeed's and FairScale's precisions: in their own test files, same check.)"""
+    hf_models.check_low_precision(ranks, strategy, precision, make)
+
+
 def test_gpt2_checkpoint_moves_from_fsdp_to_single_continues_and_converts(ranks, tmp_path):
     """fsdp@2 trains 2 steps and saves; single loads it and trains 2 more, equal to 4 steps in
     one process; ``torchplug convert`` of that checkpoint loads into from_pretrained with the

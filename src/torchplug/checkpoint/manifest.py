@@ -554,12 +554,9 @@ def _disjoint_columns(shape: list[int], starts: torch.Tensor, sizes: torch.Tenso
     if count < 2:
         return True
     ends = starts + sizes
-    if (
-        len(shape) == 1
-        or (
-            bool((starts[:, 1:] == 0).all())
-            and bool((sizes[:, 1:] == torch.tensor(shape[1:], dtype=torch.int64)).all())
-        )
+    if len(shape) == 1 or (
+        bool((starts[:, 1:] == 0).all())
+        and bool((sizes[:, 1:] == torch.tensor(shape[1:], dtype=torch.int64)).all())
     ):  # split along the first dimension only (fsdp's rows): each ends where the next starts
         first, order = torch.sort(starts[:, 0])
         return bool((ends[order, 0][:-1] <= first[1:]).all())

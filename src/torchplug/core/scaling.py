@@ -297,9 +297,9 @@ def materialize(
     model's own initialisation (:func:`own_init`), as an eager build runs them."""
     check_initialisable(model)
     how = own_init(model)
-    ties = _ties(model)
+    ties = record_ties(model)
     model.to_empty(device=device)
-    _retie(ties)
+    restore_ties(ties)
     saved = torch.get_rng_state()
     if rng_state is not None:
         if _distributed():  # every rank materialises rank 0's model, whatever it seeded
@@ -325,9 +325,10 @@ def materialize(
             torch.set_rng_state(saved)
 
 
-def _ties(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
+def record_ties(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
     """Every slot that holds a tensor another slot holds first (a tied embedding and head):
-    ``to_empty`` allocates each slot on its own and would untie them silently."""
+    ``to_empty``, and ``.to()`` onto a device whose tensors are of another kind (XLA), make each
+    slot's tensor on its own and would untie them silently; :func:`restore_ties` after."""
     first: dict[int, tuple[torch.nn.Module, str]] = {}
     ties = []
     for module in model.modules():
@@ -342,7 +343,7 @@ def _ties(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.M
     return ties
 
 
-def _retie(ties: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> None:
+def restore_ties(ties: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> None:
     for module, name, owner, owner_name in ties:
         slots = module._parameters if name in module._parameters else module._buffers  # noqa: SLF001
         held = owner._parameters if owner_name in owner._parameters else owner._buffers  # noqa: SLF001

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from torchplug.core import scaling
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
@@ -142,7 +143,9 @@ class XLAStrategy(Strategy):
         self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         names = {id(p): name for name, p in model.named_parameters()}
+        ties = scaling.record_ties(model)
         model = model.to(engine.device)
+        scaling.restore_ties(ties)  # XLA tensors replace CPU ones slot by slot
         params = dict(model.named_parameters())
         for optimizer in optimizers:
             rebind_optimizer(optimizer, names, params, "moving the model to XLA replaces them")

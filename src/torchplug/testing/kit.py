@@ -76,6 +76,10 @@ class Outcome:
 
 #: Widened tolerance per precision: the same math reduced in another order rounds differently.
 LOW_PRECISION_TOLERANCE = {"bf16": 5e-2, "fp16": 1e-2}
+#: BatchNorm running statistics may differ from the reference's by this much of their size, or
+#: the tolerance: XLA's batch_norm computes the variance another way (0.1% off on one device).
+#: A rank's statistics from another share, or averaged over the ranks, are tens of percent off.
+STATS_RELATIVE = 1e-2
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -737,15 +741,14 @@ class Kit:
         else:
             stats = set(reference["own"][0])
             for rank, result in enumerate(results):
-                mine = result["params"] if rank == 0 else _without(result["params"], stats)
-                worst = max_diff(mine, _without(reference["params"], set() if rank == 0 else stats))
+                mine = _without(result["params"], stats)
+                worst = max_diff(mine, _without(reference["params"], stats))
                 worst_loss = max(
                     abs(a - b) for a, b in zip(result["losses"], reference["losses"], strict=True)
                 )
                 if max(worst, worst_loss) > tolerance:
-                    what = "parameters and buffers" if rank == 0 else "parameters"
                     problems.append(
-                        f"rank {rank}: {what} differ from plain PyTorch by {worst:.2e}, losses "
+                        f"rank {rank}: parameters differ from plain PyTorch by {worst:.2e}, losses "
                         f"by {worst_loss:.2e} (tolerance {tolerance:.0e})"
                     )
         for rank, result in enumerate(results):
@@ -758,7 +761,9 @@ class Kit:
                 and all(
                     torch.equal(mine[n], v)
                     if not v.is_floating_point()
-                    else tolerance is None or (mine[n].float() - v.float()).abs().max() <= tolerance
+                    else tolerance is None
+                    or (mine[n].float() - v).abs().max()
+                    <= max(tolerance, STATS_RELATIVE * float(v.abs().max()))
                     for n, v in reference[rule][dp].items()
                 )
             ]
