@@ -138,3 +138,29 @@ def test_a_failure_at_close_is_raised_after_the_engine_is_released(tmp_path, mon
         engine.close()
     assert engine._closed and not (tmp_path / "ckpt").exists()
     assert not list(tmp_path.iterdir())  # the temporary directory is gone too
+
+
+def test_consecutive_async_saves_reuse_the_host_copies_and_each_holds_its_own_step(tmp_path):
+    """The second save refills the first one's host copies (no fresh allocation) once the first
+    has committed; each checkpoint still holds exactly the state of its own call."""
+    from torchplug.checkpoint import background
+
+    with tp.Engine("single") as engine:
+        model = _model()
+        model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters()))
+        snapshots, pointers = [], []
+        for save in range(3):
+            _step(engine, model, optimizer, save)
+            snapshots.append(engine.full_state(model, optimizer))
+            engine.save(tmp_path / f"step-{save}", {"model": model, "optimizer": optimizer},
+                        async_=True)  # fmt: skip
+            _step(engine, model, optimizer, 100 + save)  # changed while it writes
+            engine.wait_for_save()
+            pointers.append({k: v.data_ptr() for k, v in engine._staging.items()})
+        assert pointers[0] and pointers[0] == pointers[1] == pointers[2]
+        for save, expected in enumerate(snapshots):
+            state = {"model": model, "optimizer": optimizer}
+            engine.load(tmp_path / f"step-{save}", state)
+            assert _same(expected, engine.full_state(model, optimizer)) == []
+    assert engine._staging == {}  # released at close
+    assert background.stage({"x": torch.ones(2)}, {"x": torch.zeros(3)})["x"].shape == (2,)

@@ -31,8 +31,11 @@ _HANDOFF: contextvars.ContextVar[PendingSave | None] = contextvars.ContextVar(
 class PendingSave:
     """One save's background part: started by :meth:`start`, awaited by :meth:`wait`."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, staging: dict[str, Any] | None = None) -> None:
         self.path = path
+        #: Host copies of an earlier async save of the same Engine (done: the Engine waits for
+        #: one save before the next), refilled in place rather than allocated anew.
+        self.staging = staging if staging is not None else {}
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._after: list[Callable[[], None]] = []
@@ -100,16 +103,33 @@ def taker() -> PendingSave | None:
     return _HANDOFF.get()
 
 
-def stage(tensors: dict[str, Any]) -> dict[str, Any]:
+def stage(tensors: dict[str, Any], staging: dict[str, Any] | None = None) -> dict[str, Any]:
     """Copies of what will be written, so training may change the originals at once: plain
-    tensors to host memory, DTensors (sharded state) as a local copy of this rank's shard."""
+    tensors to host memory, DTensors (sharded state) as a local copy of this rank's shard.
+    ``staging`` holds an earlier save's host copies: one of the same shape and dtype is filled
+    in place (fresh memory costs a page fault per page, which was most of the time the loop
+    waited); it then holds this save's copies for the next. Memory: one host copy of this
+    rank's state stays with the Engine between async saves, as torch DCP's cached staging."""
     from torch.distributed.tensor import DTensor
 
     staged: dict[str, Any] = {}
+    kept = staging if staging is not None else {}
     with torch.no_grad():
         for name, tensor in tensors.items():
             if isinstance(tensor, DTensor):
                 staged[name] = tensor.detach().clone()
+                continue
+            old = kept.get(name)
+            if (
+                isinstance(old, torch.Tensor)
+                and old.shape == tensor.shape
+                and old.dtype == tensor.dtype
+                and old.stride() == tensor.stride()
+            ):
+                staged[name] = old.copy_(tensor.detach())
             else:
                 staged[name] = tensor.detach().to("cpu", copy=True)
+    if staging is not None:
+        staging.clear()
+        staging.update({k: v for k, v in staged.items() if not isinstance(v, DTensor)})
     return staged

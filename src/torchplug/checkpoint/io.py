@@ -176,7 +176,9 @@ def save(
         mine = store.owned(tensors, engine.rank, owners)
         pending = background.taker() if native is None else None  # native: written already
         if pending is not None:
-            mine = co.run("staging state in memory", lambda: background.stage(mine))
+            mine = co.run(
+                "staging state in memory", lambda: background.stage(mine, pending.staging)
+            )
 
         def write() -> dict[str, Any]:
             try:

@@ -226,6 +226,7 @@ class Engine:
         self._undo: list[Callable[[], None]] = []
         self._preemption: Any = None
         self._pending_save: Any = None  # an asynchronous save in flight (checkpoint.background)
+        self._staging: dict[str, Any] = {}  # async saves' host copies, reused by the next one
         self._check_contract()
 
         try:
@@ -1059,7 +1060,7 @@ class Engine:
         state = {**state, **self._plugin_state()}
         from torchplug.checkpoint import background
 
-        pending = background.PendingSave(str(path)) if async_ else None
+        pending = background.PendingSave(str(path), self._staging) if async_ else None
         handoff = background.handing_off(pending) if pending else contextlib.nullcontext()
         with self.native_state_dicts(), handoff:
             done = self.hook.torchplug_save(
@@ -1190,6 +1191,7 @@ class Engine:
             failed_save = None
             try:
                 failed_save = self._finish_saving()
+                self._staging.clear()
                 self.loggers.close()
                 self.hook.torchplug_teardown(engine=self)
             finally:
