@@ -197,3 +197,33 @@ def test_compile_matches_eager(ranks, strategy):
 def test_compile_is_refused_where_the_backend_cannot_and_checked():
     with pytest.raises(tp.ConfigurationError, match="unknown torch.compile arguments"):
         tp.Engine("single", compile={"modee": "max-autotune"})
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and a head tied either way round, beside BatchNorm buffers."""
+
+    def __init__(self, head_takes_embedding: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10)
+        self.norm = torch.nn.BatchNorm1d(4)
+        if head_takes_embedding:  # GPT-2's way: the embedding's values are kept
+            self.head.weight = self.embed.weight
+        else:  # the other way: the head's are
+            self.embed.weight = self.head.weight
+
+
+@pytest.mark.parametrize("head_takes_embedding", [True, False])
+def test_meta_init_keeps_ties_and_the_tied_tensors_eager_values(head_takes_embedding):
+    """Built empty, a tied model comes out still tied and bit-equal to an eager build: the
+    tensor holds its creator's initialisation, and every module drew the RNG as eagerly."""
+    with tp.Engine("single") as engine:
+        torch.manual_seed(5)
+        with engine.init_module(empty=True):
+            model = _Tied(head_takes_embedding)
+        model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        torch.manual_seed(5)
+        eager = _Tied(head_takes_embedding)
+        assert model.head.weight is model.embed.weight
+        built = model.state_dict()
+        assert [k for k, v in eager.state_dict().items() if not torch.equal(v, built[k])] == []

@@ -43,7 +43,7 @@ def coordinator(engine: Engine, operation: str, path: str) -> Coordinator:
         path=path,
         rank=engine.rank,
         world_size=engine.world_size,
-        timeout=float(getattr(engine.backend, "timeout", 1800.0)),
+        timeout=engine.collective_timeout,
         arrival_timeout=engine.checkpoint_timeout,
     )
 

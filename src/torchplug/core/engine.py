@@ -20,7 +20,12 @@ from torchplug.core import cluster as cluster_mod
 from torchplug.core import config, dispatch, faults, manager
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.nested import map_tensors
-from torchplug.core.registry import StrategyInfo, normalize_precision, resolve_options
+from torchplug.core.registry import (
+    DEFAULT_TIMEOUT,
+    StrategyInfo,
+    normalize_precision,
+    resolve_options,
+)
 
 #: Hooks called on every training step: resolved once per Engine (see :mod:`.dispatch`).
 _PER_STEP = (
@@ -148,6 +153,7 @@ class Engine:
         #: BatchNorm statistics over the global batch (code argument, else the environment).
         self.sync_batchnorm = syncbn.setting(sync_batchnorm)
         self._meta_rng: torch.Tensor | None = None
+        self._meta_creators: dict[int, Any] = {}  # which module made each meta tensor
         self.precision_options: dict[str, Any] = {}
         self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
             weakref.WeakKeyDictionary()
@@ -246,7 +252,7 @@ class Engine:
                 torch.distributed.distributed_c10d._get_default_store(),
                 self.rank,
                 self.world_size,
-                float(self.options.get("timeout") or 1800.0),
+                self.collective_timeout,
             )
 
     # -- selection --------------------------------------------------------------------------------
@@ -454,7 +460,7 @@ class Engine:
         from torchplug.core.strategy import rebind_optimizer
 
         names = {id(p): name for name, p in model.named_parameters()}
-        scaling.materialize(model, device, self._meta_rng)
+        scaling.materialize(model, device, self._meta_rng, self._meta_creators)
         params = dict(model.named_parameters())
         for optimizer in optimizers:
             rebind_optimizer(optimizer, names, params, "materialising creates the parameters")
@@ -475,8 +481,10 @@ class Engine:
             with own:
                 yield
             return
+        from torchplug.core import scaling
+
         self._meta_rng = torch.get_rng_state()
-        with torch.device("meta"):
+        with torch.device("meta"), scaling.recording_creators(self._meta_creators):
             yield
 
     def _portable_state_dict(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -950,6 +958,19 @@ class Engine:
                 self._checker.check(
                     op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
                 )
+
+    @property
+    def collective_timeout(self) -> float:
+        """Seconds a collective, or a checkpoint's agreement between ranks, waits before it
+        gives up: the strategy's ``timeout`` option, else :data:`DEFAULT_TIMEOUT` (one setting,
+        read here by everything that waits on the other ranks)."""
+        return float(self.options.get("timeout") or DEFAULT_TIMEOUT)
+
+    @property
+    def accumulating(self) -> tuple[int, bool] | None:
+        """Inside ``engine.accumulate(model, steps)``: ``(steps, whether this micro-batch
+        synchronizes)``; ``None`` outside it. For backends whose step depends on it."""
+        return self._accumulating
 
     def _guarded(self, op: str, call: Callable[[], Any]) -> Any:
         timeout = self.options.get("timeout")

@@ -63,6 +63,11 @@ def normalize_precision(value: str | int | None) -> str:
     )
 
 
+#: Seconds before a collective (or a checkpoint phase) gives up, unless the strategy's
+#: ``timeout`` option says otherwise: the one default every backend and the checkpoint share.
+DEFAULT_TIMEOUT = 1800.0
+
+
 @dataclass(frozen=True)
 class Option:
     """One option of a strategy (``Engine(strategy=..., **options)``) or precision plugin."""

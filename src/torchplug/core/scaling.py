@@ -255,10 +255,50 @@ def _hf_order(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     return order
 
 
+#: Slots ``(id(module), name)`` holding a tied tensor another module created, while a model
+#: materialises: their module's reset writes into a scratch tensor there (see :func:`_reset`).
+_BORROWED: set[tuple[int, str]] = set()
+
+
 def _reset(module: torch.nn.Module) -> None:
-    if _own_tensors(module) and callable(getattr(module, "reset_parameters", None)):
+    """``module.reset_parameters()`` as an eager build ran it. A slot holding a tensor that
+    another module created (``head.weight = embed.weight``) gets a scratch tensor meanwhile: in
+    an eager build this module initialised its own tensor, drawing the same random numbers,
+    and the tie then threw those values away, so the creator's values are the ones kept."""
+    if not (_own_tensors(module) and callable(getattr(module, "reset_parameters", None))):
+        return
+    slots = {**module._parameters, **module._buffers}  # noqa: SLF001
+    borrowed = {n: slots[n] for n in _own_tensors(module) if (id(module), n) in _BORROWED}
+    for name, tensor in borrowed.items():
+        _put(module, name, torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu"), tensor)
+    try:
         with _on_cpu([module], full=False):
             module.reset_parameters()
+    finally:
+        for name, tensor in borrowed.items():
+            _put(module, name, tensor, like=tensor)
+
+
+@contextlib.contextmanager
+def recording_creators(into: dict[int, Any]) -> Iterator[None]:
+    """While a model is built: which module each parameter and buffer was first registered
+    on (its creator; a tie registers it again on another module), kept in ``into`` by the
+    tensor's id (the tensor itself held too, so the id stays its own)."""
+    from torch.nn.modules import module as module_mod
+
+    def record(module: torch.nn.Module, name: str, tensor: Any) -> None:
+        if tensor is not None and id(tensor) not in into:
+            into[id(tensor)] = (tensor, module, name)
+
+    handles = [
+        module_mod.register_module_parameter_registration_hook(record),
+        module_mod.register_module_buffer_registration_hook(record),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _is_hf_model(module: torch.nn.Module) -> bool:
@@ -289,7 +329,10 @@ def _replay_hugging_face(model: torch.nn.Module) -> None:
 
 
 def materialize(
-    model: torch.nn.Module, device: torch.device, rng_state: torch.Tensor | None
+    model: torch.nn.Module,
+    device: torch.device,
+    rng_state: torch.Tensor | None,
+    creators: dict[int, Any] | None = None,
 ) -> None:
     """Allocate a meta-device model on ``device`` and initialise it in place (sharded
     parameters: only this rank's shard is kept; each module's full tensors live, on the CPU,
@@ -297,9 +340,10 @@ def materialize(
     model's own initialisation (:func:`own_init`), as an eager build runs them."""
     check_initialisable(model)
     how = own_init(model)
-    ties = record_ties(model)
+    ties = record_ties(model, creators)
     model.to_empty(device=device)
     restore_ties(ties)
+    _BORROWED.update((id(module), name) for module, name, _, _ in ties)
     saved = torch.get_rng_state()
     if rng_state is not None:
         if _distributed():  # every rank materialises rank 0's model, whatever it seeded
@@ -321,25 +365,35 @@ def materialize(
                 with _on_cpu(list(model.modules()), full=True):
                     model.init_weights()
     finally:
+        _BORROWED.difference_update((id(module), name) for module, name, _, _ in ties)
         if rng_state is not None:
             torch.set_rng_state(saved)
 
 
-def record_ties(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
-    """Every slot that holds a tensor another slot holds first (a tied embedding and head):
+def record_ties(
+    model: torch.nn.Module, creators: dict[int, Any] | None = None
+) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
+    """Every slot holding a tensor another slot holds too (a tied embedding and head), with
+    the slot it is tied to: the tensor's creator (``creators``, from
+    :func:`recording_creators`) where known, else the first slot in module order.
     ``to_empty``, and ``.to()`` onto a device whose tensors are of another kind (XLA), make each
     slot's tensor on its own and would untie them silently; :func:`restore_ties` after."""
-    first: dict[int, tuple[torch.nn.Module, str]] = {}
-    ties = []
+    slots_of: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for module in model.modules():
         for slots in (module._parameters, module._buffers):  # noqa: SLF001
             for name, tensor in slots.items():
-                if tensor is None:
-                    continue
-                if id(tensor) in first:
-                    ties.append((module, name, *first[id(tensor)]))
-                else:
-                    first[id(tensor)] = (module, name)
+                if tensor is not None:
+                    slots_of.setdefault(id(tensor), []).append((module, name))
+    ties = []
+    for key, slots in slots_of.items():
+        if len(slots) < 2:
+            continue
+        made = (creators or {}).get(key)
+        owner = next(
+            (s for s in slots if made is not None and s[0] is made[1] and s[1] == made[2]),
+            slots[0],
+        )
+        ties += [(module, name, *owner) for module, name in slots if (module, name) != owner]
     return ties
 
 

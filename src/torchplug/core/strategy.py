@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from torchplug.core.cluster import free_port
 from torchplug.core.errors import ConfigurationError
-from torchplug.core.registry import Option
+from torchplug.core.registry import DEFAULT_TIMEOUT, Option
 from torchplug.core.spec import hookimpl
 
 if TYPE_CHECKING:
@@ -252,7 +252,7 @@ def distributed_options() -> tuple[Option, ...]:
         Option(
             "timeout",
             float,
-            1800.0,
+            DEFAULT_TIMEOUT,
             "seconds before a collective gives up",
             validate=positive_number("seconds", MAX_TIMEOUT),
         ),
@@ -262,7 +262,9 @@ def distributed_options() -> tuple[Option, ...]:
 class DistributedStrategy(Strategy):
     """A backend on a torch.distributed process group: created here unless one exists."""
 
-    def __init__(self, process_group_backend: str | None = None, timeout: float = 1800.0) -> None:
+    def __init__(
+        self, process_group_backend: str | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
         self.process_group_backend = process_group_backend
         self.timeout = timeout
         self.owns_process_group = False

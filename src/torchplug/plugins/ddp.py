@@ -12,7 +12,7 @@ from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo, positive_number
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DistributedStrategy, distributed_options
+from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, distributed_options
 
 #: DDP's own options, declared once: the registration, the defaults and what is passed to torch.
 DDP_OPTIONS: tuple[Option, ...] = (
@@ -32,7 +32,7 @@ DDP_OPTIONS: tuple[Option, ...] = (
 
 class DDPStrategy(DistributedStrategy):
     def __init__(
-        self, process_group_backend: str | None = None, timeout: float = 1800.0, **ddp: Any
+        self, process_group_backend: str | None = None, timeout: float = DEFAULT_TIMEOUT, **ddp: Any
     ) -> None:
         super().__init__(process_group_backend, timeout)
         defaults = {o.name: o.default for o in DDP_OPTIONS}

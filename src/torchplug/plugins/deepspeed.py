@@ -37,7 +37,7 @@ from torchplug.core.errors import CheckpointError, ConfigurationError
 from torchplug.core.nested import cast_floating
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DistributedStrategy, distributed_options
+from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, distributed_options
 
 INSTALL = "pip install torchplug[deepspeed]"
 OFFLOAD = ("none", "cpu", "nvme")
@@ -165,7 +165,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         nvme_path: str | None = None,
         config: dict[str, Any] | str | None = None,
         process_group_backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float = DEFAULT_TIMEOUT,
         native_checkpoint: bool = False,
         _named: bool = False,
     ) -> None:
@@ -400,7 +400,7 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_no_sync(self, engine: Engine, model: torch.nn.Module) -> Any:
-        if engine._accumulating is None:
+        if engine.accumulating is None:
             raise ConfigurationError(
                 "engine.no_sync() is not available with DeepSpeed (ZeRO partitions gradients as "
                 "they are reduced). Use engine.accumulate(model, steps) (it works on every "

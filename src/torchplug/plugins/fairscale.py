@@ -28,7 +28,7 @@ from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DistributedStrategy, distributed_options
+from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, distributed_options
 from torchplug.plugins.ddp import DDPStrategy
 
 INSTALL = "pip install torchplug[fairscale]"
@@ -137,7 +137,7 @@ class SDPStrategy(OSSCheckpointing, DistributedStrategy):
     def __init__(
         self,
         process_group_backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float = DEFAULT_TIMEOUT,
         reduce_buffer_size: int = 2**23,
     ) -> None:
         super().__init__(process_group_backend, timeout)

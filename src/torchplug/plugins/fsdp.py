@@ -19,7 +19,12 @@ from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DistributedStrategy, distributed_options, rebind_optimizer
+from torchplug.core.strategy import (
+    DEFAULT_TIMEOUT,
+    DistributedStrategy,
+    distributed_options,
+    rebind_optimizer,
+)
 
 
 def shard_units(
@@ -88,7 +93,7 @@ class FSDPStrategy(DistributedStrategy):
     def __init__(
         self,
         process_group_backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float = DEFAULT_TIMEOUT,
         shard_classes: list[str] | tuple[str, ...] = (),
         min_params: int = 0,
         reshard_after_forward: bool = True,

@@ -30,7 +30,7 @@ from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import distributed_options
+from torchplug.core.strategy import DEFAULT_TIMEOUT, distributed_options
 from torchplug.plugins.fsdp import (
     FSDPStrategy,
     finish_wrap,
@@ -120,7 +120,7 @@ class TensorParallelStrategy(FSDPStrategy):
     def __init__(
         self,
         process_group_backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float = DEFAULT_TIMEOUT,
         tp_plan: dict[str, Any] | Callable[..., Any] | None = None,
         tp_size: int | None = None,
         dp_size: int | None = None,

@@ -302,27 +302,6 @@ def train(
         }
 
 
-def materialized(
-    strategy: str,
-    plugins: Sequence[str] = (),
-    options: dict[str, Any] | None = None,
-    precision: str | None = None,
-    empty: bool = True,
-) -> dict[str, torch.Tensor]:
-    """The kit's model after setup, built on the meta device (``empty``) or eagerly on the CPU,
-    after the same seed: its full parameters by name (the two must be equal)."""
-    register(plugins)
-    with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
-        torch.manual_seed(11)
-        if empty:
-            with engine.init_module(empty=True):
-                model = _unseeded_model()
-        else:  # as users build models: on the CPU
-            model = _unseeded_model()
-        model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        return {k: v.float() for k, v in engine.full_state(model)["model"].items()}
-
-
 def barrier_waits(
     strategy: str,
     marker: str,
@@ -427,13 +406,6 @@ def held_elements(
             if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0
         )
         return {"params": params, "optimizer": state, "full": full}
-
-
-def _unseeded_model(width: int = 16) -> torch.nn.Module:
-    """:func:`make_model` without its own seeding (the caller seeds before init_module)."""
-    return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
-    )
 
 
 def _local(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -586,8 +586,8 @@ class Kit:
     def materialization(self) -> Outcome:
         """A model built with ``engine.init_module(empty=True)`` comes out of setup equal to the
         same model built eagerly (each rank allocating what the backend keeps)."""
-        eager = self.run(bodies.materialized, empty=False)
-        empty = self.run(bodies.materialized, empty=True)
+        eager = self.run(real_model.materialized, empty=False)
+        empty = self.run(real_model.materialized, empty=True)
         differ = sorted({n for e, m in zip(eager, empty, strict=True) for n in bit_exact(m, e)})
         return Outcome(
             "materialization",

@@ -60,11 +60,11 @@ class KitNet(torch.nn.Module):
 
     def __init__(self, width: int = 16) -> None:
         super().__init__()
-        # The head first: an eager build and a meta-device materialisation (each module's
-        # reset_parameters() in module order) then draw the RNG in the same order, and the tie
-        # leaves the embedding's initialisation in both.
-        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+        # Tied as GPT-2 ties them: the embedding made first, the head's own weight replaced
+        # by it (its initialisation drawn, then dropped). A meta-device build must keep the
+        # embedding's values, as this eager build does.
         self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         self.shift = Shift(DIM)
         self.conv = torch.nn.Conv1d(DIM, DIM, 3, padding=1)
@@ -264,3 +264,25 @@ def replica_reference() -> dict[str, torch.Tensor]:
     """Rank 0's model of :func:`replicas`, built eagerly in this process."""
     torch.manual_seed(REPLICA_SEED)
     return {k: v.float() for k, v in KitNet().state_dict().items()}
+
+
+def materialized(
+    strategy: str,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    precision: str | None = None,
+    empty: bool = True,
+) -> dict[str, torch.Tensor]:
+    """:class:`KitNet` after setup, built on the meta device (``empty``) or eagerly on the CPU,
+    after the same seed: its full parameters and buffers by name (the two must be equal, the
+    tied embedding holding the embedding's initialisation in both)."""
+    bodies.register(plugins)
+    with tp.Engine(strategy, precision=precision, **(options or {})) as engine:
+        torch.manual_seed(11)
+        if empty:
+            with engine.init_module(empty=True):
+                model = KitNet()
+        else:  # as users build models: on the CPU
+            model = KitNet()
+        model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return {k: v.float() for k, v in engine.full_state(model)["model"].items()}
