@@ -744,3 +744,21 @@ def test_hugging_face_models_train_like_one_process(ranks, stage):
         for result in ranks.run(hf_models.train, stage, {}, make, timeout=600):
             assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
             assert_close_dicts(result["params"], reference["params"], atol=1e-5)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("source", ["ddp", "fsdp"])
+def test_batchnorm_checkpoints_load_rank_zeros_statistics_into_zero3(ranks, tmp_path, source):
+    """A ResNet-shaped model whose ranks hold different BatchNorm statistics, saved under ddp or
+    fsdp, loads into ZeRO-3 with exactly rank 0's statistics on every rank, and its eval logits
+    equal rank 0's model."""
+    from test_real_models import load_into, train_bn_and_save
+
+    path = str(tmp_path / "ckpt")
+    saved = ranks.run(train_bn_and_save, source, path, timeout=600)
+    rank0 = saved[0]
+    assert any(not torch.equal(v, saved[1]["buffers"][k]) for k, v in rank0["buffers"].items())
+    for loaded in ranks.run(load_into, "deepspeed-zero3", path, timeout=600):
+        for name, value in rank0["buffers"].items():
+            assert torch.equal(loaded["buffers"][name], value), name
+        torch.testing.assert_close(loaded["logits"], rank0["logits"], rtol=0, atol=1e-5)
