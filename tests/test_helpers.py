@@ -318,3 +318,72 @@ def tensor_parallel_gather() -> list:
 def test_gather_for_metrics_counts_a_tensor_parallel_replica_once(ranks):
     results = ranks.run(tensor_parallel_gather, timeout=60)
     assert results[0] == results[1] == list(range(7))
+
+
+def split_and_pad(n: int) -> dict:
+    """What each rank gets of ``n`` items (list, tensor, dict; padded and not), a rank-sized
+    tensor padded across processes, and the stop triggers."""
+    with tp.Engine("ddp") as engine:
+        items = list(range(n))
+        out = {}
+        with engine.split_between_processes(items) as mine:
+            out["list"] = mine
+        with engine.split_between_processes(items, apply_padding=True) as mine:
+            out["padded"] = mine
+        with engine.split_between_processes(torch.arange(n), apply_padding=True) as mine:
+            out["tensor"] = mine.tolist()
+        with engine.split_between_processes({"a": items, "b": tuple(items)}) as mine:
+            out["dict"] = mine
+        mine = torch.full((engine.rank + 1, 2), float(engine.rank))
+        out["pad_last"] = engine.pad_across_processes(mine, dim=0, pad_index=-1).tolist()
+        out["pad_first"] = engine.pad_across_processes(mine, 0, -1, pad_first=True).tolist()
+        out["any"] = engine.any(engine.rank == 1)
+        out["all"] = engine.all(engine.rank == 1)
+        out["all_true"] = engine.all(True)
+        return out
+
+
+@pytest.mark.parametrize("n", [5, 4, 1])
+def test_split_between_processes_gives_contiguous_parts_and_pads_them_alike(ranks, n):
+    results = ranks.run(split_and_pad, n, timeout=120)
+    parts = [r["list"] for r in results]
+    assert parts[0] + parts[1] == list(range(n))  # every item once, in order
+    assert len(parts[0]) - len(parts[1]) in (0, 1)  # the first part the longer
+    longest = len(parts[0])
+    for r in results:
+        assert len(r["padded"]) == len(r["tensor"]) == longest
+        assert r["padded"] == r["tensor"]
+        assert r["dict"] == {"a": r["list"], "b": tuple(r["list"])}
+    if n == 5:
+        assert [r["padded"] for r in results] == [[0, 1, 2], [3, 4, 4]]
+    if n == 1:
+        assert [r["padded"] for r in results] == [[0], [0]]  # an empty part repeats the last
+
+
+def test_pad_across_processes_and_the_stop_triggers_agree_on_every_rank(ranks):
+    zero, one = ranks.run(split_and_pad, 3, timeout=120)
+    assert zero["pad_last"] == [[0.0, 0.0], [-1.0, -1.0]]
+    assert zero["pad_first"] == [[-1.0, -1.0], [0.0, 0.0]]
+    assert one["pad_last"] == one["pad_first"] == [[1.0, 1.0], [1.0, 1.0]]
+    assert zero["any"] is one["any"] is True
+    assert zero["all"] is one["all"] is False
+    assert zero["all_true"] is one["all_true"] is True
+
+
+def test_split_between_processes_in_one_process_and_its_errors():
+    with tp.Engine("single") as engine:
+        with engine.split_between_processes([1, 2, 3]) as mine:
+            assert mine == [1, 2, 3]
+        with (
+            pytest.raises(tp.ConfigurationError, match="expected a list, tuple, tensor"),
+            engine.split_between_processes(iter([1])),
+        ):
+            pass
+        with (
+            pytest.raises(tp.ConfigurationError, match="of different lengths"),
+            engine.split_between_processes({"a": [1], "b": [1, 2]}),
+        ):
+            pass
+        with pytest.raises(tp.ConfigurationError, match="expected a dim in"):
+            engine.pad_across_processes(torch.ones(2), dim=3)
+        assert engine.any(False) is False and engine.all(True) is True

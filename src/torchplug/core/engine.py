@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from torchplug.core import cluster as cluster_mod
-from torchplug.core import config, dispatch, faults, manager
+from torchplug.core import config, dispatch, faults, manager, sharing
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.nested import map_tensors
 from torchplug.core.registry import (
@@ -804,6 +804,41 @@ class Engine:
         self._check_collective("gather", tensor)
         result = self._guarded("gather", lambda: self._call.torchplug_gather(self, tensor))
         return self._answer("torchplug_gather", result, torch.Tensor, "a tensor")
+
+    @contextlib.contextmanager
+    def split_between_processes(self, items: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's contiguous part of ``items`` (a list, tuple, tensor along dimension
+        0, or a dict of those), as Accelerate's: 5 prompts on 2 ranks are ``[0, 1, 2]`` and
+        ``[3, 4]``. Parts follow the data-parallel rank (a tensor-parallel group shares one).
+        ``apply_padding=True`` makes every part as long as the longest by repeating its last
+        item, so a later :meth:`gather` lines up; drop the repeats after gathering.
+
+        ``with engine.split_between_processes(prompts) as mine: outputs = generate(mine)``
+        """
+        yield sharing.split(items, self.data_parallel_rank, self.data_parallel_size, apply_padding)
+
+    def pad_across_processes(
+        self, tensor: torch.Tensor, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
+    ) -> torch.Tensor:
+        """``tensor`` padded with ``pad_index`` along ``dim`` to the largest size any rank has
+        there (a collective: every rank calls it), so tensors of different lengths (generated
+        tokens) can be gathered. ``pad_first``: pad before the data (left padding)."""
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ConfigurationError(
+                f"pad_across_processes(dim={dim}) on a tensor of {tensor.dim()} dimensions; "
+                f"expected a dim in [{-tensor.dim()}, {tensor.dim() - 1}]."
+            )
+        size = int(self.reduce(float(tensor.shape[dim]), "max").item())
+        return sharing.pad_to(tensor, size, dim % tensor.dim(), pad_index, pad_first)
+
+    def any(self, flag: bool | torch.Tensor) -> bool:
+        """True on every rank if ``flag`` is true on any rank: a stop trigger for your own loop
+        (``if engine.any(loss.isnan()): break`` leaves every rank together)."""
+        return bool(self.reduce(float(bool(flag)), "max").item() > 0)
+
+    def all(self, flag: bool | torch.Tensor) -> bool:
+        """True on every rank if ``flag`` is true on every rank."""
+        return bool(self.reduce(float(bool(flag)), "min").item() > 0)
 
     def gather_for_metrics(self, data: Any, padding: int | None = None) -> Any:
         """Every rank's ``data`` joined along the first dimension, without the padding.
