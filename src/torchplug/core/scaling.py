@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -255,12 +256,11 @@ def _hf_order(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     return order
 
 
-#: Slots ``(id(module), name)`` holding a tied tensor another module created, while a model
-#: materialises: their module's reset writes into a scratch tensor there (see :func:`_reset`).
-_BORROWED: set[tuple[int, str]] = set()
+#: Slots ``(id(module), name)`` holding a tied tensor another module created.
+Borrowed = AbstractSet[tuple[int, str]]
 
 
-def _reset(module: torch.nn.Module) -> None:
+def _reset(module: torch.nn.Module, borrowed_slots: Borrowed = frozenset()) -> None:
     """``module.reset_parameters()`` as an eager build ran it. A slot holding a tensor that
     another module created (``head.weight = embed.weight``) gets a scratch tensor meanwhile: in
     an eager build this module initialised its own tensor, drawing the same random numbers,
@@ -268,7 +268,7 @@ def _reset(module: torch.nn.Module) -> None:
     if not (_own_tensors(module) and callable(getattr(module, "reset_parameters", None))):
         return
     slots = {**module._parameters, **module._buffers}  # noqa: SLF001
-    borrowed = {n: slots[n] for n in _own_tensors(module) if (id(module), n) in _BORROWED}
+    borrowed = {n: slots[n] for n in _own_tensors(module) if (id(module), n) in borrowed_slots}
     for name, tensor in borrowed.items():
         _put(module, name, torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu"), tensor)
     try:
@@ -307,7 +307,7 @@ def _is_hf_model(module: torch.nn.Module) -> bool:
     )
 
 
-def _replay_hugging_face(model: torch.nn.Module) -> None:
+def _replay_hugging_face(model: torch.nn.Module, borrowed: Borrowed) -> None:
     """A Hugging Face model's eager initialisation, in its order: each layer's
     ``reset_parameters()`` as it is built, and at the end of each (sub-)model's ``__init__`` its
     ``post_init``, which applies ``_init_weights`` to every module of it not initialised yet
@@ -315,7 +315,7 @@ def _replay_hugging_face(model: torch.nn.Module) -> None:
     custom = model.is_custom_code() if callable(getattr(model, "is_custom_code", None)) else False
 
     def visit(module: torch.nn.Module) -> None:
-        _reset(module)
+        _reset(module, borrowed)
         for child in module.children():
             visit(child)
         if _is_hf_model(module):
@@ -343,7 +343,7 @@ def materialize(
     ties = record_ties(model, creators)
     model.to_empty(device=device)
     restore_ties(ties)
-    _BORROWED.update((id(module), name) for module, name, _, _ in ties)
+    borrowed = {(id(module), name) for module, name, _, _ in ties}
     saved = torch.get_rng_state()
     if rng_state is not None:
         if _distributed():  # every rank materialises rank 0's model, whatever it seeded
@@ -357,15 +357,14 @@ def materialize(
         torch.set_rng_state(rng_state)
     try:
         if how == "hf":
-            _replay_hugging_face(model)
+            _replay_hugging_face(model, borrowed)
         else:
             for module in model.modules():
-                _reset(module)
+                _reset(module, borrowed)
             if how == "init_weights":  # model-wide: the whole model on the CPU while it runs
                 with _on_cpu(list(model.modules()), full=True):
                     model.init_weights()
     finally:
-        _BORROWED.difference_update((id(module), name) for module, name, _, _ in ties)
         if rng_state is not None:
             torch.set_rng_state(saved)
 
