@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             ["--out", str(jsonl), "--rounds", str(rounds if not smoke else 2)] + shape,
             timeout=600,
         )
+        if installed("deepspeed"):  # issue 25: a ZeRO-3 save holds its share, not the model
+            small = ["--width", "256", "--depth", "4"] if smoke else []
+            _torchrun(2, "benchmarks.save_memory", ["--out", str(jsonl)] + small, timeout=600)
 
     def gpu() -> None:
         import torch

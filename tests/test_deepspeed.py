@@ -762,3 +762,65 @@ def test_batchnorm_checkpoints_load_rank_zeros_statistics_into_zero3(ranks, tmp_
         for name, value in rank0["buffers"].items():
             assert torch.equal(loaded["buffers"][name], value), name
         torch.testing.assert_close(loaded["logits"], rank0["logits"], rtol=0, atol=1e-5)
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every storage a live CPU tensor holds, each storage counted once."""
+    import gc
+
+    found: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            try:
+                storage = obj.untyped_storage()
+            except RuntimeError:
+                continue
+            if storage.nbytes():
+                found[storage.data_ptr()] = storage.nbytes()
+    return sum(found.values())
+
+
+def zero3_save_holds(path: str) -> dict[str, int]:
+    """Train ZeRO-3 one AdamW step, then save; what the save held when it began writing (new
+    tensor bytes since before the save), what it wrote, the rank's fair share of the full state
+    and its largest tensor."""
+    from torchplug.checkpoint import tensors as store
+
+    engine = tp.Engine("deepspeed-zero3", timeout=120.0)
+    with engine.init_module(empty=True):
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])
+    model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    engine.backward(model(torch.randn(4, 256)).square().mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    full = [p.ds_numel * 4 for p in model.parameters()] * 3  # fp32 weights, exp_avg, exp_avg_sq
+    seen: dict[str, int] = {}
+    real = store.write
+
+    def spy(root: Any, tensors: dict[str, torch.Tensor], rank: int) -> Any:
+        seen["held"] = _live_tensor_bytes() - before
+        seen["written"] = sum(t.numel() * t.element_size() for t in tensors.values())
+        return real(root, tensors, rank)
+
+    store.write = spy  # this rank's process only
+    try:
+        before = _live_tensor_bytes()
+        engine.save(path, {"model": model, "optimizer": optimizer})
+    finally:
+        store.write = real
+    engine.close()
+    return {**seen, "share": sum(full) // engine.world_size, "largest": max(full)}
+
+
+@needs_deepspeed
+def test_zero3_save_holds_its_share_of_the_state_not_the_whole_model(ranks, tmp_path):
+    """Issue 25 item 8: each full tensor is gathered once the save knows which rank writes it,
+    and kept only there; before, every rank held the whole model and optimizer state."""
+    results = ranks.run(zero3_save_holds, str(tmp_path / "ckpt"), timeout=300)
+    for held in results:
+        assert held["held"] <= held["share"] + held["largest"] + 64 * 1024, held
+        assert held["written"] >= held["share"] - held["largest"], held
+    assert sum(h["written"] for h in results) >= 2 * results[0]["share"] - 64 * 1024
+    empty = {"model": None, "optimizer": None}
+    state = tp.Engine("single").load(tmp_path / "ckpt", empty, strict=False)
+    assert len(state["model"]) == 24 and len(state["optimizer"]["state"]) == 24

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchplug.checkpoint import background, verify
+from torchplug.checkpoint import background, deferred, verify
 from torchplug.checkpoint import files as fs
 from torchplug.checkpoint import manifest as mf
 from torchplug.checkpoint import tensors as store
@@ -107,10 +107,10 @@ def replicated(kind: str, key: str, obj: Any, payload: Any, paths: set[str]) -> 
             storages.add(buffer.untyped_storage().data_ptr())
     buffers = set()
     for name, value in payload.items():
-        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+        if not isinstance(name, str) or not isinstance(value, (torch.Tensor, deferred.Deferred)):
             continue
         shared = False
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(RuntimeError, AttributeError):  # meta, fake, deferred
             shared = value.untyped_storage().data_ptr() in storages and value.numel() > 0
         if unwrapped(name) in names or shared:
             buffers.add(f"{key}/{name}")
@@ -163,7 +163,8 @@ def save(
             else:
                 found = ({}, {})
                 for key, obj in state.items():
-                    kind, payload = capture(engine, key, obj, state)
+                    with deferred.deferring():
+                        kind, payload = capture(engine, key, obj, state)
                     before = set(found[1])
                     found[0][key] = {"kind": kind, "data": mf.encode(payload, key, found[1])}
                     spread.update(replicated(kind, key, obj, payload, set(found[1]) - before))
@@ -174,6 +175,8 @@ def save(
         taken = co.run("capturing state", take, share=True)
         owners = store.assign([t["sizes"] for t in taken], [set(t["spread"]) for t in taken])
         mine = store.owned(tensors, engine.rank, owners)
+        if any(isinstance(t, deferred.Deferred) for t in tensors.values()):
+            mine = co.run("gathering state", lambda: deferred.produce(tensors, mine))
         pending = background.taker() if native is None else None  # native: written already
         if pending is not None:
             mine = co.run(
@@ -453,7 +456,8 @@ def _plan(
                 targets.update(store.allocate(index, [n for n in names if n not in found]))
         else:
             if kind == "module":
-                live = engine.hook.torchplug_model_state(engine=engine, model=target)
+                with deferred.deferring():  # only the names are compared: nothing gathered
+                    live = engine.hook.torchplug_model_state(engine=engine, model=target)
                 _compare(root, key, set(names), set(_names(live, key)), strict, kind)
             targets.update(store.allocate(index, names))
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from torchplug.checkpoint.deferred import Deferred
 from torchplug.core.errors import CheckpointError
 
 FORMAT = "torchplug-checkpoint"
@@ -105,7 +106,7 @@ def encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     Tuples, dicts with non-string keys and tensors are tagged so that :func:`decode` restores
     them exactly. Anything else that JSON cannot hold is refused: no pickles.
     """
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, (torch.Tensor, Deferred)):
         if path in tensors:
             raise CheckpointError(f"Two tensors in the state map to the name {path!r}.")
         dtype_name(obj.dtype)

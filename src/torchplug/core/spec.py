@@ -281,6 +281,12 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
 
     Sharded backends return DTensor shards; checkpoints store them by their global shape, so any
     strategy can load them. Also used by :meth:`Engine.full_state`.
+
+    A backend that must gather a full tensor with a collective (ZeRO-3) may, while
+    ``torchplug.checkpoint.deferred.wanted()`` is true (inside a save), return a
+    ``Deferred(shape, dtype, produce)`` instead: the save calls ``produce`` on every rank in
+    name order once it knows which rank writes the tensor, and keeps it only there, so no rank
+    holds the whole model. The same holds for :func:`torchplug_optimizer_state`.
     """
 
 

@@ -73,25 +73,53 @@ def _set_full(param: torch.nn.Parameter, value: torch.Tensor, key: str | None = 
         utils.safe_set_local_optimizer_state(param, local, key)
 
 
-def model_state(module: torch.nn.Module, lowered: bool) -> dict[str, torch.Tensor]:
-    """Every entry of ``module.state_dict()``, full and on the CPU; trainable parameters are
-    DeepSpeed's fp32 master weights. ``lowered``: DeepSpeed cast the module to bf16/fp16, so the
-    other floating entries go back to fp32 (the dtype the model had before setup)."""
+def _full_value(tensor: torch.Tensor, lowered: bool) -> torch.Tensor:
+    """One state_dict entry, full and on the CPU (a collective for a partitioned parameter)."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    result: dict[str, torch.Tensor] = {}
+    value = None
+    if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+        value = safe_get_full_fp32_param(tensor)
+    if value is None:
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+            value = tensor.detach().clone()
+    value = value.detach().reshape(_full_shape(tensor)).cpu().clone()
+    if lowered and value.is_floating_point():
+        value = value.float()
+    return value
+
+
+def _full_dtype(tensor: torch.Tensor, lowered: bool) -> torch.dtype:
+    """The dtype :func:`_full_value` gives ``tensor``, known without gathering it."""
+    if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+        return torch.float32  # DeepSpeed's master weights
+    if lowered and tensor.dtype.is_floating_point:
+        return torch.float32
+    return tensor.dtype
+
+
+def model_state(module: torch.nn.Module, lowered: bool) -> dict[str, Any]:
+    """Every entry of ``module.state_dict()``, full and on the CPU; trainable parameters are
+    DeepSpeed's fp32 master weights. ``lowered``: DeepSpeed cast the module to bf16/fp16, so the
+    other floating entries go back to fp32 (the dtype the model had before setup).
+
+    Inside a save (:func:`torchplug.checkpoint.deferred.wanted`) parameters are promised, not
+    gathered: the save gathers each once it knows which rank writes it, so no rank holds the
+    whole model. Buffers (never partitioned, each rank's own) are taken at once."""
+    from torchplug.checkpoint import deferred
+
+    defer = deferred.wanted()
+    result: dict[str, Any] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
-        value = None
-        if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
-            value = safe_get_full_fp32_param(tensor)
-        if value is None:
-            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                value = tensor.detach().clone()
-        value = value.detach().reshape(_full_shape(tensor)).cpu().clone()
-        if lowered and value.is_floating_point():
-            value = value.float()
-        result[name] = value
+        if defer and isinstance(tensor, torch.nn.Parameter):
+            result[name] = deferred.Deferred(
+                tuple(_full_shape(tensor)),
+                _full_dtype(tensor, lowered),
+                lambda tensor=tensor: _full_value(tensor, lowered),
+            )
+        else:
+            result[name] = _full_value(tensor, lowered)
     return result
 
 
@@ -170,6 +198,14 @@ def optimizer_state(
     if not any(states.values()):  # no step taken yet: nothing but the hyperparameters
         return {"state": {}, "param_groups": groups}
     _relink(ds_optimizer)
+    from torchplug.checkpoint import deferred
+
+    defer = deferred.wanted()
+
+    def full(param: torch.nn.Parameter, key: str) -> torch.Tensor:
+        value = safe_get_full_optimizer_state(param, key)
+        return value.detach().reshape(_full_shape(param)).cpu().clone()
+
     result: dict[str, dict[str, Any]] = {}
     for i, group_names in enumerate(names):
         group_state = states.get(i) or {}
@@ -181,8 +217,13 @@ def optimizer_state(
                 continue
             entry = {k: _copy(v) for k, v in shared.items()}
             for key in keys:
-                full = safe_get_full_optimizer_state(param, key)
-                entry[key] = full.detach().reshape(_full_shape(param)).cpu().clone()
+                if defer:  # gathered by the save, one tensor at a time (see model_state)
+                    dtype = group_state[key].dtype
+                    entry[key] = deferred.Deferred(
+                        tuple(_full_shape(param)), dtype, lambda p=param, k=key: full(p, k)
+                    )
+                else:
+                    entry[key] = full(param, key)
             result[name] = entry
     return {"state": result, "param_groups": groups}
 
