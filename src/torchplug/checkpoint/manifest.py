@@ -13,7 +13,6 @@ them) but never read.
 
 from __future__ import annotations
 
-import array
 import bisect
 import datetime
 import hashlib
@@ -21,6 +20,7 @@ import itertools
 import json
 import operator
 import re
+import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -497,7 +497,7 @@ def _columns(
         return None
     try:
         offs, sizes, offset, length, names = (list(map(f, chunks)) for f in _FIELDS)
-        room = array.array("q", map(file_sizes.__getitem__, names))
+        room = struct.pack(f"{count}q", *map(file_sizes.__getitem__, names))
         if set(map(len, offs)) != {dims} or set(map(len, sizes)) != {dims}:
             return None
         try:
@@ -506,20 +506,17 @@ def _columns(
             if any(map(operator.contains, chunks, itertools.repeat("raw"))):
                 return None  # some with a raw position, some without
             raws = []
+        flat = itertools.chain.from_iterable
+        numbers = (2 * dims + 2 + bool(raws)) * count
+        # struct packs from an argument tuple at C speed (array.array from an iterator went
+        # one element at a time, most of the time here); it refuses non-integers and overflow
         column = torch.frombuffer(
-            array.array(
-                "q",
-                itertools.chain(
-                    itertools.chain.from_iterable(offs),
-                    itertools.chain.from_iterable(sizes),
-                    offset,
-                    length,
-                    raws,
-                ),
+            bytearray(
+                struct.pack(f"{numbers}q", *flat(offs), *flat(sizes), *offset, *length, *raws)
             ),
             dtype=torch.int64,
         )
-    except (KeyError, TypeError, OverflowError):
+    except (KeyError, TypeError, OverflowError, struct.error):
         return None
     cells = count * dims
     o = column[:cells].view(count, dims)
@@ -533,7 +530,7 @@ def _columns(
         return None
     nbytes = s.prod(dim=1) * itemsize  # sizes <= shape: at most the tensor's bytes
     ok = (o <= bound - s).all(dim=1)
-    ok &= start <= torch.frombuffer(room, dtype=torch.int64) - span
+    ok &= start <= torch.frombuffer(bytearray(room), dtype=torch.int64) - span
     ok &= nbytes <= span
     if raws:
         raw = column[2 * cells + 2 * count :]
