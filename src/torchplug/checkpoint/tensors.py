@@ -16,8 +16,10 @@ import ctypes
 import dataclasses
 import hashlib
 import io
+import os
 import struct
 import sys
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -122,21 +124,63 @@ def _without_record_crc32() -> Iterator[None]:
         set_(previous)
 
 
+#: Bytes written between two early writebacks (see :class:`_HashingStream`).
+_WRITEBACK_EVERY = 16 << 20
+
+
 class _HashingStream(io.RawIOBase):
     """A write-only file that hashes what passes through it, so a file is hashed while it is
-    written instead of being read back afterwards."""
+    written instead of being read back afterwards.
+
+    Every ``_WRITEBACK_EVERY`` bytes it also starts the disk writing what is written so far
+    (``fdatasync`` on a background thread, which waits on the disk without the GIL) while this
+    thread goes on hashing and writing: the final fsync then has only the tail left, so the
+    hash costs no extra time over a plain save that fsyncs. Durability is unchanged: the writer
+    still fsyncs the whole file at the end (through :meth:`fileno`)."""
 
     def __init__(self, raw: Any, digest: Any) -> None:
         super().__init__()
         self._raw = raw
         self._digest = digest
+        self._unsynced = 0
+        self._syncing: threading.Thread | None = None
+        self._sync_error: OSError | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         self._digest.update(data)
-        return self._raw.write(data)
+        written = self._raw.write(data)
+        self._unsynced += written
+        if self._unsynced >= _WRITEBACK_EVERY and not (self._syncing and self._syncing.is_alive()):
+            self._raise_sync_error()
+            self._raw.flush()
+            self._unsynced = 0
+            self._syncing = threading.Thread(target=self._writeback, daemon=True)
+            self._syncing.start()
+        return written
+
+    def _writeback(self) -> None:
+        try:
+            os.fdatasync(self._raw.fileno())
+        except OSError as exc:  # raised in the writing thread (the next write or the end)
+            self._sync_error = exc
+
+    def _raise_sync_error(self) -> None:
+        if self._sync_error is not None:
+            raise self._sync_error
+
+    def join(self) -> None:
+        """Wait for the early writeback: none may outlive the file descriptor."""
+        if self._syncing is not None:
+            self._syncing.join()
+            self._syncing = None
+
+    def finish(self) -> None:
+        """Wait for the early writeback and raise its error, if it had one."""
+        self.join()
+        self._raise_sync_error()
 
     def tell(self) -> int:
         return self._raw.tell()
@@ -162,8 +206,13 @@ def _hashing_file_system(digests: dict[str, str]) -> Any:
                 return
             digest = hashlib.sha256()
             with Path(path).open(mode) as raw:
-                yield _HashingStream(raw, digest)
-                raw.flush()
+                stream = _HashingStream(raw, digest)
+                try:
+                    yield stream
+                    raw.flush()
+                    stream.finish()
+                finally:
+                    stream.join()
             digests[Path(path).name] = digest.hexdigest()
 
     return HashingFileSystem()
