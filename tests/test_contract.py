@@ -188,3 +188,37 @@ def test_amp_wraps_the_backends_step_instead_of_replacing_it():
         assert RecordingStep.calls == 2  # the backend's step ran (its syncs and flushes) ...
         assert optimizer.step_was_skipped  # ... but the update did not
         assert torch.equal(model.weight, before)
+
+
+def test_every_hook_declares_its_contract_beside_its_specification():
+    """Issue 26 item 1: spec.py holds the whole contract; the manager, the Engine's dispatch and
+    answer checks and docs/hooks.md read it from there (the sets below are what each held
+    before, written out so that a changed contract is a visible change)."""
+    from torchplug.core import engine, hookdoc, manager, spec
+
+    specified = {name for name, _ in hookdoc.hooks()}
+    assert set(spec.CONTRACTS) == specified
+    assert {c.kind for c in spec.CONTRACTS.values()} == {
+        "registration", "strategy", "installed plugins"
+    }  # fmt: skip
+    assert spec.hooks_where(kind="installed plugins") == {
+        "torchplug_cluster_environment", "torchplug_convert_checkpoint",
+        "torchplug_read_checkpoint",
+    }  # fmt: skip
+    optional = {
+        "torchplug_teardown", "torchplug_compile", "torchplug_init_module",
+        "torchplug_checkpoint_state",
+    }  # fmt: skip
+    assert manager.STRATEGY_HOOKS == spec.hooks_where(kind="strategy")
+    assert manager.ACTION_HOOKS == manager.STRATEGY_HOOKS - optional
+    assert set(engine._PER_STEP) == {
+        "torchplug_backward", "torchplug_optimizer_step", "torchplug_reduce",
+        "torchplug_gather", "torchplug_place_batch", "torchplug_clip_grad_norm",
+        "torchplug_no_sync", "torchplug_autocast", "torchplug_barrier",
+    }  # fmt: skip
+    for name, declared in spec.CONTRACTS.items():
+        assert declared.called, name
+        assert declared.required <= (declared.kind == "strategy"), name
+        if declared.answer is not None:
+            assert isinstance(engine._ANSWER_TYPES[declared.answer](), type), name
+            assert declared.answer_text, name

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from torchplug.core import cluster as cluster_mod
-from torchplug.core import config, dispatch, faults, manager, sharing
+from torchplug.core import config, dispatch, faults, manager, sharing, spec
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.nested import map_tensors
 from torchplug.core.registry import (
@@ -28,17 +28,17 @@ from torchplug.core.registry import (
 )
 
 #: Hooks called on every training step: resolved once per Engine (see :mod:`.dispatch`).
-_PER_STEP = (
-    "torchplug_backward",
-    "torchplug_optimizer_step",
-    "torchplug_reduce",
-    "torchplug_gather",
-    "torchplug_place_batch",
-    "torchplug_clip_grad_norm",
-    "torchplug_no_sync",
-    "torchplug_autocast",
-    "torchplug_barrier",
-)
+_PER_STEP = tuple(sorted(spec.hooks_where(per_step=True)))
+
+#: The answer types contracts name (torchplug.core.spec.Contract.answer), resolved on use.
+_ANSWER_TYPES: dict[str | None, Callable[[], Any]] = {
+    "bool": lambda: bool,
+    "dict": lambda: dict,
+    "tuple": lambda: tuple,
+    "torch.Tensor": lambda: torch.Tensor,
+    "torch.nn.Module": lambda: torch.nn.Module,
+    "contextlib.AbstractContextManager": lambda: contextlib.AbstractContextManager,
+}
 
 
 @dataclass(frozen=True)
@@ -299,8 +299,12 @@ class Engine:
                 f"to inherit the defaults, or implement them."
             )
 
-    def _answer(self, hook: str, result: Any, expected: Any, what: str) -> Any:
-        """``result`` if it is what ``hook`` must return, else an error naming the hook."""
+    def _answer(self, hook: str, result: Any, expected: Any = None, what: str = "") -> Any:
+        """``result`` if it is what ``hook`` must return (its contract's answer type, unless
+        ``expected`` narrows it), else an error naming the hook."""
+        if expected is None:
+            declared = spec.CONTRACTS[hook]
+            expected, what = _ANSWER_TYPES[declared.answer](), declared.answer_text
         if not isinstance(result, expected):
             shown = repr(result)
             shown = shown if len(shown) < 60 else shown[:57] + "..."
@@ -427,7 +431,7 @@ class Engine:
             # replicated: the whole model, on the CPU as an eager build; the wrap moves it
             self._materialize(model, optimizers, torch.device("cpu"))
         result = self.hook.torchplug_wrap(engine=self, model=model, optimizers=list(optimizers))
-        self._answer("torchplug_wrap", result, tuple, "(model, [optimizers])")
+        self._answer("torchplug_wrap", result)
         wrapped, wrapped_optimizers = result
         self._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
         if meta and scaling.is_meta(wrapped):
@@ -440,7 +444,7 @@ class Engine:
                 self.restore_on_close(wrapped, "_compiled_call_impl")
                 wrapped.compile(**self.compile_options)
             else:
-                wrapped = self._answer("torchplug_compile", compiled, torch.nn.Module, "a module")
+                wrapped = self._answer("torchplug_compile", compiled)
         self._originals[wrapped] = self.unwrap(model)
         self._portable_state_dict(wrapped, self.unwrap(model))
         for opt in wrapped_optimizers:
@@ -562,7 +566,7 @@ class Engine:
             finally:
                 inside = False
             if stepped is not True and stepped is not False:
-                engine._answer("torchplug_optimizer_step", stepped, bool, "True (stepped) or False")
+                engine._answer("torchplug_optimizer_step", stepped)
             opt.step_was_skipped = stepped is False
             return None
 
@@ -685,7 +689,7 @@ class Engine:
             loss = loss / self._accumulating[0]
         done = self._call.torchplug_backward(self, loss, model)
         if done is not True:  # the answer expected, checked without a call
-            self._answer("torchplug_backward", done, bool, "True")
+            self._answer("torchplug_backward", done)
 
     def clip_grad_norm_(
         self,
@@ -696,7 +700,7 @@ class Engine:
     ) -> torch.Tensor:
         """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm."""
         norm = self._call.torchplug_clip_grad_norm(self, model, optimizer, max_norm, norm_type)
-        return self._answer("torchplug_clip_grad_norm", norm, torch.Tensor, "the total norm")
+        return self._answer("torchplug_clip_grad_norm", norm)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
@@ -705,9 +709,7 @@ class Engine:
             yield
             return
         context = self._call.torchplug_no_sync(self, model)
-        self._answer(
-            "torchplug_no_sync", context, contextlib.AbstractContextManager, "a context manager"
-        )
+        self._answer("torchplug_no_sync", context)
         with context:
             yield
 
@@ -774,9 +776,7 @@ class Engine:
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Apply the active precision to code outside the model's forward (e.g. the loss)."""
         context = self._call.torchplug_autocast(self)
-        return self._answer(
-            "torchplug_autocast", context, contextlib.AbstractContextManager, "a context manager"
-        )
+        return self._answer("torchplug_autocast", context)
 
     # -- collectives ------------------------------------------------------------------------------
 
@@ -796,14 +796,14 @@ class Engine:
         tensor = self._as_tensor(tensor)
         self._check_collective(f"reduce({op})", tensor)
         result = self._guarded("reduce", lambda: self._call.torchplug_reduce(self, tensor, op))
-        return self._answer("torchplug_reduce", result, torch.Tensor, "a tensor")
+        return self._answer("torchplug_reduce", result)
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
         """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``."""
         tensor = self._as_tensor(tensor)
         self._check_collective("gather", tensor)
         result = self._guarded("gather", lambda: self._call.torchplug_gather(self, tensor))
-        return self._answer("torchplug_gather", result, torch.Tensor, "a tensor")
+        return self._answer("torchplug_gather", result)
 
     @contextlib.contextmanager
     def split_between_processes(self, items: Any, apply_padding: bool = False) -> Iterator[Any]:
@@ -982,7 +982,7 @@ class Engine:
         """Wait until every rank arrives here."""
         self._check_collective("barrier", None)
         done = self._guarded("barrier", lambda: self._call.torchplug_barrier(self))
-        self._answer("torchplug_barrier", done, bool, "True")
+        self._answer("torchplug_barrier", done)
 
     def _check_collective(self, op: str, tensor: torch.Tensor | None) -> None:
         """Debug mode: every rank must call the same collective with the same shape/dtype."""
@@ -1123,7 +1123,7 @@ class Engine:
                 engine=self, path=str(Path(path)), state=state, metadata=metadata
             )
         self._pending_save = pending
-        self._answer("torchplug_save", done, bool, "True")
+        self._answer("torchplug_save", done)
 
     def wait_for_save(self) -> None:
         """Wait until an asynchronous save (``save(..., async_=True)``) has committed; raise its
@@ -1146,7 +1146,7 @@ class Engine:
         under torchplug's reserved names."""
         merged: dict[str, Any] = {}
         for answer in self.hook.torchplug_checkpoint_state(engine=self):
-            self._answer("torchplug_checkpoint_state", answer, dict, "a dict of name -> object")
+            self._answer("torchplug_checkpoint_state", answer)
             for name, obj in answer.items():
                 if not (
                     callable(getattr(obj, "state_dict", None))
@@ -1188,7 +1188,7 @@ class Engine:
             )
         if state is not None and merged is not None:
             state.update({k: merged[k] for k in state})  # plain values replaced, as documented
-        answer = self._answer("torchplug_load", result, dict, "a dict of the values loaded")
+        answer = self._answer("torchplug_load", result)
         return {k: v for k, v in answer.items() if not str(k).startswith(RESERVED_PREFIX)}
 
     def load_pretrained(

@@ -2,9 +2,9 @@
 
 ``python -m torchplug.core.hookdoc > docs/hooks.md``. Every hook found in
 :mod:`torchplug.core.spec` is listed, with its signature, return value, calling semantics
-(firstresult or not, wrappers), who calls it on which ranks, its default implementation and an
-example, so the reference cannot drift from the specification (a test compares them). Hooks this
-module has no notes for still get a complete entry built from the specification alone.
+(firstresult or not, wrappers), who calls it on which ranks (the contract declared with it),
+its default implementation and an example, so the reference cannot drift from the
+specification (a test compares them).
 """
 
 from __future__ import annotations
@@ -15,53 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from torchplug.core import spec
-
-#: Who calls a hook and when, by kind; :data:`CALLED` refines it per hook.
-KIND_CALLED = {
-    "registration": "Once per process on every installed plugin, when the registry is built: in "
-    "the launcher, in `torchplug plugins`/`doctor`/`check`, and in every rank. Keep it cheap.",
-    "strategy": "On every rank, by the Engine, on its active set (the chosen backend, the "
-    "precision plugin, extensions).",
-    "installed plugins": "On every installed plugin, in the process that needs the answer.",
-}
-
-#: Per-hook notes on who calls it and when.
-CALLED: dict[str, str] = {
-    "torchplug_cluster_environment": "In every process before its Engine exists, and in the "
-    "`torchplug launch` process (to fill `--nnodes`, `--node-rank`, `--master-addr`). Never in "
-    "the workers torchrun starts: there the manager reads torchrun's variables first, so a "
-    "scheduler plugin answers for the launcher process only and need not step aside itself.",
-    "torchplug_setup": "On every rank, once, inside `Engine(...)`.",
-    "torchplug_wrap": "On every rank, by `engine.setup(model, *optimizers)`.",
-    "torchplug_place_batch": "On every rank, for each batch of a loader returned by "
-    "`engine.setup_dataloader`.",
-    "torchplug_backward": "On every rank, by `engine.backward(loss)`.",
-    "torchplug_optimizer_step": "On every rank, whenever the user calls `optimizer.step()` on an "
-    "optimizer returned by `engine.setup`.",
-    "torchplug_clip_grad_norm": "On every rank, by `engine.clip_grad_norm_(...)`.",
-    "torchplug_no_sync": "On every rank, by `engine.no_sync(model)`.",
-    "torchplug_autocast": "On every rank, by `engine.autocast()`.",
-    "torchplug_reduce": "On every rank (a collective: all ranks must call it), by `engine.reduce`.",
-    "torchplug_gather": "On every rank (a collective), by `engine.gather`.",
-    "torchplug_barrier": "On every rank (a collective), by `engine.barrier()`.",
-    "torchplug_save": "On every rank (a collective), by `engine.save` / `save_checkpoint`.",
-    "torchplug_load": "On every rank (a collective), by `engine.load` / `resume`.",
-    "torchplug_model_state": "On every rank, by the default save and by `engine.full_state`.",
-    "torchplug_load_model_state": "On every rank, by the default load.",
-    "torchplug_optimizer_state": "On every rank, by the default save and `engine.full_state`.",
-    "torchplug_load_optimizer_state": "On every rank, by the default load.",
-    "torchplug_reads_in_place": "On every rank, by the default load, once per entry kind.",
-    "torchplug_convert_checkpoint": "By `torchplug convert`, in one process, on every installed "
-    "plugin until one answers (only when no `torchplug_read_checkpoint` answered).",
-    "torchplug_read_checkpoint": "By `torchplug convert` on a directory that is not a torchplug "
-    "checkpoint, in one process, on every installed plugin until one answers.",
-    "torchplug_init_module": "On every rank, by `engine.init_module(empty=True)`, before the "
-    "model is built.",
-    "torchplug_compile": "On every rank, by `engine.setup`, after `torchplug_wrap`, when "
-    "`Engine(compile=...)` is set.",
-    "torchplug_teardown": "On every rank, by `engine.close()` (and when setup fails), on every "
-    "plugin of the active set.",
-}
 
 #: Hand-written examples; other hooks get one made from their signature.
 EXAMPLES: dict[str, str] = {
@@ -115,11 +68,7 @@ EXAMPLES: dict[str, str] = {
 
 
 def _kind(name: str) -> str:
-    if name.startswith("torchplug_register_"):
-        return "registration"
-    from torchplug.core.manager import STRATEGY_HOOKS
-
-    return "strategy" if name in STRATEGY_HOOKS else "installed plugins"
+    return spec.CONTRACTS[name].kind
 
 
 def hooks() -> list[tuple[str, Callable[..., Any]]]:
@@ -189,9 +138,7 @@ def _semantics(name: str, opts: dict[str, Any]) -> str:
             "around it: code before `yield` runs first, `yield` returns the answer (or raises "
             "its exception), and the wrapper returns the final result, which may differ."
         )
-        from torchplug.core.manager import ACTION_HOOKS
-
-        if name in ACTION_HOOKS:
+        if spec.CONTRACTS[name].required:
             text += " The Engine refuses to start when no plugin of its active set answers it."
         elif _kind(name) == "strategy":
             text += " Optional: the Engine has its own answer when no plugin gives one."
@@ -278,7 +225,7 @@ def render() -> str:
             else "- **Kind**: called on every installed plugin (not on an Engine's active set).",
             f"- **Returns**: `{returns}`.",
             f"- **Semantics**: {_semantics(name, opts)}",
-            f"- **Called**: {CALLED.get(name, KIND_CALLED[_kind(name)])}",
+            f"- **Called**: {spec.CONTRACTS[name].called}",
             f"- **Default implementation**: {_default(name)}",
         ]
         if opts.get("warn_on_impl") is not None:

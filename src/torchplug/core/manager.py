@@ -59,32 +59,10 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("loggers", "torchplug.loggers.builtin"),
 )
 
-#: Hooks that make a plugin part of an Engine's active set when it is registered globally.
-STRATEGY_HOOKS = frozenset(
-    name
-    for name in dir(spec)
-    if name.startswith("torchplug_")
-    and name
-    not in {
-        "torchplug_register_strategies",
-        "torchplug_register_precisions",
-        "torchplug_register_loggers",
-        "torchplug_cluster_environment",
-        "torchplug_convert_checkpoint",
-        "torchplug_read_checkpoint",
-    }
-)
-
-
-#: Hooks an Engine's active set must answer: every strategy hook but teardown (optional).
-#: (``torchplug_compile`` and ``torchplug_init_module`` are optional: the Engine has defaults;
-#: ``torchplug_checkpoint_state`` is optional: most plugins keep nothing in checkpoints.)
-ACTION_HOOKS = STRATEGY_HOOKS - {
-    "torchplug_teardown",
-    "torchplug_compile",
-    "torchplug_init_module",
-    "torchplug_checkpoint_state",  # a plugin with nothing to add answers nothing
-}
+#: Hooks that make a plugin part of an Engine's active set when it is registered globally, and
+#: the ones that active set must answer (declared with each hook in :mod:`torchplug.core.spec`).
+STRATEGY_HOOKS = spec.hooks_where(kind="strategy")
+ACTION_HOOKS = spec.hooks_where(required=True)
 
 
 def _env_list(name: str) -> list[str]:

@@ -26,6 +26,7 @@ Hook names carry the ``torchplug_`` prefix so that a plugin can also hold other 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,53 @@ API_VERSION = "1.0"
 RETIRED_HOOKS: dict[str, tuple[str, str]] = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """What torchplug promises about one hook, declared beside its specification (and read from
+    here by the plugin manager, the Engine's dispatch and answer checks, and docs/hooks.md), so
+    the contract lives in one place.
+
+    ``kind``: ``"registration"`` (called once per installed plugin when the registry is built),
+    ``"strategy"`` (called on one Engine's active set: the backend, the precision plugin,
+    extensions) or ``"installed plugins"`` (called on every installed plugin by whoever needs
+    the answer). ``required``: the Engine refuses to start when no plugin of its active set
+    answers it. ``per_step``: called in the training loop, so resolved once per Engine into a
+    plain function (:mod:`torchplug.core.dispatch`). ``answer``: the type the answer must have
+    (a dotted name, resolved when checked, so that this module imports no torch), with
+    ``answer_text`` naming it in the error. ``called``: who calls it, on which ranks, when.
+    """
+
+    kind: str
+    called: str
+    required: bool = False
+    per_step: bool = False
+    answer: str | None = None
+    answer_text: str = ""
+
+
+#: Every hook's contract, by hook name (filled by :func:`contract` as this module is read).
+CONTRACTS: dict[str, Contract] = {}
+
+
+def contract(**fields: Any) -> Callable[[Any], Any]:
+    """Declare the :class:`Contract` of the hook specification it decorates."""
+
+    def declare(function: Any) -> Any:
+        CONTRACTS[function.__name__] = Contract(**fields)
+        return function
+
+    return declare
+
+
+def hooks_where(**wanted: Any) -> frozenset[str]:
+    """The hooks whose contract has every field given, e.g. ``hooks_where(required=True)``."""
+    return frozenset(
+        name
+        for name, declared in CONTRACTS.items()
+        if all(getattr(declared, key) == value for key, value in wanted.items())
+    )
+
+
 def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], Any]:
     """A hookspec marker for a hook being renamed or retired: implementing it still works for
     one minor version, with a DeprecationWarning at registration (pluggy's ``warn_on_impl``)
@@ -79,6 +127,13 @@ def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], An
 
 
 @hookspec
+@contract(
+    kind="registration",
+    called=(
+        "Once per process on every installed plugin, when the registry is built: in the launcher,"
+        " in `torchplug plugins`/`doctor`/`check`, and in every rank. Keep it cheap."
+    ),
+)
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     """Announce the strategies (backends) this plugin provides.
 
@@ -91,6 +146,13 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
 
 
 @hookspec
+@contract(
+    kind="registration",
+    called=(
+        "Once per process on every installed plugin, when the registry is built: in the launcher,"
+        " in `torchplug plugins`/`doctor`/`check`, and in every rank. Keep it cheap."
+    ),
+)
 def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> None:
     """Announce precision plugins (e.g. AMP) that compose with any backend not owning precision.
 
@@ -100,6 +162,13 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
 
 
 @hookspec
+@contract(
+    kind="registration",
+    called=(
+        "Once per process on every installed plugin, when the registry is built: in the launcher,"
+        " in `torchplug plugins`/`doctor`/`check`, and in every rank. Keep it cheap."
+    ),
+)
 def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
     """Announce the metric loggers (experiment trackers) this plugin provides.
 
@@ -112,6 +181,15 @@ def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="installed plugins",
+    called=(
+        "In every process before its Engine exists, and in the `torchplug launch` process (to "
+        "fill `--nnodes`, `--node-rank`, `--master-addr`). Never in the workers torchrun starts: "
+        "there the manager reads torchrun's variables first, so a scheduler plugin answers for "
+        "the launcher process only and need not step aside itself."
+    ),
+)
 def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
     """Say who this process is (rank, world size, master address, node rank) from ``env``.
 
@@ -127,6 +205,11 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    called=("On every rank, once, inside `Engine(...)`."),
+)
 def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
     """Start the backend: create the process group if needed and choose this process's device.
 
@@ -136,6 +219,13 @@ def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    answer="tuple",
+    answer_text="(model, [optimizers])",
+    called=("On every rank, by `engine.setup(model, *optimizers)`."),
+)
 def torchplug_wrap(
     engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
 ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]] | None:
@@ -147,6 +237,10 @@ def torchplug_wrap(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    called=("On every rank, by `engine.init_module(empty=True)`, before the model is built."),
+)
 def torchplug_init_module(engine: Engine) -> contextlib.AbstractContextManager[None] | None:
     """A context manager in which a model built with ``engine.init_module(empty=True)`` is
     created already partitioned the backend's own way (DeepSpeed ZeRO-3: ``zero.Init``).
@@ -157,6 +251,15 @@ def torchplug_init_module(engine: Engine) -> contextlib.AbstractContextManager[N
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    answer="torch.nn.Module",
+    answer_text="a module",
+    called=(
+        "On every rank, by `engine.setup`, after `torchplug_wrap`, when `Engine(compile=...)` is "
+        "set."
+    ),
+)
 def torchplug_compile(
     engine: Engine, model: torch.nn.Module, options: dict[str, Any]
 ) -> torch.nn.Module | None:
@@ -170,6 +273,12 @@ def torchplug_compile(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    per_step=True,
+    called=("On every rank, for each batch of a loader returned by `engine.setup_dataloader`."),
+)
 def torchplug_place_batch(engine: Engine, batch: Any) -> Any:
     """Return ``batch`` (tensors, possibly nested in lists, tuples and dicts) placed for the step.
 
@@ -179,6 +288,14 @@ def torchplug_place_batch(engine: Engine, batch: Any) -> Any:
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    per_step=True,
+    answer="bool",
+    answer_text="True",
+    called=("On every rank, by `engine.backward(loss)`."),
+)
 def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None) -> bool:
     """Run the backward pass of ``loss``; return ``True``.
 
@@ -188,6 +305,17 @@ def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Modul
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    per_step=True,
+    answer="bool",
+    answer_text="True (stepped) or False",
+    called=(
+        "On every rank, whenever the user calls `optimizer.step()` on an optimizer returned by "
+        "`engine.setup`."
+    ),
+)
 def torchplug_optimizer_step(
     engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
 ) -> bool | None:
@@ -201,6 +329,14 @@ def torchplug_optimizer_step(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    per_step=True,
+    answer="torch.Tensor",
+    answer_text="the total norm",
+    called=("On every rank, by `engine.clip_grad_norm_(...)`."),
+)
 def torchplug_clip_grad_norm(
     engine: Engine,
     model: torch.nn.Module,
@@ -216,6 +352,14 @@ def torchplug_clip_grad_norm(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    per_step=True,
+    answer="contextlib.AbstractContextManager",
+    answer_text="a context manager",
+    called=("On every rank, by `engine.no_sync(model)`."),
+)
 def torchplug_no_sync(
     engine: Engine, model: torch.nn.Module
 ) -> AbstractContextManager[None] | None:
@@ -223,11 +367,27 @@ def torchplug_no_sync(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    per_step=True,
+    answer="contextlib.AbstractContextManager",
+    answer_text="a context manager",
+    called=("On every rank, by `engine.autocast()`."),
+)
 def torchplug_autocast(engine: Engine) -> AbstractContextManager[None] | None:
     """Return the context manager that applies the active precision to code the user runs in it."""
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    per_step=True,
+    answer="torch.Tensor",
+    answer_text="a tensor",
+    called=("On every rank (a collective: all ranks must call it), by `engine.reduce`."),
+)
 def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Tensor | None:
     """Reduce ``tensor`` over all ranks with ``op`` (``sum``, ``mean``, ``max``, ``min``).
 
@@ -236,16 +396,39 @@ def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Ten
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    per_step=True,
+    answer="torch.Tensor",
+    answer_text="a tensor",
+    called=("On every rank (a collective), by `engine.gather`."),
+)
 def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor | None:
     """Gather ``tensor`` from all ranks into a tensor of shape ``(world_size, *tensor.shape)``."""
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    per_step=True,
+    answer="bool",
+    answer_text="True",
+    called=("On every rank (a collective), by `engine.barrier()`."),
+)
 def torchplug_barrier(engine: Engine) -> bool | None:
     """Block until every rank reaches this point; return ``True``."""
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    answer="bool",
+    answer_text="True",
+    called=("On every rank (a collective), by `engine.save` / `save_checkpoint`."),
+)
 def torchplug_save(
     engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
 ) -> bool | None:
@@ -260,6 +443,13 @@ def torchplug_save(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    answer="dict",
+    answer_text="a dict of the values loaded",
+    called=("On every rank (a collective), by `engine.load` / `resume`."),
+)
 def torchplug_load(
     engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
 ) -> dict[str, Any] | None:
@@ -276,6 +466,11 @@ def torchplug_load(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    called=("On every rank, by the default save and by `engine.full_state`."),
+)
 def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, Any] | None:
     """The model's state by parameter name (no wrapper prefixes), as the backend holds it.
 
@@ -291,6 +486,11 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    called=("On every rank, by the default load."),
+)
 def torchplug_load_model_state(
     engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
 ) -> bool | None:
@@ -298,6 +498,11 @@ def torchplug_load_model_state(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    called=("On every rank, by the default save and `engine.full_state`."),
+)
 def torchplug_optimizer_state(
     engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any] | None:
@@ -305,6 +510,11 @@ def torchplug_optimizer_state(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    called=("On every rank, by the default load."),
+)
 def torchplug_load_optimizer_state(
     engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> bool | None:
@@ -312,6 +522,11 @@ def torchplug_load_optimizer_state(
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    called=("On every rank, by the default load, once per entry kind."),
+)
 def torchplug_reads_in_place(engine: Engine, kind: str) -> bool | None:
     """Whether loading reads a ``kind`` (``"module"``/``"optimizer"``) entry straight into the
     tensors the state hook returns (resharding in place), or into fresh CPU tensors handed to the
@@ -320,6 +535,13 @@ def torchplug_reads_in_place(engine: Engine, kind: str) -> bool | None:
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="installed plugins",
+    called=(
+        "By `torchplug convert` on a directory that is not a torchplug checkpoint, in one "
+        "process, on every installed plugin until one answers."
+    ),
+)
 def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] | None:
     """Read a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) as portable state,
     or return ``None`` if the directory is not yours.
@@ -335,6 +557,13 @@ def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] |
 
 
 @hookspec(firstresult=True)
+@contract(
+    kind="installed plugins",
+    called=(
+        "By `torchplug convert`, in one process, on every installed plugin until one answers "
+        "(only when no `torchplug_read_checkpoint` answered)."
+    ),
+)
 def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] | None:
     """Convert a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) to
     ``destination/model.safetensors``; return the files written, or ``None`` if it is not yours.
@@ -345,6 +574,15 @@ def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] 
 
 
 @hookspec
+@contract(
+    kind="strategy",
+    answer="dict",
+    answer_text="a dict of name -> object",
+    called=(
+        "On every rank, by the Engine, on its active set (the chosen backend, the precision "
+        "plugin, extensions)."
+    ),
+)
 def torchplug_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
     """Objects of this plugin's that every checkpoint carries: ``{name: obj}``, each with
     ``state_dict()`` and ``load_state_dict(state)`` (the AMP plugin's GradScaler: its loss scale
@@ -359,6 +597,13 @@ def torchplug_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
 
 
 @hookspec
+@contract(
+    kind="strategy",
+    called=(
+        "On every rank, by `engine.close()` (and when setup fails), on every plugin of the active"
+        " set."
+    ),
+)
 def torchplug_teardown(engine: Engine) -> None:
     """Release what setup acquired (e.g. destroy the process group the backend created).
 
