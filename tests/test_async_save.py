@@ -143,7 +143,7 @@ def test_a_failure_at_close_is_raised_after_the_engine_is_released(tmp_path, mon
 def test_consecutive_async_saves_reuse_the_host_copies_and_each_holds_its_own_step(tmp_path):
     """The second save refills the first one's host copies (no fresh allocation) once the first
     has committed; each checkpoint still holds exactly the state of its own call."""
-    from torchplug.checkpoint import background
+    from torchplug.core import async_save as background
 
     with tp.Engine("single") as engine:
         model = _model()

@@ -209,8 +209,8 @@ def test_every_hook_declares_its_contract_beside_its_specification():
         "torchplug_teardown", "torchplug_compile", "torchplug_init_module",
         "torchplug_checkpoint_state",
     }  # fmt: skip
-    assert manager.STRATEGY_HOOKS == spec.hooks_where(kind="strategy")
-    assert manager.ACTION_HOOKS == manager.STRATEGY_HOOKS - optional
+    assert spec.hooks_where(kind="strategy") == manager.STRATEGY_HOOKS
+    assert manager.STRATEGY_HOOKS - optional == manager.ACTION_HOOKS
     assert set(engine._PER_STEP) == {
         "torchplug_backward", "torchplug_optimizer_step", "torchplug_reduce",
         "torchplug_gather", "torchplug_place_batch", "torchplug_clip_grad_norm",

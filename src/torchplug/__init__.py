@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from torchplug.core.version import VERSION as __version__
 
 _EXPORTS = {
     "Engine": "torchplug.core.engine",

@@ -20,7 +20,7 @@ import torch
 from torchplug.checkpoint import tensors as store
 from torchplug.checkpoint.io import open_checkpoint
 from torchplug.checkpoint.manifest import MANIFEST, PINS, decode, tensor_paths
-from torchplug.checkpoint.options import key_from
+from torchplug.core.checkpoint_settings import key_from
 from torchplug.core.errors import CheckpointError
 
 

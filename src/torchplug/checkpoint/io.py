@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchplug.checkpoint import background, deferred, verify
+from torchplug.checkpoint import deferred, verify
 from torchplug.checkpoint import files as fs
 from torchplug.checkpoint import manifest as mf
 from torchplug.checkpoint import tensors as store
 from torchplug.checkpoint.coordinate import ARRIVING, Coordinator
+from torchplug.core import async_save as background
 from torchplug.core.errors import CheckpointError
 
 if TYPE_CHECKING:

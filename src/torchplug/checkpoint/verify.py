@@ -18,7 +18,7 @@ from typing import Any
 
 from torchplug.checkpoint.files import Pin, confined, hash_pinned
 from torchplug.checkpoint.manifest import canonical
-from torchplug.checkpoint.options import KEY_ENV
+from torchplug.core.checkpoint_settings import KEY_ENV
 from torchplug.core.errors import CheckpointError
 
 

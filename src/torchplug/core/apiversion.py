@@ -79,7 +79,7 @@ def incompatibility(specifier: str | None, what: str) -> str | None:
         return None
     if satisfies(API_VERSION, specifier):
         return None
-    from torchplug import __version__
+    from torchplug.core.version import VERSION as __version__
 
     fitting = [r for api, r in API_RELEASES.items() if satisfies(api, specifier)]
     if fitting:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchplug.core.checkpoint_settings import problems as checkpoint_problems
 from torchplug.core.errors import ConfigurationError, did_you_mean
 from torchplug.core.registry import normalize_precision
 
@@ -335,7 +336,6 @@ def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str
     ``auto`` may still be chosen by the code, so its options are checked only when a source
     other than the code named the strategy.
     """
-    from torchplug.checkpoint.options import problems as checkpoint_problems
 
     found: list[str] = checkpoint_problems()
     value = str(settings.strategy.value)

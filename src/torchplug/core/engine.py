@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from torchplug.core import async_save, config, dispatch, faults, manager, sharing, spec
 from torchplug.core import cluster as cluster_mod
-from torchplug.core import config, dispatch, faults, manager, sharing, spec
+from torchplug.core.checkpoint_settings import key_from, timeout_from
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.nested import map_tensors
 from torchplug.core.registry import (
@@ -118,7 +119,6 @@ class Engine:
         log_dir: str | os.PathLike[str] | None = None,
         **strategy_options: Any,
     ) -> None:
-        from torchplug.checkpoint.options import key_from, timeout_from
 
         faults.install_error_recorder()
         #: HMAC key: checkpoints are signed on save and must carry a valid signature on load.
@@ -231,7 +231,7 @@ class Engine:
         )
         self._undo: list[Callable[[], None]] = []
         self._preemption: Any = None
-        self._pending_save: Any = None  # an asynchronous save in flight (checkpoint.background)
+        self._pending_save: Any = None  # an asynchronous save in flight (core.async_save)
         self._staging: dict[str, Any] = {}  # async saves' host copies, reused by the next one
         self._check_contract()
 
@@ -1029,7 +1029,7 @@ class Engine:
 
     def checkpoint_header(self, state: dict[str, Any]) -> dict[str, Any]:
         """What the manifest records about this run, besides the entries themselves."""
-        from torchplug import __version__
+        from torchplug.core.version import VERSION as __version__
 
         step = state.get("step")
         return {
@@ -1114,10 +1114,8 @@ class Engine:
                 f"them."
             )
         state = {**state, **self._plugin_state()}
-        from torchplug.checkpoint import background
-
-        pending = background.PendingSave(str(path), self._staging) if async_ else None
-        handoff = background.handing_off(pending) if pending else contextlib.nullcontext()
+        pending = async_save.PendingSave(str(path), self._staging) if async_ else None
+        handoff = async_save.handing_off(pending) if pending else contextlib.nullcontext()
         with self.native_state_dicts(), handoff:
             done = self.hook.torchplug_save(
                 engine=self, path=str(Path(path)), state=state, metadata=metadata

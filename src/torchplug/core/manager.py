@@ -458,7 +458,7 @@ class Registry:
         imported, and one that fails to import is recorded while the rest load."""
         import importlib
 
-        from torchplug import __version__
+        from torchplug.core.version import VERSION as __version__
 
         for name, module in BUILTIN_PLUGINS:
             if name in self.blocked or self.pm.is_blocked(name) or self.pm.has_plugin(name):

@@ -8,12 +8,31 @@ the processes as ``TORCHPLUG_LAUNCH_LOGGERS``) > ``TORCHPLUG_LOGGERS=a,b`` > non
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from torchplug.core.errors import ConfigurationError
+
+
+def to_number(name: str, value: Any) -> float:
+    """A metric value as a float: numbers, 0-d or one-element tensors; else a clear error."""
+    if hasattr(value, "detach") and hasattr(value, "numel"):
+        if value.numel() != 1:
+            raise TypeError(
+                f"engine.log: metric {name!r} is a tensor of shape {tuple(value.shape)}; expected "
+                f"one number. Log a reduced value, e.g. engine.reduce(x, 'mean').item()."
+            )
+        return float(value.detach().float().cpu().item())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(
+        f"engine.log: metric {name!r} is {type(value).__name__} {value!r}; expected a number or a "
+        f"one-element tensor."
+    )
+
 
 LAUNCH_LOGGERS_ENV = "TORCHPLUG_LAUNCH_LOGGERS"
 LOGGERS_ENV = "TORCHPLUG_LOGGERS"
@@ -104,8 +123,6 @@ class LoggerSet:
         return self._made
 
     def log(self, rank: int, metrics: Mapping[str, Any], step: int | None) -> None:
-        from torchplug.loggers import to_number
-
         if step is None:
             step = self.step
         self.step = step + 1

@@ -10,9 +10,10 @@ announces it through ``torchplug_register_loggers``. The built-ins (:mod:`.built
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
+
+from torchplug.core.metrics import to_number  # noqa: F401 - public here since API 1.0
 
 
 class Logger:
@@ -31,23 +32,6 @@ class Logger:
 
     def close(self) -> None:  # noqa: B027 - optional
         """Flush and release files (optional)."""
-
-
-def to_number(name: str, value: Any) -> float:
-    """A metric value as a float: numbers, 0-d or one-element tensors; else a clear error."""
-    if hasattr(value, "detach") and hasattr(value, "numel"):
-        if value.numel() != 1:
-            raise TypeError(
-                f"engine.log: metric {name!r} is a tensor of shape {tuple(value.shape)}; expected "
-                f"one number. Log a reduced value, e.g. engine.reduce(x, 'mean').item()."
-            )
-        return float(value.detach().float().cpu().item())
-    if isinstance(value, numbers.Real):
-        return float(value)
-    raise TypeError(
-        f"engine.log: metric {name!r} is {type(value).__name__} {value!r}; expected a number or a "
-        f"one-element tensor."
-    )
 
 
 def is_finite(value: float) -> bool:
