@@ -127,6 +127,34 @@ def test_plugins_table_lists_built_ins_with_package_and_status():
     assert "amp" in rows["bf16"] and "amp" in rows["fp16"]
 
 
+def test_plugins_lists_the_cluster_environments_in_the_order_asked_and_which_answers():
+    """Issue 26 item 8: cluster plugins are listed, with what each answers here."""
+    plain = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_"))}
+    plain.pop("TORCHELASTIC_RUN_ID", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "torchplug", "plugins"],
+        capture_output=True, text=True, timeout=180, env=plain,
+    ).stdout  # fmt: skip
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "cluster environment (asked in order)" in out
+    assert "not this environment" in rows["slurm"]
+    assert "answers: rank 0 of 1" in rows["torchplug.cluster"]
+    slurm = {
+        "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5", "SLURM_NNODES": "1",
+        "SLURM_STEP_NODELIST": "localhost", "SLURM_NODEID": "0", "SLURM_LOCALID": "1",
+        "SLURM_STEP_ID": "0",
+    }  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "torchplug", "plugins"],
+        capture_output=True, text=True, timeout=180, env={**plain, **slurm},
+    ).stdout  # fmt: skip
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "answers: rank 1 of 2" in rows["slurm"], out
+    assert "earlier one" in rows["torchplug.cluster"]
+    names = [n for n in rows if n in ("slurm", "torchplug.cluster")]
+    assert names == ["slurm", "torchplug.cluster"]  # the built-in default is asked last
+
+
 def test_core_imports_neither_the_command_line_nor_the_testing_kit():
     """Imports point downward: cli/ and testing/ sit above core/, never below it."""
     import ast

@@ -58,6 +58,10 @@ def plugins(verbose: bool = False) -> int:
                 ["logger", "provided by", "status"],
             )
         )
+    environments = cluster_environments(registry)
+    if environments:
+        print()
+        print(table(environments, ["cluster environment (asked in order)", "provided by", "here"]))
     if verbose:
         for name, info in sorted(registry.strategies.items()):
             print(f"\n{name}: {info.description}")
@@ -119,3 +123,36 @@ def implemented_hooks(factory: object) -> list[tuple[str, str]]:
         if owner is not None:
             found.append((hook, qualified_name(owner)))
     return found
+
+
+def cluster_environments(registry: object) -> list[list[str]]:
+    """The plugins answering ``torchplug_cluster_environment``, in the order they are asked
+    (the first answer wins), each with what it answers in this process's environment."""
+    import os
+
+    from torchplug.core.cluster import inside_torchrun
+
+    pm = registry.pm  # type: ignore[attr-defined]
+    rows = []
+    env = dict(os.environ)
+    found_answer = inside_torchrun(env)
+    for impl in reversed(pm.hook.torchplug_cluster_environment.get_hookimpls()):
+        name = pm.get_name(impl.plugin) or "?"
+        distribution, version = registry.origins.get(name, ("", ""))  # type: ignore[attr-defined]
+        provider = f"{distribution or 'in-house'} {version}".strip()
+        try:
+            answer = impl.function(env=env)
+        except Exception as exc:  # a broken plugin is shown, not fatal here
+            here = f"broken: {type(exc).__name__}: {exc}"[:120]
+        else:
+            if answer is None:
+                here = "not this environment"
+            elif found_answer:
+                here = "would answer, but an earlier one (or torchrun's variables) wins"
+            else:
+                here = f"answers: rank {answer.rank} of {answer.world_size}" + (
+                    f" ({answer.source})" if getattr(answer, "source", "") else ""
+                )
+                found_answer = True
+        rows.append([name, provider, here])
+    return rows
