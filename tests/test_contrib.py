@@ -111,3 +111,18 @@ def test_launch_takes_multi_node_flags_from_the_cluster_environment():
     args = parser.parse_args(["--nnodes", "3", "train.py"])  # the user's own flags win
     apply_cluster(args, parser, info)
     assert args.nnodes == "3"
+
+
+def test_rank_pool_puts_the_callers_directories_on_its_ranks_path(tmp_path, monkeypatch):
+    """Issue 26 item 8: a function from the caller's own module (here one in a directory only the
+    caller's sys.path holds) runs on the ranks without passing sys_path."""
+    (tmp_path / "my_rank_function.py").write_text(
+        "import os\n\n"
+        "def where():\n"
+        "    return int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_rank_function
+
+    with RankPool(2) as ranks:
+        assert ranks.run(my_rank_function.where, timeout=120) == [(0, 2), (1, 2)]

@@ -58,12 +58,15 @@ class RankPool:
         *,
         start_timeout: float = 120.0,
         env: dict[str, str] | None = None,
-        sys_path: Sequence[str] = (),
+        sys_path: Sequence[str] | None = None,
     ) -> None:
         self.nprocs = nprocs
         self.start_timeout = start_timeout
         self.env = dict(env or {})
-        self.sys_path = list(sys_path)
+        #: What the ranks add to their sys.path: by default the caller's (see
+        #: :func:`default_sys_path`), so a function from the caller's own module (a test file,
+        #: a script's directory) imports on the ranks as it did here; ``()`` adds nothing.
+        self.sys_path = default_sys_path() if sys_path is None else list(sys_path)
         self._process: subprocess.Popen[bytes] | None = None
         self._conns: dict[int, Connection] = {}
         self._pids: dict[int, int] = {}
@@ -272,5 +275,7 @@ def _cleanup() -> None:
 
 
 def default_sys_path() -> list[str]:
-    """Directories a worker needs to import the caller's test modules: the current sys.path."""
-    return [p for p in sys.path if p and Path(p).is_dir()]
+    """Directories a worker needs to import the caller's modules: the current sys.path (its
+    empty entry, the current directory, made absolute)."""
+    found = [os.path.abspath(p or os.curdir) for p in sys.path]
+    return list(dict.fromkeys(p for p in found if Path(p).is_dir()))
