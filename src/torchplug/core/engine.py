@@ -176,6 +176,8 @@ class Engine:
         self._last_loader: weakref.ref[Any] | None = None
         self._accumulation: dict[int, int] = {}
         self._accumulating: tuple[int, bool] | None = None
+        #: Optimizers (by id) whose real update is skipped right now (``skipping_updates``).
+        self._skipped_updates: set[int] = set()
 
         self.backend = self.info.factory(**self.options)
         active: list[object] = [self.backend]
@@ -427,7 +429,7 @@ class Engine:
         meta = scaling.is_meta(model)
         if not meta:
             scaling.replicate_from_rank_zero(model, self.device)
-        if meta and not getattr(self.backend, "wraps_meta_modules", False):
+        if meta and not self.info.takes_meta_modules:
             # replicated: the whole model, on the CPU as an eager build; the wrap moves it
             self._materialize(model, optimizers, torch.device("cpu"))
         result = self.hook.torchplug_wrap(engine=self, model=model, optimizers=list(optimizers))
@@ -553,7 +555,7 @@ class Engine:
             nonlocal inside
             engine = engine_ref()
             opt._opt_called = True  # what torch's LR schedulers look for (see below)
-            if inside and getattr(opt, "_torchplug_skip_update", False):
+            if inside and engine is not None and id(opt) in engine._skipped_updates:
                 return None  # a precision plugin found inf/NaN gradients: no update
             if inside or engine is None or engine._raw_steps:
                 return real_step(closure) if closure is not None else real_step()
@@ -607,12 +609,19 @@ class Engine:
     def skipping_updates(self, optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
         """Inside, with ``skip``, the optimizer's real step does nothing (the backend's step
         around it still runs): how a wrapper skips an update without replacing the backend."""
-        previous = getattr(optimizer, "_torchplug_skip_update", False)
-        optimizer._torchplug_skip_update = skip
+        key = id(optimizer)  # kept by the Engine: nothing rides on the user's optimizer
+        previous = key in self._skipped_updates
+        if skip:
+            self._skipped_updates.add(key)
+        else:
+            self._skipped_updates.discard(key)
         try:
             yield
         finally:
-            optimizer._torchplug_skip_update = previous
+            if previous:
+                self._skipped_updates.add(key)
+            else:
+                self._skipped_updates.discard(key)
 
     @contextlib.contextmanager
     def real_optimizer_steps(self) -> Iterator[None]:

@@ -162,8 +162,14 @@ class StrategyInfo:
     #: the others get them from a precision plugin (AMP).
     precisions: tuple[str, ...] = ("32", "bf16", "fp16")
     owns_precision: bool = False
+    #: Informational (``torchplug plugins -v``) and checked by the conformance kit's ``memory``
+    #: property: each rank holds at most 3/4 of the whole parameters (optimizer state).
     shards_parameters: bool = False
     shards_optimizer: bool = False
+    #: The backend's ``torchplug_wrap`` takes a model still on the meta device (built under
+    #: ``engine.init_module(empty=True)``) and the Engine materialises only each rank's shards
+    #: after the wrap; ``False``: the Engine materialises the whole model on the CPU first.
+    takes_meta_modules: bool = False
     supports_cpu: bool = True
     supports_cuda: bool = True
     #: Runs several processes (needs a launcher such as torchrun when world size > 1).
@@ -261,6 +267,7 @@ class StrategyInfo:
             "owns_precision",
             "shards_parameters",
             "shards_optimizer",
+            "takes_meta_modules",
             "supports_cpu",
             "supports_cuda",
             "distributed",

@@ -44,11 +44,6 @@ def _distributed(engine: Engine) -> bool:
 class Strategy:
     """Default strategy hooks: full replicas, torch.distributed collectives, full checkpoints."""
 
-    #: True if ``torchplug_wrap`` accepts a model built on the meta device (sharding backends):
-    #: the Engine then materialises only what each rank holds, after the wrap. Otherwise the
-    #: Engine materialises the whole model before the wrap.
-    wraps_meta_modules: bool = False
-
     @hookimpl(trylast=True)
     def torchplug_wrap(
         self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]

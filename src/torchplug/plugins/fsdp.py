@@ -87,9 +87,6 @@ def shard_norms_in_fp32(model: torch.nn.Module, kwargs: dict[str, Any]) -> list[
 
 
 class FSDPStrategy(DistributedStrategy):
-    #: fully_shard takes a model built on the meta device; the Engine materialises the shards.
-    wraps_meta_modules = True
-
     def __init__(
         self,
         process_group_backend: str | None = None,
@@ -273,5 +270,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             precision_check=capabilities.gpu_check,
             shards_parameters=True,
             shards_optimizer=True,
+            takes_meta_modules=True,
         )
     )

@@ -354,6 +354,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             owns_precision=False,
             shards_parameters=True,
             shards_optimizer=True,
+            takes_meta_modules=True,
         )
     )
     register(
@@ -380,5 +381,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             precision_check=capabilities.gpu_check,
             shards_parameters=True,
             shards_optimizer=True,
+            takes_meta_modules=True,
         )
     )
