@@ -175,6 +175,10 @@ DECLARED = {"claims-sharding": {"shards_optimizer": True}}
 
 #: Not broken: the same refusal, declared (the kit passes it as "refused as declared").
 DECLARES_REFUSAL = "declares-no-clipping"
+#: Not broken: local-clip's per-rank clipping, declared as a deviation by design (local SGD).
+DECLARES_DEVIATION = "declares-local-clipping"
+#: A deviation declared under a name that is no kit property: the kit says so.
+MISNAMED_DEVIATION = "misnamed-deviation"
 
 
 @tp.hookimpl
@@ -195,5 +199,21 @@ def torchplug_register_strategies(register):
             factory=RefusesClipping,
             description="refuses clipping, as its registration says",
             refuses=("clipping",),
+        )
+    )
+    register(
+        tp.StrategyInfo(
+            name=DECLARES_DEVIATION,
+            factory=LocalClip,
+            description="clips each rank's gradients, by design",
+            deviations={"clipping": "each rank clips its own gradients, by design"},
+        )
+    )
+    register(
+        tp.StrategyInfo(
+            name=MISNAMED_DEVIATION,
+            factory=LocalClip,
+            description="declares a deviation for a property that does not exist",
+            deviations={"cliping": "misspelt"},
         )
     )

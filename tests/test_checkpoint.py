@@ -232,3 +232,30 @@ def test_a_replaced_checkpoint_is_removed_by_every_rank(ranks, tmp_path):
     """Each rank removes its own files of the checkpoint it replaces; nothing is left over."""
     for result in ranks.run(save_twice, str(tmp_path / "run")):
         assert result == {"step": 2, "same": True, "left": ["run"]}
+
+
+def encode_a_sharded_tensor() -> str:
+    """What the checkpoint says of FSDP1's ShardedTensor state, on real ranks."""
+    from torch.distributed._shard.sharded_tensor import empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    from torchplug.checkpoint import manifest
+
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        spec = ChunkShardingSpec(
+            dim=0, placements=[f"rank:{r}/cpu" for r in range(engine.world_size)]
+        )
+        sharded = empty(spec, 4, 3)
+        try:
+            manifest.encode({"weight": sharded}, "model", {})
+        except tp.CheckpointError as exc:
+            return str(exc)
+    return "accepted"
+
+
+def test_fsdp1_sharded_tensor_state_is_refused_naming_what_to_return(ranks):
+    """Issue 26 item 8: a raw RuntimeError from deep inside DCP became a CheckpointError saying
+    what a state hook must return instead."""
+    for message in ranks.run(encode_a_sharded_tensor, timeout=120):
+        assert "ShardedTensor" in message and "DTensor" in message, message
+        assert "_use_dtensor=True" in message

@@ -49,6 +49,27 @@ def test_a_declared_refusal_passes_as_one_and_is_counted(ranks):
     assert "StrategyInfo(..., refuses=('clipping',))" in undeclared.detail, undeclared
 
 
+def test_a_declared_deviation_is_reported_as_one_with_its_reason(ranks):
+    """Issue 26 item 8: StrategyInfo(deviations=...) turns a by-design failure of one property
+    into DEVIATES with the reason and the measurement; undeclared it stays a FAIL, and a
+    declaration naming no property is itself reported."""
+    from broken_strategy import DECLARES_DEVIATION, MISNAMED_DEVIATION
+
+    clipping, parity = check(
+        DECLARES_DEVIATION, plugins=["broken_strategy"], pool=ranks, only=["clipping", "parity"]
+    )
+    assert clipping.deviated and not clipping.passed and clipping.status == "DEVIATES", clipping
+    assert "each rank clips its own gradients" in clipping.detail
+    assert parity.passed and not parity.deviated  # only the declared property is excused
+    (undeclared,) = check("local-clip", plugins=["broken_strategy"], pool=ranks, only=["clipping"])
+    assert undeclared.status == "FAIL"
+    named, clip = check(
+        MISNAMED_DEVIATION, plugins=["broken_strategy"], pool=ranks, only=["clipping"]
+    )
+    assert named.name == "deviations" and named.status == "FAIL" and "cliping" in named.detail
+    assert clip.status == "FAIL"
+
+
 def test_summing_instead_of_averaging_is_caught_by_sgd_where_adamw_hides_it(ranks):
     parity, sgd = check(
         "no-average", plugins=["broken_strategy"], pool=ranks, only=["parity", "sgd"]

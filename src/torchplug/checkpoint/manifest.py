@@ -106,6 +106,13 @@ def encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     Tuples, dicts with non-string keys and tensors are tagged so that :func:`decode` restores
     them exactly. Anything else that JSON cannot hold is refused: no pickles.
     """
+    if type(obj).__name__ == "ShardedTensor":  # FSDP1's sharded state: neither full nor DTensor
+        raise CheckpointError(
+            f"State at {path} is a ShardedTensor (FSDP1's sharded state dict); a torchplug "
+            f"checkpoint stores plain tensors or DTensors. Have the backend return DTensors "
+            f"(FSDP1: ShardedStateDictConfig(_use_dtensor=True)) or full tensors "
+            f"(get_model_state_dict(..., options=StateDictOptions(full_state_dict=True)))."
+        )
     if isinstance(obj, (torch.Tensor, Deferred)):
         if path in tensors:
             raise CheckpointError(f"Two tensors in the state map to the name {path!r}.")

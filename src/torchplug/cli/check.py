@@ -29,7 +29,7 @@ def check(args: Any) -> int:
     except TorchplugError as exc:
         print(f"torchplug check: {exc}", file=sys.stderr)
         return 2
-    failed_total, passed_total, skipped_total, refused_total = 0, 0, 0, 0
+    failed_total, passed_total, skipped_total, refused_total, deviated_total = 0, 0, 0, 0, 0
     pool = None
     for precision in precisions:
         try:
@@ -46,7 +46,8 @@ def check(args: Any) -> int:
             pool = kit.pool  # one set of ranks for every precision; stopped below
         for outcome in outcomes:
             print(f"  {outcome}")
-        failed_total += sum(1 for o in outcomes if not (o.passed or o.skipped))
+        failed_total += sum(1 for o in outcomes if not (o.passed or o.skipped or o.deviated))
+        deviated_total += sum(1 for o in outcomes if o.deviated)
         passed_total += sum(1 for o in outcomes if o.passed)
         skipped_total += sum(1 for o in outcomes if o.skipped)
         refused_total += sum(1 for o in outcomes if o.passed and o.refused)
@@ -57,5 +58,6 @@ def check(args: Any) -> int:
             f"({refused_total} of the passes are refusals the strategy declares: see 'refused "
             f"as declared' above)"
         )
-    print(f"{passed_total} passed, {failed_total} failed, {skipped_total} skipped")
+    deviates = f", {deviated_total} deviate as declared" if deviated_total else ""
+    print(f"{passed_total} passed, {failed_total} failed, {skipped_total} skipped{deviates}")
     return 1 if failed_total else 0

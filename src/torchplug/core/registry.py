@@ -10,7 +10,7 @@ import dataclasses
 import importlib.util
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchplug.core.errors import ConfigurationError, did_you_mean
@@ -188,6 +188,11 @@ class StrategyInfo:
     #: ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate). The kit
     #: passes a declared refusal as such and fails one that is not declared.
     refuses: tuple[str, ...] = ()
+    #: Conformance-kit properties the strategy fails by design, each with the reason, e.g.
+    #: ``{"clipping": "local SGD clips each rank's gradients"}``: the kit still runs them and
+    #: reports each as ``DEVIATES`` with the reason and what it measured, not as a PASS or a
+    #: failure. Only what the design makes impossible belongs here; a wrong answer is a FAIL.
+    deviations: Mapping[str, str] = field(default_factory=dict, hash=False)
     #: For a strategy that owns precision: the ``Engine(precision_options=...)`` it understands
     #: (the backend reads the resolved values from ``engine.precision_options`` in setup).
     precision_options: tuple[Option, ...] = ()
@@ -274,6 +279,7 @@ class StrategyInfo:
             "launcher",
             "tolerance",
             "resume_exact",
+            "deviations",
             "precision_options",
             "check",
             "precision_check",

@@ -63,9 +63,14 @@ class Outcome:
     skipped: bool = False
     #: Passed as a refusal the strategy declares (``StrategyInfo.refuses``), not by working.
     refused: bool = False
+    #: Failed as the strategy declares it must (``StrategyInfo.deviations``): not a failure,
+    #: not a PASS either (``passed`` stays False), reported as ``DEVIATES`` with the reason.
+    deviated: bool = False
 
     @property
     def status(self) -> str:
+        if self.deviated:
+            return "DEVIATES"
         return "SKIP" if self.skipped else "PASS" if self.passed else "FAIL"
 
     def __str__(self) -> str:
@@ -860,14 +865,36 @@ class Kit:
         if unavailable is not None:
             return [Outcome(name, False, unavailable, skipped=True) for name in only]
         outcomes = []
+        unknown = sorted(set(self.info.deviations) - set(PROPERTIES))
+        if unknown:  # a misspelt declaration would otherwise excuse nothing, silently
+            outcomes.append(
+                Outcome(
+                    "deviations",
+                    False,
+                    f"strategy '{self.info.name}' declares deviations for {unknown}, which are "
+                    f"not kit properties (they are: {', '.join(PROPERTIES)}). Fix the names in "
+                    f"StrategyInfo(deviations=...).",
+                )
+            )
         for name in only:
             try:
-                outcomes.append(getattr(self, name)())
+                outcome = getattr(self, name)()
             except RankError as exc:
-                outcomes.append(Outcome(name, False, f"a rank failed: {_last_line(str(exc))}"))
+                outcome = Outcome(name, False, f"a rank failed: {_last_line(str(exc))}")
             except Exception as exc:
-                outcomes.append(Outcome(name, False, f"{type(exc).__name__}: {exc}"))
+                outcome = Outcome(name, False, f"{type(exc).__name__}: {exc}")
+            outcomes.append(self.declared(outcome))
         return outcomes
+
+    def declared(self, outcome: Outcome) -> Outcome:
+        """A failure of a property the strategy declares a deviation for, as that deviation
+        (with the reason and what was measured); a pass stays a pass, reported as passing."""
+        reason = self.info.deviations.get(outcome.name)
+        if reason is None or outcome.passed or outcome.skipped:
+            return outcome
+        return Outcome(
+            outcome.name, False, f"as declared ({reason}): {outcome.detail}", deviated=True
+        )
 
 
 def _last_line(text: str) -> str:
