@@ -387,3 +387,58 @@ def test_split_between_processes_in_one_process_and_its_errors():
         with pytest.raises(tp.ConfigurationError, match="expected a dim in"):
             engine.pad_across_processes(torch.ones(2), dim=3)
         assert engine.any(False) is False and engine.all(True) is True
+
+
+def train_at_the_largest_batch_that_fits() -> dict:
+    """On each rank: a model whose activations for more than 16 samples cannot be allocated (a
+    real allocation failure: 2**47 bytes per extra sample, past any address space, so refused
+    whatever the overcommit policy), trained one DDP step at the batch size
+    find_executable_batch_size settles on."""
+    engine = tp.Engine("ddp", timeout=120.0)
+    model = engine.setup(torch.nn.Linear(4, 1))
+
+    @tp.find_executable_batch_size(starting_batch_size=128)
+    def step(batch_size: int, scale: float) -> float:
+        if batch_size > 16:
+            torch.empty((batch_size - 16) << 47, dtype=torch.uint8)  # past any address space
+        x = torch.full((batch_size, 4), scale)
+        loss = model(x).square().mean()
+        engine.backward(loss)
+        return float(model.module.weight.grad.sum())
+
+    grad = step(1.0)
+    engine.close()
+    return {"tried": step.tried, "grad": grad}
+
+
+def test_find_executable_batch_size_halves_on_real_out_of_memory_errors(ranks):
+    results = ranks.run(train_at_the_largest_batch_that_fits, timeout=120)
+    for result in results:
+        assert result["tried"] == [128, 64, 32, 16]
+    assert results[0]["grad"] == results[1]["grad"]  # one step together, gradients averaged
+
+
+def test_find_executable_batch_size_raises_other_errors_at_once_and_names_the_end():
+    calls = []
+
+    @tp.find_executable_batch_size(starting_batch_size=8)
+    def broken(batch_size: int) -> None:
+        calls.append(batch_size)
+        raise ValueError("a bug, not memory")
+
+    with pytest.raises(ValueError, match="a bug"):
+        broken()
+    assert calls == [8]
+
+    @tp.find_executable_batch_size(starting_batch_size=4)
+    def never_fits(batch_size: int) -> None:
+        torch.empty(1 << 50, dtype=torch.uint8)
+
+    with pytest.raises(RuntimeError, match="from 4 down to 1") as info:
+        never_fits()
+    assert never_fits.tried == [4, 2, 1]
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(tp.ConfigurationError, match="first parameter is 'batch_size'"):
+        tp.find_executable_batch_size(lambda n: n)
+    with pytest.raises(tp.ConfigurationError, match="without batch_size"):
+        never_fits(batch_size=3)

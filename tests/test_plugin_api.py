@@ -532,3 +532,43 @@ def test_a_re_run_cell_registering_a_new_object_is_told_how_to_replace_the_old_o
     tp.unregister("test_plugin_api:AnnouncesLogged")
     tp.register(AnnouncesLogged())
     assert "logged-ddp" in manager.get_registry().strategies
+
+
+def test_the_authors_face_holds_every_author_name_and_imports_no_torch():
+    """Issue 26 item 7: ``torchplug.plugin`` is the plugin authors' face; the same names under
+    ``torchplug`` are the same objects (they keep working through API 1.x)."""
+    import subprocess
+    import sys
+
+    import torchplug
+    import torchplug.plugin as face
+
+    for name in face.__all__:
+        value = getattr(face, name)
+        if name in torchplug.__all__:
+            assert getattr(torchplug, name) is value, name
+    assert {"hookimpl", "StrategyInfo", "DistributedStrategy", "Deferred", "API_VERSION"} <= set(
+        face.__all__
+    )
+    code = "import sys, torchplug.plugin; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_backend_written_with_the_authors_face_alone_runs():
+    from torchplug.plugin import DistributedStrategy, StrategyInfo, hookimpl, register
+
+    class Plain(DistributedStrategy):
+        pass
+
+    class Provider:
+        @staticmethod
+        @hookimpl
+        def torchplug_register_strategies(register):
+            register(StrategyInfo(name="face-plain", factory=Plain, description="face"))
+
+    register(Provider, name="face-provider")
+    with tp.Engine("face-plain") as engine:
+        model = engine.setup(torch.nn.Linear(2, 1))
+        engine.backward(model(torch.ones(1, 2)).sum())
+        assert model.weight.grad is not None

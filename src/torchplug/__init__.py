@@ -20,6 +20,7 @@ _EXPORTS = {
     "Option": "torchplug.core.registry",
     "LoggerInfo": "torchplug.core.registry",
     "seed_everything": "torchplug.core.seeding",
+    "find_executable_batch_size": "torchplug.core.batchsize",
     "seed_worker": "torchplug.core.seeding",
     "Logger": "torchplug.loggers",
     "Trainer": "torchplug.trainer.loop",
@@ -45,6 +46,7 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from torchplug.core.batchsize import find_executable_batch_size
     from torchplug.core.cluster import ClusterInfo
     from torchplug.core.engine import Engine, Runtime
     from torchplug.core.errors import (
