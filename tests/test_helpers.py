@@ -442,3 +442,72 @@ def test_find_executable_batch_size_raises_other_errors_at_once_and_names_the_en
         tp.find_executable_batch_size(lambda n: n)
     with pytest.raises(tp.ConfigurationError, match="without batch_size"):
         never_fits(batch_size=3)
+
+
+class _Counting(torch.utils.data.IterableDataset):
+    """Sample ids 0..n-1 in order, as a stream (an order torchplug does not own)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.arange(self.n, dtype=torch.float32).unsqueeze(1))
+
+
+def split_batches_on_ranks() -> dict:
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    ids = torch.arange(32, dtype=torch.float32).unsqueeze(1)
+    engine = tp.Engine("ddp", timeout=120.0)
+    torch.manual_seed(0)
+    model = engine.setup(torch.nn.Linear(1, 1))
+    loader = engine.setup_dataloader(
+        DataLoader(TensorDataset(ids), batch_size=8, shuffle=True), split_batches=True
+    )
+    mine = [b[0].flatten().tolist() for b in loader]
+    x = next(iter(loader))[0]
+    engine.backward(model(x).square().mean())
+    grad = model.module.weight.grad.clone()
+    # the one-process order for this seed, in global batches of 8
+    order = list(DistributedSampler(TensorDataset(ids), 1, 0, shuffle=True, seed=engine.seed))
+    streamed = engine.setup_dataloader(DataLoader(_Counting(16), batch_size=8), split_batches=True)
+    stream = [b.flatten().tolist() for b in streamed]
+    engine.close()
+    return {"mine": mine, "order": order, "grad": grad, "first": x, "stream": stream}
+
+
+def test_split_batches_makes_batch_size_the_global_batch(ranks):
+    """Issue 27 item 5: with split_batches=True the ranks' parts of step i are the one-process
+    batch i of batch_size samples (any sampler), and one DDP step equals the step on it."""
+    r0, r1 = ranks.run(split_batches_on_ranks, timeout=120)
+    assert len(r0["mine"]) == len(r1["mine"]) == 4  # 32 samples in global batches of 8
+    for i in range(4):
+        assert len(r0["mine"][i]) == len(r1["mine"][i]) == 4
+        together = sorted(r0["mine"][i] + r1["mine"][i])
+        assert together == sorted(float(j) for j in r0["order"][8 * i : 8 * i + 8])
+    assert r0["stream"] == [[0, 1, 2, 3], [8, 9, 10, 11]]
+    assert r1["stream"] == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(1, 1)
+    full = torch.cat([r0["first"], r1["first"]])
+    reference(full).square().mean().backward()
+    torch.testing.assert_close(r0["grad"], reference.weight.grad)
+    torch.testing.assert_close(r1["grad"], reference.weight.grad)
+
+
+def split_an_uneven_global_batch() -> str:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        try:
+            engine.setup_dataloader(
+                DataLoader(TensorDataset(torch.zeros(9, 1)), batch_size=5), split_batches=True
+            )
+        except tp.ConfigurationError as exc:
+            return str(exc)
+    return "accepted"
+
+
+def test_split_batches_refuses_a_global_batch_the_ranks_cannot_share(ranks):
+    for message in ranks.run(split_an_uneven_global_batch, timeout=120):
+        assert "batch_size=5 is the global batch" in message and "multiple of 2" in message

@@ -30,7 +30,7 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
 
 
 def _with_distributed_sampler(
-    loader: DataLoader, num_replicas: int, rank: int, seed: int
+    loader: DataLoader, num_replicas: int, rank: int, seed: int, batch_size: int | None = None
 ) -> DataLoader:
     sampler = DistributedSampler(
         loader.dataset,
@@ -41,7 +41,7 @@ def _with_distributed_sampler(
         drop_last=loader.drop_last,
     )
     kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size,
+        "batch_size": loader.batch_size if batch_size is None else batch_size,
         "sampler": sampler,
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
@@ -98,6 +98,31 @@ def _default_sampler(loader: DataLoader) -> bool:
     )
 
 
+def _per_rank_batch(batch_size: int, num_replicas: int) -> int:
+    """``split_batches``: the per-rank batch that makes ``batch_size`` the global one."""
+    if batch_size % num_replicas:
+        from torchplug.core.errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"setup_dataloader(split_batches=True): batch_size={batch_size} is the global "
+            f"batch, which must divide evenly over the {num_replicas} data-parallel ranks. Use "
+            f"a multiple of {num_replicas}, or split_batches=False (batch_size per rank)."
+        )
+    return batch_size // num_replicas
+
+
+def _part_of(batch: Any, rank: int, parts: int) -> Any:
+    """Part ``rank`` of ``parts`` of every tensor in ``batch`` along dimension 0."""
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:
+            return tensor
+        size = _per_rank_batch(tensor.shape[0], parts)
+        return tensor[rank * size : (rank + 1) * size]
+
+    return map_tensors(batch, cut)
+
+
 class EngineDataLoader:
     """What :meth:`Engine.setup_dataloader` returns: iterate it like the loader it wraps."""
 
@@ -112,8 +137,12 @@ class EngineDataLoader:
         use_distributed_sampler: bool = True,
         gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
         on_batch: Callable[[EngineDataLoader], None] | None = None,
+        split_batches: bool = False,
     ) -> None:
         self._shard_batches = 1
+        #: ``split_batches``: each batch the loader makes is cut into ``num_replicas`` parts,
+        #: this rank taking part ``rank`` (a loader whose order torchplug does not own).
+        self._split = 1
         self._on_batch = on_batch
         #: Samples at the end of the batch handed out last that are padding (repeats the
         #: distributed sampler added); ``engine.gather_for_metrics`` drops them.
@@ -130,12 +159,18 @@ class EngineDataLoader:
             ):
                 # One process too: the shuffle then depends on (seed, epoch) only, so every world
                 # size sees the same global batches, step for step.
-                loader = _with_distributed_sampler(loader, num_replicas, rank, seed)
+                per_rank = None
+                if split_batches:
+                    per_rank = _per_rank_batch(loader.batch_size, num_replicas)
+                loader = _with_distributed_sampler(loader, num_replicas, rank, seed, per_rank)
                 self._own_sampler = True
             elif num_replicas > 1 and not isinstance(
                 getattr(loader, "sampler", None), DistributedSampler
             ):
-                self._shard_batches = num_replicas
+                if split_batches:
+                    self._split = num_replicas
+                else:
+                    self._shard_batches = num_replicas
         self.loader = loader
         self.place = place
         self._padding = padding_per_batch(
@@ -217,6 +252,8 @@ class EngineDataLoader:
                 if len(round_) < n:
                     continue
                 batch, round_ = round_[rank], []
+            if self._split > 1:
+                batch = _part_of(batch, rank, self._split)
             if skip:
                 skip -= 1
                 self._consumed += 1

@@ -664,8 +664,20 @@ class Engine:
         *,
         use_distributed_sampler: bool = True,
         move_to_device: bool = True,
+        split_batches: bool = False,
     ) -> Any:
-        """Give each rank its own share of ``loader``'s batches, moved to :attr:`device`."""
+        """Give each rank its own share of ``loader``'s batches, moved to :attr:`device`.
+
+        Args:
+            loader: a DataLoader (or any iterable of batches).
+            use_distributed_sampler: give a map-style loader with the default sampler a
+                DistributedSampler (shuffle kept, one seed on every rank); else shard by batch.
+            move_to_device: put each batch on :attr:`device` (``place_batch``).
+            split_batches: ``batch_size`` is the global batch: each rank takes
+                ``batch_size / data_parallel_size`` of it (must divide evenly), so the step sees
+                the same samples on any number of ranks; ``False`` (default): ``batch_size`` is
+                per rank, and the global batch grows with the ranks.
+        """
         from torchplug.core.data import EngineDataLoader
 
         return EngineDataLoader(
@@ -677,6 +689,7 @@ class Engine:
             use_distributed_sampler=use_distributed_sampler,
             gather=self.gather if self.world_size > 1 else None,
             on_batch=self._note_loader,
+            split_batches=split_batches,
         )
 
     def _note_loader(self, loader: Any) -> None:
