@@ -511,3 +511,64 @@ def split_an_uneven_global_batch() -> str:
 def test_split_batches_refuses_a_global_batch_the_ranks_cannot_share(ranks):
     for message in ranks.run(split_an_uneven_global_batch, timeout=120):
         assert "batch_size=5 is the global batch" in message and "multiple of 2" in message
+
+
+class _Recorder:
+    """A callback for your own loop: plain methods named after your events."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, float]] = []
+
+    def on_validation_end(self, metrics: dict) -> str:
+        self.seen.append(("validation", metrics["loss"]))
+        return "recorded"
+
+
+class _StepCounter:
+    """A Trainer callback (``@hookimpl`` functions), reused in a loop of your own."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    @tp.hookimpl
+    def on_step_end(self, trainer, step, loss):
+        self.steps.append(step)
+
+
+def own_loop_with_callbacks() -> dict:
+    recorder, counter = _Recorder(), _StepCounter()
+    with tp.Engine("ddp", timeout=120.0, callbacks=[recorder, counter]) as engine:
+        torch.manual_seed(0)
+        model = engine.setup(torch.nn.Linear(2, 1))
+        for step in range(3):
+            loss = model(torch.full((4, 2), float(engine.rank + step))).square().mean()
+            engine.backward(loss)
+            engine.call("on_step_end", trainer=None, step=step, loss=float(loss))
+        mean = float(engine.reduce(loss.detach(), "mean"))
+        answers = engine.call("on_validation_end", metrics={"loss": mean})
+        nothing = engine.call("on_nobody_listens")
+    return {"seen": recorder.seen, "steps": counter.steps, "answers": answers, "none": nothing}
+
+
+def test_engine_call_runs_callbacks_of_your_own_loop_on_every_rank(ranks):
+    """Issue 27 item 5: Engine(callbacks=...) + engine.call(name, ...), Fabric's pattern; the
+    Trainer's callback objects work too."""
+    r0, r1 = ranks.run(own_loop_with_callbacks, timeout=120)
+    for result in (r0, r1):
+        assert result["steps"] == [0, 1, 2]
+        assert result["answers"] == ["recorded"]  # only the callback that has the method
+        assert result["none"] == []
+    assert r0["seen"] == r1["seen"] and len(r0["seen"]) == 1  # reduced: the same everywhere
+
+
+def test_engine_call_names_a_callback_attribute_that_is_not_a_method():
+    class Broken:
+        on_epoch_end = 3
+
+    with (
+        tp.Engine("single", callbacks=[Broken()]) as engine,
+        pytest.raises(tp.ConfigurationError, match="not callable"),
+    ):
+        engine.call("on_epoch_end")
+    with pytest.raises(tp.ConfigurationError, match="callbacks must be a list"):
+        tp.Engine("single", callbacks="mine")

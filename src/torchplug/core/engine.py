@@ -67,6 +67,16 @@ def _checked_seed(seed: Any) -> int:
     return seed
 
 
+def _checked_callbacks(callbacks: Any) -> list[object]:
+    """``Engine(callbacks=...)``: an iterable of objects (a single string is a mistake)."""
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise ConfigurationError(
+            f"callbacks must be a list of objects with methods named after your events, got "
+            f"{type(callbacks).__name__} {callbacks!r}. Pass e.g. callbacks=[MyCallback()]."
+        )
+    return list(callbacks)
+
+
 #: Checkpoint entries of torchplug's own (plugins' state): user keys may not start with it.
 RESERVED_PREFIX = "torchplug."
 
@@ -95,8 +105,9 @@ class Engine:
     plugins to this Engine only (objects, or module names imported as ``python -m`` would, from
     the current directory too); ``loggers`` names the metric loggers :meth:`log` writes to
     (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any a plugin registers; rank 0 only), under
-    ``log_dir``; other keyword arguments are the strategy's options (``torchplug plugins
-    --verbose`` lists them).
+    ``log_dir``; ``callbacks`` are objects whose methods :meth:`call` runs by name (your own
+    loop's events, Fabric's ``callbacks``); other keyword arguments are the strategy's options
+    (``torchplug plugins --verbose`` lists them).
     """
 
     def __init__(
@@ -117,10 +128,12 @@ class Engine:
         sync_batchnorm: bool | None = None,
         loggers: Iterable[str | object] | str | None = None,
         log_dir: str | os.PathLike[str] | None = None,
+        callbacks: Iterable[object] = (),
         **strategy_options: Any,
     ) -> None:
 
         faults.install_error_recorder()
+        self.callbacks = _checked_callbacks(callbacks)
         #: HMAC key: checkpoints are signed on save and must carry a valid signature on load.
         self.checkpoint_key = key_from(checkpoint_key)
         self._checkpoint_timeout = timeout_from(checkpoint_timeout)
@@ -852,6 +865,27 @@ class Engine:
             )
         size = int(self.reduce(float(tensor.shape[dim]), "max").item())
         return sharing.pad_to(tensor, size, dim % tensor.dim(), pad_index, pad_first)
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``hook_name(*args, **kwargs)`` on every object of ``Engine(callbacks=...)`` that
+        has that method, in the order given, and return what each returned (Fabric's
+        ``fabric.call``): events of your own loop, such as
+        ``engine.call("on_validation_end", metrics=metrics)``. A callback without the method is
+        skipped; an attribute of that name that is not callable is an error. The Trainer's
+        callback objects work here too (their hooks are plain methods). Local to this rank."""
+        results = []
+        for callback in self.callbacks:
+            method = getattr(callback, hook_name, None)
+            if method is None:
+                continue
+            if not callable(method):
+                raise ConfigurationError(
+                    f"engine.call({hook_name!r}): callback {type(callback).__name__} has an "
+                    f"attribute {hook_name!r} that is not callable ({type(method).__name__}). "
+                    f"Rename it, or make it a method."
+                )
+            results.append(method(*args, **kwargs))
+        return results
 
     def any(self, flag: bool | torch.Tensor) -> bool:
         """True on every rank if ``flag`` is true on any rank: a stop trigger for your own loop
