@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,43 @@ def test_trainer_errors_say_what_to_do():
     trainer = tp.Trainer(model, optimizer, None, [torch.ones(2, 4)], strategy="single")
     with trainer, pytest.raises(tp.ConfigurationError, match="override training_step"):
         trainer.fit()
+
+
+def _fit(tmp_path, **kwargs) -> dict:
+    model, optimizer = trainer_body.model_and_optimizer()
+    with tp.Trainer(
+        model,
+        optimizer,
+        torch.nn.functional.cross_entropy,
+        torch.utils.data.DataLoader(trainer_body.data(), batch_size=8),
+        strategy="single",
+        checkpoint_dir=tmp_path / "ckpt",
+        progress=True,
+        **kwargs,
+    ) as trainer:
+        return trainer.fit()
+
+
+@pytest.mark.parametrize("bar", ["tqdm", "text"])
+def test_a_resumed_epochs_bar_starts_where_it_stopped_and_reaches_the_end(
+    tmp_path, capsys, monkeypatch, bar
+):
+    """Issue 27 item 3: the bar of an epoch resumed at step 3 starts at 3/N and ends at N/N
+    (it ended at 25-76 % before), with tqdm and with the base install's own text bar."""
+    from torchplug.trainer import progress
+
+    if bar == "tqdm":
+        pytest.importorskip("tqdm")
+    else:
+        monkeypatch.setattr(progress, "BARS", ())  # as without tqdm and rich installed
+    steps = len(torch.utils.data.DataLoader(trainer_body.data(), batch_size=8))
+    assert steps > 4
+    _fit(tmp_path, max_steps=3, checkpoint_every=3)
+    capsys.readouterr()
+    result = _fit(tmp_path, checkpoint_every=100)
+    assert result["step"] == steps
+    err = capsys.readouterr().err
+    assert f"3/{steps}" in err and f"{steps}/{steps}" in err, err[-600:]
+    assert "100%" in err
+    shown = [int(n) for n in re.findall(rf"(?<!\d)(\d+)/{steps}\b", err)]
+    assert min(shown) == 3, shown  # no restart from zero

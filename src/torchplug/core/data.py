@@ -214,6 +214,11 @@ class EngineDataLoader:
             if key in state
         }
 
+    @property
+    def resumes_at(self) -> int:
+        """Batches of its epoch the next pass skips (a loader restored mid-epoch), else 0."""
+        return self._skip
+
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch the next pass shuffles for (it otherwise advances by one per completed
         pass); forwarded to a ``DistributedSampler`` you built yourself."""

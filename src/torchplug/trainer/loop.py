@@ -227,7 +227,9 @@ class Trainer:
             if hasattr(self.train_loader, "__len__")
             else None
         )
-        self.progress.start(self.epoch, total)
+        # a resumed epoch: the loader skips the batches the checkpoint's run consumed
+        initial = getattr(self.train_loader, "resumes_at", 0) // self.grad_accum
+        self.progress.start(self.epoch, total, initial)
         model.train()
         losses: list[float] = []
         micro: list[torch.Tensor] = []

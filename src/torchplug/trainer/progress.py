@@ -1,11 +1,18 @@
-"""The Trainer's progress display on rank 0: a tqdm bar (or rich, when tqdm is missing) with
-loss, samples/s and ETA on a terminal; nothing but one line per epoch elsewhere (logs, CI)."""
+"""The Trainer's progress display on rank 0: a tqdm bar (or rich, when tqdm is missing, or a
+plain one-line bar of its own with the base install, so nothing extra is needed) with loss,
+samples/s and ETA on a terminal; nothing but one line per epoch elsewhere (logs, CI). A resumed
+epoch's bar starts where the checkpoint left the epoch, and its ETA counts only the steps run
+since, so it reaches 100 % with a right estimate."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from typing import Any
+
+#: The bar packages used when installed, in order of preference; else the plain text bar.
+BARS: tuple[str, ...] = ("tqdm", "rich")
 
 
 def wanted(progress: bool | None, is_main: bool) -> bool:
@@ -24,20 +31,20 @@ class Progress:
         self._bar: Any = None
         self._rich: Any = None
         self._task: Any = None
+        self._text: _TextBar | None = None
         self.kind = "none"
         if enabled:
-            if importlib.util.find_spec("tqdm") is not None:
-                self.kind = "tqdm"
-            elif importlib.util.find_spec("rich") is not None:
-                self.kind = "rich"
-            else:
-                self.kind = "text"
+            found = [kind for kind in BARS if importlib.util.find_spec(kind) is not None]
+            self.kind = found[0] if found else "text"
 
-    def start(self, epoch: int, total: int | None) -> None:
+    def start(self, epoch: int, total: int | None, initial: int = 0) -> None:
+        """A bar for ``epoch`` of ``total`` steps, ``initial`` of them done already (resumed)."""
         if self.kind == "tqdm":
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=f"epoch {epoch + 1}", unit="step", leave=True)
+            self._bar = tqdm(
+                total=total, initial=initial, desc=f"epoch {epoch + 1}", unit="step", leave=True
+            )
         elif self.kind == "rich":
             from rich.progress import (
                 BarColumn,
@@ -55,7 +62,11 @@ class Progress:
                 TextColumn("{task.fields[info]}"),
             )
             self._rich.start()
-            self._task = self._rich.add_task(f"epoch {epoch + 1}", total=total, info="")
+            self._task = self._rich.add_task(
+                f"epoch {epoch + 1}", total=total, completed=initial, info=""
+            )
+        elif self.kind == "text":
+            self._text = _TextBar(epoch, total, initial)
 
     def update(self, loss: float, samples_per_s: float) -> None:
         info = f"loss {loss:.4f}  {samples_per_s:,.0f} samples/s"
@@ -64,11 +75,49 @@ class Progress:
             self._bar.update(1)
         elif self._rich is not None:
             self._rich.update(self._task, advance=1, info=info)
+        elif self._text is not None:
+            self._text.update(info)
 
     def end(self) -> None:
+        if self._text is not None:
+            self._text.close()
+            self._text = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         if self._rich is not None:
             self._rich.stop()
             self._rich = None
+
+
+class _TextBar:
+    """One line on stderr, rewritten in place: ``epoch 2  37/120 [31%] ETA 0:12  loss ...``."""
+
+    def __init__(self, epoch: int, total: int | None, initial: int) -> None:
+        self.epoch, self.total, self.initial, self.count = epoch, total, initial, initial
+        self.started = time.perf_counter()
+        self.info = ""
+        self._draw()
+
+    def update(self, info: str) -> None:
+        self.count += 1
+        self.info = info
+        self._draw()
+
+    def _draw(self) -> None:
+        line = f"epoch {self.epoch + 1}  {self.count}"
+        if self.total:
+            line += f"/{self.total} [{100 * self.count // self.total:3d}%]"
+            done = self.count - self.initial  # this run's steps: a resume's rate is its own
+            if done > 0 and self.count < self.total:
+                rate = done / max(time.perf_counter() - self.started, 1e-9)
+                left = int((self.total - self.count) / rate)
+                line += f" ETA {left // 60}:{left % 60:02d}"
+        if self.info:
+            line += f"  {self.info}"
+        sys.stderr.write("\r" + line)
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
