@@ -572,3 +572,56 @@ def test_engine_call_names_a_callback_attribute_that_is_not_a_method():
         engine.call("on_epoch_end")
     with pytest.raises(tp.ConfigurationError, match="callbacks must be a list"):
         tp.Engine("single", callbacks="mine")
+
+
+def test_measure_flops_counts_a_linear_layers_forward_and_backward():
+    """Linear(i, o) on a batch of B is 2*B*i*o FLOPs forward; backward computes the weight's
+    gradient (2*B*i*o) and, for every layer but the first, its input's (2*B*i*o more)."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 16, bias=False)
+    )
+    x = torch.randn(8, 64)
+    first, second = 2 * 8 * 64 * 32, 2 * 8 * 32 * 16
+    expected = (first + second) + (first + 2 * second)
+    assert tp.measure_flops(model, lambda: model(x).sum()) == expected
+    assert all(p.grad is None for p in model.parameters())
+
+
+def throughput_on_ranks() -> dict:
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        monitor = tp.ThroughputMonitor(engine, window=3, peak_flops=1e9)
+        samples = 4 * (engine.rank + 1)  # rank 1 processes twice as many samples per batch
+        for step in range(5):  # one batch per second, as the loop reports it
+            monitor.update(
+                time=float(step + 1),
+                batches=step + 1,
+                samples=(step + 1) * samples,
+                tokens=(step + 1) * samples * 10,
+                flops=1e8,
+            )
+        return monitor.compute()
+
+
+def test_throughput_monitor_rates_over_its_window_on_every_rank_and_together(ranks):
+    """Issue 27 item 6: per-rank rates over the last `window` updates, summed over ranks; MFU
+    against the peak given."""
+    r0, r1 = ranks.run(throughput_on_ranks, timeout=120)
+    assert r0["batches_per_s"] == 1.0 and r0["samples_per_s"] == 4.0
+    assert r1["samples_per_s"] == 8.0 and r1["tokens_per_s"] == 80.0
+    for result in (r0, r1):
+        assert result["global/samples_per_s"] == 12.0
+        assert result["global/tokens_per_s"] == 120.0
+        assert result["flops_per_s"] == pytest.approx(1e8)
+        assert result["mfu"] == pytest.approx(0.1)
+        assert result["global/mfu"] == pytest.approx(0.1)
+
+
+def test_throughput_monitor_refuses_what_it_cannot_use():
+    with tp.Engine("single") as engine:
+        with pytest.raises(tp.ConfigurationError, match="window"):
+            tp.ThroughputMonitor(engine, window=1)
+        monitor = tp.ThroughputMonitor(engine)
+        assert monitor.compute() == {}  # nothing to rate yet
+        monitor.update(time=1.0, batches=1, samples=1)
+        with pytest.raises(tp.ConfigurationError, match="time must grow"):
+            monitor.update(time=1.0, batches=2, samples=2)

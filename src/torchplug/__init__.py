@@ -21,6 +21,8 @@ _EXPORTS = {
     "LoggerInfo": "torchplug.core.registry",
     "seed_everything": "torchplug.core.seeding",
     "find_executable_batch_size": "torchplug.core.batchsize",
+    "ThroughputMonitor": "torchplug.core.throughput",
+    "measure_flops": "torchplug.core.throughput",
     "seed_worker": "torchplug.core.seeding",
     "Logger": "torchplug.loggers",
     "Trainer": "torchplug.trainer.loop",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from torchplug.core.seeding import seed_everything, seed_worker
     from torchplug.core.spec import API_VERSION, hookimpl
     from torchplug.core.strategy import DistributedStrategy, Strategy, distributed_options
+    from torchplug.core.throughput import ThroughputMonitor, measure_flops
     from torchplug.loggers import Logger
     from torchplug.plugins.ddp import DDPStrategy
     from torchplug.trainer.loop import Trainer, accuracy
