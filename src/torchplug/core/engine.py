@@ -16,7 +16,16 @@ from typing import Any
 
 import torch
 
-from torchplug.core import async_save, config, dispatch, faults, manager, sharing, spec
+from torchplug.core import (
+    async_save,
+    config,
+    dispatch,
+    faults,
+    manager,
+    profiling,
+    sharing,
+    spec,
+)
 from torchplug.core import cluster as cluster_mod
 from torchplug.core.checkpoint_settings import key_from, timeout_from
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
@@ -106,7 +115,10 @@ class Engine:
     the current directory too); ``loggers`` names the metric loggers :meth:`log` writes to
     (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any a plugin registers; rank 0 only), under
     ``log_dir``; ``callbacks`` are objects whose methods :meth:`call` runs by name (your own
-    loop's events, Fabric's ``callbacks``); other keyword arguments are the strategy's options
+    loop's events, Fabric's ``callbacks``); ``profile=True`` (or a dict: ``wait``, ``warmup``,
+    ``active`` optimizer steps, ``dir``, ``record_shapes``, ``profile_memory``, ``with_stack``)
+    runs torch.profiler over those steps and writes one trace per rank
+    (:mod:`torchplug.core.profiling`); other keyword arguments are the strategy's options
     (``torchplug plugins --verbose`` lists them).
     """
 
@@ -129,6 +141,7 @@ class Engine:
         loggers: Iterable[str | object] | str | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         callbacks: Iterable[object] = (),
+        profile: bool | Mapping[str, Any] | None = None,
         **strategy_options: Any,
     ) -> None:
 
@@ -186,6 +199,8 @@ class Engine:
 
         #: The loggers ``engine.log`` writes to (names checked now, files opened on first log).
         self.loggers = LoggerSet(loggers, log_dir, registry)
+        profile_settings = profiling.options(profile, self.loggers.log_dir)  # checked early
+        self._profiler: profiling.StepProfiler | None = None
         self._last_loader: weakref.ref[Any] | None = None
         self._accumulation: dict[int, int] = {}
         self._accumulating: tuple[int, bool] | None = None
@@ -262,6 +277,8 @@ class Engine:
                 f"{runtime!r} from torchplug_setup; it must return a torchplug Runtime."
             )
         self.runtime = runtime
+        if profile_settings is not None:
+            self._profiler = profiling.StepProfiler(profile_settings, self.rank, self.device)
         if faults.debug_enabled() and self.world_size > 1 and torch.distributed.is_initialized():
             self._checker = faults.CollectiveChecker(
                 torch.distributed.distributed_c10d._get_default_store(),
@@ -580,6 +597,8 @@ class Engine:
                 stepped = engine._call.torchplug_optimizer_step(engine, opt, closure)
             finally:
                 inside = False
+            if engine._profiler is not None:
+                engine._profiler.step()
             if stepped is not True and stepped is not False:
                 engine._answer("torchplug_optimizer_step", stepped)
             opt.step_was_skipped = stepped is False
@@ -1301,6 +1320,8 @@ class Engine:
             failed_save = None
             try:
                 failed_save = self._finish_saving()
+                if self._profiler is not None:
+                    self._profiler.stop()
                 self._staging.clear()
                 self.loggers.close()
                 self.hook.torchplug_teardown(engine=self)
