@@ -174,3 +174,32 @@ def test_core_imports_neither_the_command_line_nor_the_testing_kit():
             ]
     assert not offenders
     assert not (ROOT / "src" / "torchplug" / "core" / "cli.py").exists()
+
+
+def test_config_writes_a_file_that_engine_and_launch_read(tmp_path):
+    """Issue 27 item 9: `torchplug config` writes torchplug.toml; Engine() takes its strategy,
+    precision, options and loggers, and `torchplug launch` its process count."""
+    made = torchplug(
+        "config", "--strategy", "ddp", "--precision", "bf16", "-n", "2", "--logger", "csv",
+        "--option", "timeout=60", cwd=tmp_path,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    text = (tmp_path / "torchplug.toml").read_text()
+    assert 'strategy = "ddp"' in text and "processes = 2" in text and "timeout = 60" in text
+    (tmp_path / "show.py").write_text(
+        "import torchplug as tp\n"
+        "with tp.Engine() as engine:\n"
+        "    print(f'rank {engine.rank} of {engine.world_size} {engine.info.name} '\n"
+        "          f'{engine.precision} {engine.collective_timeout:g}', flush=True)\n"
+        "    engine.log({'x': 1.0}, step=0)\n"
+    )
+    run = torchplug("launch", "show.py", cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0 of 2 ddp bf16 60", "rank 1 of 2 ddp bf16 60"], run.stdout
+    assert "x" in (tmp_path / "logs" / "metrics.csv").read_text()
+    again = torchplug("config", "--strategy", "ddp", cwd=tmp_path)
+    assert again.returncode == 2 and "--force" in again.stderr  # nothing replaced silently
+    wrong = torchplug("config", "--strategy", "dpp", "--force", cwd=tmp_path)
+    assert wrong.returncode == 2 and "Did you mean 'ddp'" in wrong.stderr
+    assert 'strategy = "ddp"' in (tmp_path / "torchplug.toml").read_text()  # left as it was

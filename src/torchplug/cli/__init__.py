@@ -1,4 +1,4 @@
-"""The ``torchplug`` command: launch, plugins, doctor, check, convert.
+"""The ``torchplug`` command: launch, plugins, doctor, check, convert, config.
 
 The command line sits above the core (it may use the testing kit; nothing below imports it).
 Importing this package imports neither torch nor any plugin, so ``torchplug --help`` is instant;
@@ -108,6 +108,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="progress bar (default: on a terminal or for checkpoints over 1 GiB)",
     )
+    p = sub.add_parser(
+        "config",
+        help="write torchplug.toml (strategy, precision, processes, nodes, loggers, options) "
+        "from flags or --ask",
+    )
+    from torchplug.cli.config import add_arguments  # argparse only: no torch
+
+    add_arguments(p)
     return parser
 
 
@@ -138,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from torchplug.cli.convert import convert
 
         return convert(args)
+    if args.command == "config":
+        from torchplug.cli.config import config
+
+        return config(args)
     if args.command == "check":
         from torchplug.cli.check import check
 

@@ -209,6 +209,18 @@ def import_plugins(modules: Sequence[str]) -> None:
     os.environ[PLUGIN_ENV] = ",".join(dict.fromkeys([*previous, *modules]))
 
 
+def from_file(args: Any, parser: argparse.ArgumentParser) -> None:
+    """``processes`` and ``nodes`` of the config file (``torchplug config`` writes them) for
+    ``-n`` and ``--nnodes`` when the command line leaves them out; the flags win."""
+    from torchplug.core.config import find_config
+
+    table, _ = find_config()
+    if args.nproc_per_node is None and "processes" in table:
+        args.nproc_per_node = str(table["processes"])
+    if "nodes" in table and args.nnodes == parser.get_default("nnodes"):
+        args.nnodes = str(table["nodes"])
+
+
 def nproc(value: str | None) -> str:
     """``-n``'s value checked: a positive integer, or torchrun's auto/cpu/gpu/xpu."""
     import torch
@@ -484,6 +496,7 @@ def launch(argv: Sequence[str]) -> int:
         from torchplug.core import cluster
 
         import_plugins(args.plugin)
+        from_file(args, parser)
         asked_for = args.nproc_per_node
         args.nproc_per_node = nproc(args.nproc_per_node)
         check_script(args)

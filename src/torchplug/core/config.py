@@ -23,7 +23,7 @@ from torchplug.core.checkpoint_settings import problems as checkpoint_problems
 from torchplug.core.errors import ConfigurationError, did_you_mean
 from torchplug.core.registry import normalize_precision
 
-CONFIG_KEYS = ("strategy", "precision", "options", "strategies")
+CONFIG_KEYS = ("strategy", "precision", "options", "strategies", "processes", "nodes", "loggers")
 
 LAUNCH_ENV = {"strategy": "TORCHPLUG_LAUNCH_STRATEGY", "precision": "TORCHPLUG_LAUNCH_PRECISION"}
 #: ``torchplug launch --option NAME=VALUE`` as a JSON object, for the processes it starts.
@@ -198,6 +198,19 @@ def _checked(table: Any, path: Path) -> dict[str, Any]:
                 f"'{key}' in {path} is {type(table[key]).__name__} {table[key]!r}; expected a "
                 f'name, e.g. {key} = "{"ddp" if key == "strategy" else "bf16"}".'
             )
+    for key in ("processes", "nodes"):  # read by torchplug launch (-n, --nnodes)
+        value = table.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(
+                f"'{key}' in {path} is {type(value).__name__} {value!r}; expected a whole "
+                f"number >= 1, e.g. {key} = 2."
+            )
+    loggers = table.get("loggers", [])
+    if not isinstance(loggers, list) or not all(isinstance(n, str) and n for n in loggers):
+        raise ConfigurationError(
+            f"'loggers' in {path} must be a list of logger names, e.g. loggers = [\"csv\"]; "
+            f"got {loggers!r}."
+        )
     if "options" in table and not isinstance(table["options"], dict):
         raise ConfigurationError(
             f"'options' in {path} must be a table, e.g. [tool.torchplug.options] "

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from torchplug.core.config import find_config
 from torchplug.core.errors import ConfigurationError
 
 
@@ -57,6 +58,9 @@ def requested(
         return list(_names(env[LAUNCH_LOGGERS_ENV])), "torchplug launch --logger"
     if env.get(LOGGERS_ENV):
         return list(_names(env[LOGGERS_ENV])), f"environment {LOGGERS_ENV}"
+    table, path = find_config(env=env)
+    if table.get("loggers"):
+        return list(table["loggers"]), f"config file {path}"
     return [], "default"
 
 
