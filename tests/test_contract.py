@@ -136,6 +136,29 @@ def test_lr_scheduler_made_before_setup_does_not_warn(recwarn):
     ]
 
 
+def test_the_private_scheduler_protocol_the_engine_relies_on_is_still_torchs():
+    """Issue 26 item 5: the Engine's optimizer.step sets two private names torch's LR schedulers
+    read (``_wrapped_by_lr_sched`` on the step, ``_opt_called`` on the optimizer) so that a
+    scheduler made before or after setup neither warns nor miscounts. If a torch release renames
+    them, this fails naming the version, instead of users seeing false warnings."""
+    import inspect
+
+    source = inspect.getsource(torch.optim.lr_scheduler)
+    for name in ("_wrapped_by_lr_sched", "_opt_called"):
+        assert name in source, (
+            f"torch {torch.__version__}'s LR schedulers no longer use {name}: update "
+            f"Engine._attach's step wrapper to what they use now"
+        )
+    # and what the names are for, observed: the scheduler stepped after the optimizer's step,
+    # in the right order, says nothing; stepped first, it warns (torch's own check still works)
+    model = torch.nn.Linear(2, 1)
+    with tp.Engine("single") as engine:
+        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        with pytest.warns(UserWarning, match="lr_scheduler.step()"):
+            scheduler.step()  # before any optimizer.step(): torch's warning, as without us
+
+
 def test_no_sync_answer_must_be_a_context_manager():
     class BadNoSync(WrongAnswers):
         @tp.hookimpl
