@@ -5,6 +5,7 @@ they were found."""
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -49,14 +50,33 @@ def test_a_backend_with_unanswered_hooks_refuses_to_start_naming_them():
         tp.Engine("only-three")
     message = str(info.value)
     assert "only-three" in message and "OnlyThree" in message
-    for hook in (
-        "torchplug_optimizer_step",
-        "torchplug_save",
-        "torchplug_load",
-        "torchplug_reduce",
-    ):
+    for hook in ("torchplug_optimizer_step", "torchplug_reduce"):
         assert hook in message
+    # save and load are answered by the built-in checkpoint plugin, whatever the backend
+    named = set(re.findall(r"torchplug_\w+", message))
+    assert "torchplug_save" not in named and "torchplug_load" not in named, named
     assert "subclass torchplug.Strategy" in message
+
+
+def test_the_checkpoint_defaults_are_a_plugin_that_can_be_blocked(monkeypatch):
+    """Issue 26 item 3: the portable save/load is the built-in plugin `checkpoint` (listed,
+    blockable), not a base-class method: blocked, a backend that does not answer save/load
+    itself is refused naming them."""
+    from torchplug.core import manager
+
+    with tp.Engine("single") as engine:
+        names = [manager.qualified_name(p) for p in engine.plugins]
+        assert "torchplug.checkpoint.defaults" in names, names
+    monkeypatch.setenv("TORCHPLUG_BLOCK_PLUGINS", "checkpoint")
+    manager.reset_registry(forget_blocks=True)
+    try:
+        with pytest.raises(tp.PluginError) as info:
+            tp.Engine("single")
+        named = set(re.findall(r"torchplug_\w+", str(info.value)))
+        assert {"torchplug_save", "torchplug_load"} <= named, named
+    finally:
+        monkeypatch.delenv("TORCHPLUG_BLOCK_PLUGINS")
+        manager.reset_registry(forget_blocks=True)
 
 
 def test_a_plain_object_answering_every_hook_works():

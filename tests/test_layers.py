@@ -25,9 +25,6 @@ LAYERS = {
 #: Upward imports still in core, each with the reason and the issue that removes it. The test
 #: also fails when one of these is gone, so that the list only shrinks.
 KNOWN_UPWARD = {
-    # The Strategy base class's default save/load; they move to a built-in checkpoint plugin
-    # registered trylast like the others (issue 26 item 3).
-    ("torchplug.core.strategy", "torchplug.checkpoint"),
     # engine.load_pretrained reads safetensors through the checkpoint package (issue 26 item 3).
     ("torchplug.core.engine", "torchplug.checkpoint.pretrained"),
     # resume cross-checks a step directory's manifest (issue 26 item 3).
@@ -104,6 +101,6 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     """The checker itself: an import inside a function and a relative import are found (a
     checker that saw only module-level imports passed the old layering while core imported the
     checkpoint package in function bodies)."""
-    found = imports(SRC / "torchplug" / "core" / "strategy.py")
-    assert "torchplug.checkpoint" in found  # `from torchplug import checkpoint`, in a method
+    found = imports(SRC / "torchplug" / "core" / "resume.py")
+    assert "torchplug.checkpoint" in found  # `from torchplug.checkpoint import ...` in a function
     assert layer_of("torchplug.checkpoint.io") == 1 and layer_of("torchplug.core.spec") == 0

@@ -250,7 +250,10 @@ class Engine:
                 )
         active += [manager.load_extension(p) if isinstance(p, str) else p for p in plugins]
         self._pm = manager.new_plugin_manager()
-        for plugin in active:
+        # torchplug's default answers first: pluggy calls the later-registered first, so any
+        # answer of the backend's or an extension's comes before them
+        defaults = registry.default_answers()
+        for plugin in sorted(active, key=lambda p: p not in defaults):
             manager.register_checked(self._pm, plugin)
         self.plugins = tuple(active)
         self.hook = self._pm.hook

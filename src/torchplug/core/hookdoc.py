@@ -84,8 +84,21 @@ def hooks() -> list[tuple[str, Callable[..., Any]]]:
 
 def _default(name: str) -> str:
     """Where torchplug's default answer lives, if any."""
-    from torchplug.core import cluster
+    import importlib
+
+    from torchplug.core import cluster, manager
     from torchplug.core.strategy import DistributedStrategy, Strategy
+
+    modules = dict(manager.BUILTIN_PLUGINS)
+    for plugin in sorted(manager.DEFAULT_ANSWERS):  # built-in plugins, loaded as plugins are
+        module = importlib.import_module(modules[plugin])
+        if callable(getattr(module, name, None)):
+            return (
+                f"`{module.__name__}.{name}`: the built-in plugin `{plugin}`, in every "
+                f"Engine's active set, registered before the backend and marked `trylast`, "
+                f"so any answer of the backend's wins (block it with "
+                f"`TORCHPLUG_BLOCK_PLUGINS={plugin}`)."
+            )
 
     for cls in (Strategy, DistributedStrategy):
         if name in vars(cls):

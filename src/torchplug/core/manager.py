@@ -57,7 +57,12 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("xla", "torchplug.plugins.xla"),
     ("amp", "torchplug.plugins.amp"),
     ("loggers", "torchplug.loggers.builtin"),
+    ("checkpoint", "torchplug.checkpoint.defaults"),
 )
+
+#: Built-in plugins that hold default answers (``trylast``): registered into each Engine before
+#: its backend, so that any answer of the backend's comes first.
+DEFAULT_ANSWERS = frozenset({"checkpoint"})
 
 #: Hooks that make a plugin part of an Engine's active set when it is registered globally, and
 #: the ones that active set must answer (declared with each hook in :mod:`torchplug.core.spec`).
@@ -645,6 +650,14 @@ class Registry:
             for name, plugin in self.pm.list_name_plugin()
             if name not in providers
             and any(callable(getattr(plugin, h, None)) for h in STRATEGY_HOOKS)
+        ]
+
+    def default_answers(self) -> list[object]:
+        """The extensions holding torchplug's default answers (:data:`DEFAULT_ANSWERS`)."""
+        return [
+            plugin
+            for name, plugin in self.pm.list_name_plugin()
+            if name in DEFAULT_ANSWERS and plugin is not None
         ]
 
 

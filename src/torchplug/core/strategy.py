@@ -171,23 +171,6 @@ class Strategy:
             set_optimizer_state_dict(model, optimizer, state)
         return True
 
-    @hookimpl(trylast=True)
-    def torchplug_save(
-        self, engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
-    ) -> bool:
-        from torchplug import checkpoint
-
-        checkpoint.save(engine, path, state, metadata)
-        return True
-
-    @hookimpl(trylast=True)
-    def torchplug_load(
-        self, engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
-    ) -> dict[str, Any]:
-        from torchplug import checkpoint
-
-        return checkpoint.load(engine, path, state, strict)
-
 
 def default_device(local_rank: int = 0) -> torch.device:
     """The accelerator for this local rank if there is one, else the CPU."""

@@ -1,0 +1,35 @@
+"""The default answers to ``torchplug_save`` and ``torchplug_load``: the portable checkpoint.
+
+A built-in plugin registered like any other (``manager.BUILTIN_PLUGINS``, entry point
+``checkpoint``): it joins every Engine's active set, registered before the backend and marked
+``trylast``, so a backend that has a format of its own answers first (DeepSpeed's native
+checkpoint) and every other backend needs nothing, whether or not it subclasses
+``torchplug.Strategy``. Blocking it (``TORCHPLUG_BLOCK_PLUGINS=checkpoint``) leaves the two
+hooks for the backend to answer; an Engine whose active set then answers neither refuses to
+start, naming them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torchplug.checkpoint import io
+from torchplug.core.spec import hookimpl
+
+if TYPE_CHECKING:
+    from torchplug.core.engine import Engine
+
+
+@hookimpl(trylast=True)
+def torchplug_save(
+    engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
+) -> bool:
+    io.save(engine, path, state, metadata)
+    return True
+
+
+@hookimpl(trylast=True)
+def torchplug_load(
+    engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
+) -> dict[str, Any]:
+    return io.load(engine, path, state, strict)
