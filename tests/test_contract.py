@@ -263,5 +263,5 @@ def test_every_hook_declares_its_contract_beside_its_specification():
         assert declared.called, name
         assert declared.required <= (declared.kind == "strategy"), name
         if declared.answer is not None:
-            assert isinstance(engine._ANSWER_TYPES[declared.answer](), type), name
+            assert isinstance(engine._ANSWER_TYPES[declared.answer], type), name
             assert declared.answer_text, name

@@ -6,9 +6,9 @@ until a strategy that needs it is selected.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from torchplug import _lazy
 from torchplug.core.version import VERSION as __version__
 
 _EXPORTS = {
@@ -69,14 +69,4 @@ if TYPE_CHECKING:
     from torchplug.trainer.loop import Trainer, accuracy
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchplug' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = _lazy.exports("torchplug", _EXPORTS, globals())

@@ -14,8 +14,9 @@ that needs it is used). The same names under ``torchplug`` keep working through 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torchplug import _lazy
 
 _EXPORTS = {
     # the hook marker and the API this torchplug implements
@@ -57,14 +58,4 @@ if TYPE_CHECKING:
     from torchplug.core.strategy import DistributedStrategy, Strategy, distributed_options
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchplug.plugin' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return list(__all__)
+__getattr__, __dir__ = _lazy.exports("torchplug.plugin", _EXPORTS, globals())

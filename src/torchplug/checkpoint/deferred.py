@@ -73,8 +73,8 @@ def produce(tensors: Mapping[str, Any], mine: Mapping[str, Any]) -> dict[str, An
     kept only if it is in ``mine``: the rest is dropped before the next one is gathered."""
     kept = dict(mine)
     for name in sorted(n for n, t in tensors.items() if isinstance(t, Deferred)):
-        value = tensors[name].produce()
         expected = tensors[name]
+        value = expected.produce()
         if tuple(value.shape) != tuple(expected.shape) or value.dtype != expected.dtype:
             raise CheckpointError(
                 f"The strategy promised {name!r} as {expected!r} but produced shape "
@@ -82,6 +82,5 @@ def produce(tensors: Mapping[str, Any], mine: Mapping[str, Any]) -> dict[str, An
                 f"state hook."
             )
         if name in kept:
-            kept[name] = value
-        del value
+            kept[name] = value  # any other is dropped here, before the next is gathered
     return kept

@@ -50,6 +50,9 @@ class Settings:
     strategy_tables: dict[str, dict[str, Setting]] = field(default_factory=dict)
     #: Shared ``[options]`` from the file that the chosen strategy does not know (not applied).
     ignored: dict[str, Setting] = field(default_factory=dict)
+    #: The config file's ``loggers`` (used when the code, the launcher and the environment
+    #: name none), or ``None``.
+    file_loggers: Setting | None = None
 
     def rows(self) -> list[tuple[str, Any, str]]:
         """``(name, value, source)`` for every setting, for ``torchplug doctor``."""
@@ -306,6 +309,9 @@ def resolve(
         options=resolved_options,
         config_file=file_path,
         strategy_tables=tables,
+        file_loggers=Setting(file_settings["loggers"], file_source)
+        if file_settings.get("loggers")
+        else None,
     )
 
 

@@ -40,14 +40,15 @@ from torchplug.core.registry import (
 #: Hooks called on every training step: resolved once per Engine (see :mod:`.dispatch`).
 _PER_STEP = tuple(sorted(spec.hooks_where(per_step=True)))
 
-#: The answer types contracts name (torchplug.core.spec.Contract.answer), resolved on use.
-_ANSWER_TYPES: dict[str | None, Callable[[], Any]] = {
-    "bool": lambda: bool,
-    "dict": lambda: dict,
-    "tuple": lambda: tuple,
-    "torch.Tensor": lambda: torch.Tensor,
-    "torch.nn.Module": lambda: torch.nn.Module,
-    "contextlib.AbstractContextManager": lambda: contextlib.AbstractContextManager,
+#: The answer types contracts name (torchplug.core.spec.Contract.answer, a dotted name so that
+#: spec.py imports no torch).
+_ANSWER_TYPES: dict[str | None, type] = {
+    "bool": bool,
+    "dict": dict,
+    "tuple": tuple,
+    "torch.Tensor": torch.Tensor,
+    "torch.nn.Module": torch.nn.Module,
+    "contextlib.AbstractContextManager": contextlib.AbstractContextManager,
 }
 
 
@@ -198,7 +199,7 @@ class Engine:
         from torchplug.core.metrics import LoggerSet
 
         #: The loggers ``engine.log`` writes to (names checked now, files opened on first log).
-        self.loggers = LoggerSet(loggers, log_dir, registry)
+        self.loggers = LoggerSet(loggers, log_dir, registry, self.settings.file_loggers)
         profile_settings = profiling.options(profile, self.loggers.log_dir)  # checked early
         self._profiler: profiling.StepProfiler | None = None
         self._last_loader: weakref.ref[Any] | None = None
@@ -339,7 +340,7 @@ class Engine:
         ``expected`` narrows it), else an error naming the hook."""
         if expected is None:
             declared = spec.CONTRACTS[hook]
-            expected, what = _ANSWER_TYPES[declared.answer](), declared.answer_text
+            expected, what = _ANSWER_TYPES[declared.answer], declared.answer_text
         if not isinstance(result, expected):
             shown = repr(result)
             shown = shown if len(shown) < 60 else shown[:57] + "..."

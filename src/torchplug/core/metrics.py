@@ -14,7 +14,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torchplug.core.config import find_config
 from torchplug.core.errors import ConfigurationError
 
 
@@ -46,9 +45,12 @@ def _names(text: str) -> list[str]:
 
 
 def requested(
-    code: Iterable[str | object] | str | None, env: Mapping[str, str] | None = None
+    code: Iterable[str | object] | str | None,
+    env: Mapping[str, str] | None = None,
+    from_file: Any = None,
 ) -> tuple[list[str | object], str]:
-    """The loggers asked for (names or logger objects) and the source they came from."""
+    """The loggers asked for (names or logger objects) and the source they came from;
+    ``from_file`` is the config file's ``loggers`` setting (``Settings.file_loggers``)."""
     env = os.environ if env is None else env
     if isinstance(code, str):
         code = _names(code)
@@ -58,9 +60,8 @@ def requested(
         return list(_names(env[LAUNCH_LOGGERS_ENV])), "torchplug launch --logger"
     if env.get(LOGGERS_ENV):
         return list(_names(env[LOGGERS_ENV])), f"environment {LOGGERS_ENV}"
-    table, path = find_config(env=env)
-    if table.get("loggers"):
-        return list(table["loggers"]), f"config file {path}"
+    if from_file is not None:
+        return list(from_file.value), from_file.source
     return [], "default"
 
 
@@ -74,8 +75,9 @@ class LoggerSet:
         loggers: Iterable[str | object] | str | None,
         log_dir: str | os.PathLike[str] | None,
         registry: Any,
+        from_file: Any = None,
     ) -> None:
-        wanted, self.source = requested(loggers)
+        wanted, self.source = requested(loggers, from_file=from_file)
         if log_dir is not None and (
             isinstance(log_dir, bool)
             or not isinstance(log_dir, (str, os.PathLike))
