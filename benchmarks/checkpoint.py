@@ -119,7 +119,7 @@ def main() -> None:
         {
             "torch.save": timed(torch_save),
             "plain DCP save": timed(dcp_save),
-            "torchplug save (sha256 + fsync + atomic rename)": timed(tp_save),
+            "torchplug save (BLAKE3 + fsync + atomic rename)": timed(tp_save),
         },
         args.rounds,
         dist.barrier,
@@ -167,7 +167,7 @@ def main() -> None:
             )
         for results, base_name in ((saves, "plain DCP save"), (loads, "plain DCP load")):
             for name, values in results.items():
-                target = {"min": 1.0} if "verified" in name or "sha256" in name else None
+                target = {"min": 1.0} if "verified" in name or "BLAKE3" in name else None
                 records.append(
                     record(
                         "checkpoint",

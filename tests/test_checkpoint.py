@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 
@@ -41,7 +42,7 @@ def test_manifest_records_run_and_files(saved_on_two_ranks):
     path, _ = saved_on_two_ranks
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     assert manifest["format"] == "torchplug-checkpoint"
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     assert manifest["strategy"]["name"] == "ddp"
     assert manifest["world_size"] == 2
     assert manifest["step"] == 3
@@ -57,8 +58,10 @@ def test_manifest_records_run_and_files(saved_on_two_ranks):
     assert manifest["entries"]["model"]["data"]["0.weight"] == {"__tensor__": "model/0.weight"}
     for name, info in manifest["files"].items():
         assert (Path(path) / name).stat().st_size == info["size"]
-        # hashed while written, so it must equal a hash of what is on disk
-        assert hashlib.sha256((Path(path) / name).read_bytes()).hexdigest() == info["sha256"]
+        # hashed while written, so it must equal a hash of what is on disk (BLAKE3, the
+        # blake3 package's own)
+        assert blake3.blake3((Path(path) / name).read_bytes()).hexdigest() == info["blake3"]
+        assert "sha256" not in info
     assert not [p for p in Path(path).parent.iterdir() if p.name.startswith(".")]
 
 
@@ -99,7 +102,35 @@ def test_altered_file_is_rejected_naming_it(saved):
     data = bytearray((saved / SHARD).read_bytes())
     data[len(data) // 2] ^= 0xFF
     (saved / SHARD).write_bytes(bytes(data))
-    with pytest.raises(tp.CheckpointError, match=r"__0_0\.distcp.*sha256"):
+    with pytest.raises(tp.CheckpointError, match=r"__0_0\.distcp.*blake3 check"):
+        load_and_snapshot(str(saved), "single")
+
+
+def _as_format_2(path: Path) -> None:
+    """Rewrite a checkpoint's manifest as format 2 wrote it: sha256 per file, version 2."""
+    from torchplug.checkpoint import manifest as mf
+
+    body = json.loads((path / "manifest.json").read_text())
+    for name, info in body["files"].items():
+        del info["blake3"]
+        info["sha256"] = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    body["format_version"] = 2
+    body["digest"] = hashlib.sha256(mf.canonical(body)).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(body))
+
+
+def test_a_format_2_checkpoint_with_sha256_digests_loads_and_is_verified(saved):
+    """Checkpoints written before BLAKE3 (sha256 per file) still load bit for bit, and their
+    files are still checked: a flipped byte fails the sha256 check."""
+    expected = load_and_snapshot(str(saved), "single")
+    _as_format_2(saved)
+    loaded = load_and_snapshot(str(saved), "single")
+    assert_bit_exact(loaded["params"], expected["params"])
+    assert_bit_exact(loaded["optimizer"], expected["optimizer"])
+    data = bytearray((saved / SHARD).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (saved / SHARD).write_bytes(bytes(data))
+    with pytest.raises(tp.CheckpointError, match=r"__0_0\.distcp.*sha256 check"):
         load_and_snapshot(str(saved), "single")
 
 

@@ -140,9 +140,9 @@ def count_hashing(path: str, strategy: str) -> int:
     hashed = []
     real = verify.hash_pinned
 
-    def counting(file: Path) -> tuple:
+    def counting(file: Path, algorithm: str) -> tuple:
         hashed.append(file)
-        return real(file)
+        return real(file, algorithm)
 
     verify.hash_pinned = counting
     try:

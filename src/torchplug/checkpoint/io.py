@@ -179,10 +179,27 @@ def save(
         if any(isinstance(t, deferred.Deferred) for t in tensors.values()):
             mine = co.run("gathering state", lambda: deferred.produce(tensors, mine))
         pending = background.taker() if native is None else None  # native: written already
+        stage_rest: Callable[[], dict[str, Any]] | None = None
         if pending is not None:
-            mine = co.run(
-                "staging state in memory", lambda: background.stage(mine, pending.staging)
-            )
+            # Buffers and the user's tensors now; parameters and optimizer state (only an
+            # optimizer step changes them, and it waits) by the background thread.
+            now, rest = background.split(mine, set(taken[engine.rank]["spread"]))
+            before = background.versions(rest)
+            early: dict[str, Any] | Exception
+            try:
+                early = background.stage(now, pending.staging)
+            except Exception as exc:  # raised in the background's first phase, on every rank
+                early = exc
+            order = list(mine)
+
+            def stage_rest() -> dict[str, Any]:
+                if isinstance(early, Exception):
+                    raise early
+                late = background.stage(rest, pending.staging)
+                background.unchanged(rest, before, str(final))
+                background.keep_only(pending.staging, set(order))
+                staged = {**early, **late}
+                return {name: staged[name] for name in order}
 
         def write() -> dict[str, Any]:
             try:
@@ -199,6 +216,10 @@ def save(
         recorded = {**engine.checkpoint_header(state), **(header or {}), "metadata": metadata}
 
         def finish() -> None:
+            nonlocal mine
+            if stage_rest is not None:
+                mine = co.run("staging state in memory", stage_rest)
+                pending.staged.set()  # the next optimizer step may go on
             written = co.run("writing tensors", write, share=True)
             old_name = co.run("committing", lambda: commit(written), share=True)[0]
             if old_name is not None:
@@ -274,18 +295,18 @@ def _describe(
     root: Path,
     below: Path,
     skip: dict[str, Any] | None = None,
-    digests: dict[str, str] | None = None,
+    digests: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """Size and sha256 of every file below ``below`` (fsynced on the way), by path from root.
-    ``digests`` holds the sha256 of files hashed while they were written (not read back)."""
+    """Size and digest of every file below ``below`` (fsynced on the way), by path from root.
+    ``digests`` holds the digests of files hashed while they were written (not read back)."""
     described = {}
     for path in sorted(p for p in below.rglob("*") if p.is_file()):
         name = path.relative_to(root).as_posix()
         if skip is not None and name in skip:
             continue
         fs.fsync(path)
-        digest = (digests or {}).get(name) or fs.sha256(path)
-        described[name] = {"size": path.stat().st_size, "sha256": digest}
+        digest = (digests or {}).get(name) or fs.digest(path)
+        described[name] = {"size": path.stat().st_size, **digest}
     for directory in [below, *(p for p in below.rglob("*") if p.is_dir())]:
         fs.fsync(directory)
     return described

@@ -2,8 +2,9 @@
 
 ``manifest.json`` is the only description of a checkpoint that torchplug reads: the entries (their
 structure in JSON, tensors by name), the index of every tensor chunk (which file, which bytes),
-every file's size and sha256, and a sha256 digest of all of that. An HMAC-SHA256 signature over the
-same bytes is added when a checkpoint key is configured (:mod:`torchplug.checkpoint.verify`).
+every file's size and digest (BLAKE3, or sha256 before format 3), and a sha256 digest of all of
+that. An HMAC-SHA256 signature over the same bytes is added when a checkpoint key is configured
+(:mod:`torchplug.checkpoint.verify`).
 
 The schema is closed where a value is used: every key torchplug reads has a checked type and
 range, dtypes come from an explicit list, and the structure tags (``__tensor__``, ``__tuple__``,
@@ -31,13 +32,16 @@ from torchplug.core.errors import CheckpointError
 
 FORMAT = "torchplug-checkpoint"
 #: Version 2: tensor chunks are indexed in the manifest (no pickled metadata is ever read).
-FORMAT_VERSION = 2
+#: Version 3: a file's digest may be BLAKE3 (``"blake3"`` beside ``"size"``) instead of sha256.
+FORMAT_VERSION = 3
 MIN_FORMAT_VERSION = 2
 LAYOUT = "dcp"
 MANIFEST = "manifest.json"
 #: Where a loaded manifest keeps the pins of its verified files (never written to disk).
 PINS = "torchplug_verified_files"
 TENSORS = "tensors"
+#: The digests a file entry may record (at least one), the one new checkpoints write first.
+FILE_DIGESTS = ("blake3", "sha256")
 
 #: The kinds of entries the generic loader restores. Plugins may record their own kinds
 #: (``[a-z0-9-]+``); the generic loader refuses to restore those into an object.
@@ -335,10 +339,14 @@ def validate(body: Any, where: str = MANIFEST) -> None:
             isinstance(info, dict)
             and _is_int(info.get("size"))
             and info["size"] >= 0
-            and isinstance(info.get("sha256"), str)
-            and bool(_HEX64.fullmatch(info["sha256"])),
+            and any(d in info for d in FILE_DIGESTS)
+            and all(
+                isinstance(info[d], str) and bool(_HEX64.fullmatch(info[d]))
+                for d in FILE_DIGESTS
+                if d in info
+            ),
             f"files[{name!r}]",
-            "an object {size: integer >= 0, sha256: 64 hex digits}",
+            "an object {size: integer >= 0, blake3 or sha256: 64 hex digits}",
         )
     tensors = body.get("tensors")
     _expect(isinstance(tensors, dict), "'tensors'", "an object")

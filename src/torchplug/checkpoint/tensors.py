@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import hashlib
 import io
 import os
 import struct
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torchplug.checkpoint.files import confined, open_pinned
+from torchplug.checkpoint.files import confined, hasher, open_pinned, preferred_digest
 from torchplug.checkpoint.manifest import DTYPES, TENSORS, dtype_name
 from torchplug.core.errors import CheckpointError
 
@@ -110,7 +109,7 @@ def owned(
 def _without_record_crc32() -> Iterator[None]:
     """torch.save's per-record crc32 costs about as much as writing the bytes (~2x a save's time
     on a CPU host) and is never checked by ``torch.load``; every file torchplug writes is covered
-    by a sha256 that a load checks before reading, so the crc adds nothing here."""
+    by a digest that a load checks before reading, so the crc adds nothing here."""
     get = getattr(torch.serialization, "get_crc32_options", None)
     set_ = getattr(torch.serialization, "set_crc32_options", None)
     if get is None or set_ is None:
@@ -193,9 +192,11 @@ class _HashingStream(io.RawIOBase):
         self._raw.flush()
 
 
-def _hashing_file_system(digests: dict[str, str]) -> Any:
-    """A DCP file system that records the sha256 of every file it writes in ``digests``."""
+def _hashing_file_system(digests: dict[str, dict[str, str]]) -> Any:
+    """A DCP file system that records the digest of every file it writes in ``digests``."""
     from torch.distributed.checkpoint.filesystem import FileSystem
+
+    algorithm = preferred_digest()
 
     class HashingFileSystem(FileSystem):
         @contextlib.contextmanager
@@ -204,7 +205,7 @@ def _hashing_file_system(digests: dict[str, str]) -> Any:
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            digest = hashlib.sha256()
+            digest = hasher(algorithm)
             with Path(path).open(mode) as raw:
                 stream = _HashingStream(raw, digest)
                 try:
@@ -213,16 +214,16 @@ def _hashing_file_system(digests: dict[str, str]) -> Any:
                     stream.finish()
                 finally:
                     stream.join()
-            digests[Path(path).name] = digest.hexdigest()
+            digests[Path(path).name] = {algorithm: digest.hexdigest()}
 
     return HashingFileSystem()
 
 
 def write(
     root: Path, tensors: dict[str, torch.Tensor], rank: int
-) -> tuple[dict[str, Any], dict[str, str]]:
+) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
     """Write this rank's ``tensors`` under ``root/tensors/rank-N``; return their JSON index and
-    the sha256 of each file written (by path from ``root``), taken while writing."""
+    the digest of each file written (by path from ``root``), taken while writing."""
     if not tensors:
         return {}, {}
     import torch.distributed.checkpoint as dcp
@@ -238,7 +239,7 @@ def write(
             self.metadata = metadata
 
     writer = IndexingWriter(directory, sync_files=True)
-    digests: dict[str, str] = {}
+    digests: dict[str, dict[str, str]] = {}
     writer.fs = _hashing_file_system(digests)
     with _quiet_single_process(), _without_record_crc32():
         dcp.save(tensors, storage_writer=writer, planner=_contiguous_planner(), no_dist=True)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchplug.checkpoint.files import Pin, confined, hash_pinned
+from torchplug.checkpoint.files import Pin, confined, expected_digest, hash_pinned
 from torchplug.checkpoint.manifest import canonical
 from torchplug.core.checkpoint_settings import KEY_ENV
 from torchplug.core.errors import CheckpointError
@@ -59,7 +59,7 @@ def check_signature(body: Mapping[str, Any], key: bytes | None, where: str) -> N
 
 
 def check_files(root: Path, files: Mapping[str, Any], names: list[str]) -> dict[str, Pin]:
-    """Check that each named file is inside ``root`` with the size and sha256 the manifest lists;
+    """Check that each named file is inside ``root`` with the size and digest the manifest lists;
     return the pin of each file hashed (the reads check that they get the same file)."""
     pins: dict[str, Pin] = {}
     for name in names:
@@ -70,7 +70,8 @@ def check_files(root: Path, files: Mapping[str, Any], names: list[str]) -> dict[
                 f"Checkpoint file {path} is missing (the manifest lists it). The checkpoint is "
                 f"incomplete; restore the file or load an earlier checkpoint."
             )
-        digest, pin = hash_pinned(path)
+        algorithm, recorded = expected_digest(expected)
+        digest, pin = hash_pinned(path, algorithm)
         size = pin[1]
         if size != expected["size"]:
             raise CheckpointError(
@@ -78,10 +79,10 @@ def check_files(root: Path, files: Mapping[str, Any], names: list[str]) -> dict[
                 f"it was truncated or changed after saving. Restore it or load an earlier "
                 f"checkpoint."
             )
-        if digest != expected["sha256"]:
+        if digest != recorded:
             raise CheckpointError(
-                f"Checkpoint file {path} fails its sha256 check ({digest[:12]}..., the manifest "
-                f"says {expected['sha256'][:12]}...): it was altered or corrupted after saving. "
+                f"Checkpoint file {path} fails its {algorithm} check ({digest[:12]}..., the "
+                f"manifest says {recorded[:12]}...): it was altered or corrupted after saving. "
                 f"Restore it or load an earlier checkpoint."
             )
         pins[name] = pin

@@ -1,5 +1,13 @@
-"""Asynchronous saves: the state is staged in memory while training waits, then written, hashed,
-fsynced and committed by a background thread while training goes on.
+"""Asynchronous saves: the state is staged in memory, then written, hashed, fsynced and
+committed by a background thread while training goes on.
+
+Staging is split by who may change a tensor. Parameters and optimizer state change only in an
+optimizer step, so they are copied by the background thread while the loop runs its next
+forward and backward, and the Engine's ``optimizer.step()`` waits for that copy first (torch
+DCP's asynchronous staging makes the same split). Everything else — buffers, which a forward
+updates (BatchNorm's statistics), and the user's own tensors — is copied before ``save``
+returns. A staged tensor whose version counter moved while it was copied (changed in place
+outside ``optimizer.step()``) fails the save rather than writing a mix of two states.
 
 Why it is safe: after staging, a save needs no collective of the process group — its phases
 agree through the c10d store (:class:`~torchplug.checkpoint.coordinate.Coordinator`), never the
@@ -38,6 +46,9 @@ class PendingSave:
         self.staging = staging if staging is not None else {}
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        #: Set once the background part of staging is over (done or failed): what the next
+        #: optimizer step waits for.
+        self.staged = threading.Event()
         self._after: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._done = False
@@ -57,6 +68,8 @@ class PendingSave:
                 self.error = exc
                 with self._lock:
                     self._done = True
+            finally:
+                self.staged.set()
 
         self.thread = threading.Thread(target=run, name=f"torchplug-save {self.path}")
         self.thread.start()
@@ -70,6 +83,12 @@ class PendingSave:
                 return
         if self.error is None:
             step()
+
+    def wait_staged(self) -> None:
+        """Block until the background copy of parameters and optimizer state is over (the
+        next optimizer step may change them then); its failure is raised by :meth:`wait`."""
+        if not self.staged.is_set():
+            self.staged.wait()
 
     @property
     def running(self) -> bool:
@@ -103,13 +122,53 @@ def taker() -> PendingSave | None:
     return _HANDOFF.get()
 
 
+#: Devices whose tensors a background thread may copy while the loop runs (an XLA tensor is
+#: staged before ``save`` returns: its lazy graph belongs to the training thread).
+_BACKGROUND_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def split(tensors: dict[str, Any], later: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``tensors`` as (staged now, staged in the background): the names in ``later`` (parameters
+    and optimizer state: only an optimizer step changes them) on a device a thread may copy
+    from go to the background, the rest (buffers, user tensors) are staged at once."""
+    now: dict[str, Any] = {}
+    background: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        movable = (
+            name in later
+            and isinstance(tensor, torch.Tensor)
+            and tensor.device.type in _BACKGROUND_DEVICES
+        )
+        (background if movable else now)[name] = tensor
+    return now, background
+
+
+def versions(tensors: dict[str, Any]) -> dict[str, int]:
+    """Each tensor's version counter (bumped by every in-place change)."""
+    return {name: tensor._version for name, tensor in tensors.items()}
+
+
+def unchanged(tensors: dict[str, Any], before: dict[str, int], path: str) -> None:
+    """Raise if a tensor staged in the background was changed in place while it was copied."""
+    moved = sorted(name for name, tensor in tensors.items() if tensor._version != before[name])
+    if moved:
+        shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
+        raise CheckpointError(
+            f"{shown} changed in place while the asynchronous save of {path} copied it (outside "
+            f"optimizer.step(), which waits for the copy), so the copy could mix two states and "
+            f"was not written. Call engine.wait_for_save() before changing saved parameters or "
+            f"optimizer state yourself, or save synchronously."
+        )
+
+
 def stage(tensors: dict[str, Any], staging: dict[str, Any] | None = None) -> dict[str, Any]:
     """Copies of what will be written, so training may change the originals at once: plain
     tensors to host memory, DTensors (sharded state) as a local copy of this rank's shard.
     ``staging`` holds an earlier save's host copies: one of the same shape and dtype is filled
     in place (fresh memory costs a page fault per page, which was most of the time the loop
-    waited); it then holds this save's copies for the next. Memory: one host copy of this
-    rank's state stays with the Engine between async saves, as torch DCP's cached staging."""
+    waited); it then holds this save's copies for the next (:func:`keep_only` drops the ones no
+    longer saved). Memory: one host copy of this rank's state stays with the Engine between
+    async saves, as torch DCP's cached staging."""
     from torch.distributed.tensor import DTensor
 
     staged: dict[str, Any] = {}
@@ -130,6 +189,11 @@ def stage(tensors: dict[str, Any], staging: dict[str, Any] | None = None) -> dic
             else:
                 staged[name] = tensor.detach().to("cpu", copy=True)
     if staging is not None:
-        staging.clear()
         staging.update({k: v for k, v in staged.items() if not isinstance(v, DTensor)})
     return staged
+
+
+def keep_only(staging: dict[str, Any], names: set[str]) -> None:
+    """Drop the host copies of tensors this save did not stage."""
+    for name in [n for n in staging if n not in names]:
+        del staging[name]

@@ -596,6 +596,8 @@ class Engine:
             if engine._accumulating is not None and not engine._accumulating[1]:
                 opt.step_was_skipped = True  # an accumulation step: no update yet
                 return None
+            if engine._pending_save is not None:  # an async save still copying what we change
+                engine._pending_save.wait_staged()
             inside = True
             try:
                 stepped = engine._call.torchplug_optimizer_step(engine, opt, closure)
@@ -1166,8 +1168,13 @@ class Engine:
         A failure on any rank raises a CheckpointError on every rank naming the rank and the
         error; a save that some ranks never call fails after ``checkpoint_timeout`` seconds.
 
-        With ``async_=True`` it returns once the state is copied (staged) in memory; writing,
-        hashing, fsync and the commit go on in a background thread while training continues.
+        With ``async_=True`` it returns once buffers and values are copied (staged) in memory;
+        parameters and optimizer state are copied by a background thread while the loop runs
+        its next forward and backward (the next ``optimizer.step()`` waits for that copy), then
+        writing, hashing, fsync and the commit go on there while training continues. Change
+        saved parameters or optimizer state in place only through ``optimizer.step()`` until
+        then (or call :meth:`wait_for_save` first): a tensor changed during its copy fails the
+        save instead of writing a mix of two states.
         The next save, load or resume and :meth:`close` wait for it (:meth:`wait_for_save`
         does so explicitly), and raise its failure, on every rank. A backend that writes its
         own format (DeepSpeed's ``native_checkpoint``) saves synchronously.
