@@ -189,6 +189,20 @@ def test_a_logger_object_takes_wandb_init_keywords(tmp_path):
     assert run.exited
 
 
+def test_a_run_the_script_started_is_used_and_left_open(tmp_path):
+    mine = wandb.init(project="mine", config={"own": 1})
+    with tp.Engine("single", loggers=["wandb"], log_dir=tmp_path / "logs") as engine:
+        engine.log_hyperparams({"lr": 0.5})
+        engine.log({"loss": 1.5}, step=3)
+    assert wandb.run is mine  # not finished by the Engine
+    mine.log({"after": 1.0})
+    mine.finish()
+    run = only_run(tmp_path / "runs")
+    assert run.run.project == "mine"
+    assert run.hyperparams == {"own": 1, "lr": 0.5}
+    assert run.metric("loss") == [(3, 1.5)]
+
+
 # -- two ranks ------------------------------------------------------------------------------------
 
 SCRIPT = """
