@@ -23,6 +23,7 @@ CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
 PACKAGES = {
     "torchplug_powersgd": "torchplug-powersgd",
     "torchplug_sagemaker": "torchplug-sagemaker",
+    "torchplug_wandb": "torchplug-wandb",
 }
 
 
@@ -77,6 +78,18 @@ def test_powersgd_passes_the_conformance_kit_on_two_ranks(pool):
     failed = [str(o) for o in outcomes if not (o.passed or o.skipped)]
     assert not failed, failed
     assert "lossy: checked for convergence" in outcomes[0].detail
+
+
+def test_wandb_logger_is_listed_with_its_package_and_what_it_needs():
+    """Listed from its entry point without importing wandb; usable only where wandb is (its
+    own tests, in contrib/torchplug-wandb/tests, run it offline where it is)."""
+    run = torchplug("plugins")
+    line = next(x for x in run.stdout.splitlines() if x.startswith("wandb "))
+    assert "torchplug-wandb 0.1.0" in line
+    if importlib.util.find_spec("wandb") is None:
+        assert line.endswith("unusable: package 'wandb' not installed — pip install wandb"), line
+    else:
+        assert line.endswith("usable"), line
 
 
 def test_sagemaker_identity_in_doctor(tmp_path):

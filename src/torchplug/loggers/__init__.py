@@ -3,8 +3,9 @@
 A logger is chosen by name, as a strategy is (``Engine(loggers=["csv", "tensorboard"])``,
 ``torchplug launch --logger csv``, ``TORCHPLUG_LOGGERS=csv``), and comes from a plugin that
 announces it through ``torchplug_register_loggers``. The built-ins (:mod:`.builtin`) are
-``csv``, ``jsonl`` and ``tensorboard``; the ``torchplug-mlflow`` contrib package adds
-``mlflow``. A logger object is anything with :meth:`Logger.log_metrics` and :meth:`Logger.close`.
+``csv``, ``jsonl`` and ``tensorboard``; the ``torchplug-mlflow`` and ``torchplug-wandb`` contrib
+packages add ``mlflow`` and ``wandb``. A logger object is anything with :meth:`Logger.log_metrics`
+and :meth:`Logger.close`.
 """
 
 from __future__ import annotations
