@@ -3,7 +3,7 @@
 ``manifest.json`` is the only description of a checkpoint that torchplug reads: the entries (their
 structure in JSON, tensors by name), the index of every tensor chunk (which file, which bytes),
 every file's size and sha256, and a sha256 digest of all of that. An HMAC-SHA256 signature over the
-same bytes is added when a checkpoint key is configured (:mod:`torchplug.checkpoint.verify`).
+same bytes is added when a checkpoint key is configured (`torchplug.checkpoint.verify`).
 
 The schema is closed where a value is used: every key torchplug reads has a checked type and
 range, dtypes come from an explicit list, and the structure tags (``__tensor__``, ``__tuple__``,
@@ -103,7 +103,7 @@ def kind_of(obj: Any, key: str = "") -> str:
 def encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     """A JSON skeleton of ``obj``; its tensors go into ``tensors`` under slash-separated paths.
 
-    Tuples, dicts with non-string keys and tensors are tagged so that :func:`decode` restores
+    Tuples, dicts with non-string keys and tensors are tagged so that `decode` restores
     them exactly. Anything else that JSON cannot hold is refused: no pickles.
     """
     if type(obj).__name__ == "ShardedTensor":  # FSDP1's sharded state: neither full nor DTensor
@@ -147,7 +147,7 @@ def encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Rebuild what :func:`encode` took apart (from a skeleton :func:`validate` accepted)."""
+    """Rebuild what `encode` took apart (from a skeleton `validate` accepted)."""
     if isinstance(skeleton, list):
         return [decode(v, tensors) for v in skeleton]
     if isinstance(skeleton, dict):
@@ -228,7 +228,7 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
 
 def load_json(raw: bytes, where: str) -> Any:
     """The manifest's JSON, its digest checked: all a signature check needs (linear in the
-    bytes). :func:`check` validates it afterwards."""
+    bytes). `check` validates it afterwards."""
     try:
         body = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except CheckpointError as exc:
@@ -251,7 +251,7 @@ def load_json(raw: bytes, where: str) -> Any:
 
 
 def check(body: Any, where: str) -> None:
-    """Validate a manifest body (see :func:`validate`), as a CheckpointError naming the key."""
+    """Validate a manifest body (see `validate`), as a CheckpointError naming the key."""
     try:
         validate(body, where)
     except _Invalid as exc:
@@ -492,7 +492,7 @@ _COLUMN_LIMIT = 2**62
 def _columns(
     shape: list[int], total: int, chunks: list[Any], itemsize: int, file_sizes: Mapping[str, int]
 ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-    """Every check of :func:`_validate_tensor`'s per-chunk loop, done column-wise: a manifest
+    """Every check of `_validate_tensor`'s per-chunk loop, done column-wise: a manifest
     holds ranks x tensors chunks, and a Python loop over a million of them takes seconds. Each
     field of every chunk is gathered at C speed (``map(itemgetter)``), the numbers packed into
     one int64 array (which refuses anything but integers, and integers beyond int64), then
@@ -549,9 +549,9 @@ def _columns(
 
 
 def _disjoint_columns(shape: list[int], starts: torch.Tensor, sizes: torch.Tensor) -> bool:
-    """:func:`_disjoint` for chunks held as ``(n, dims)`` tensors: the grid check in tensor
+    """`_disjoint` for chunks held as ``(n, dims)`` tensors: the grid check in tensor
     operations (each piece's cell in the grid every piece's edges cut, cells compared by their
-    linear index); any other layout goes to :func:`_disjoint`."""
+    linear index); any other layout goes to `_disjoint`."""
     keep = (sizes > 0).all(dim=1)
     if not bool(keep.all()):
         starts, sizes = starts[keep], sizes[keep]

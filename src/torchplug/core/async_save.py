@@ -2,7 +2,7 @@
 fsynced and committed by a background thread while training goes on.
 
 Why it is safe: after staging, a save needs no collective of the process group — its phases
-agree through the c10d store (:class:`~torchplug.checkpoint.coordinate.Coordinator`), never the
+agree through the c10d store (`Coordinator`), never the
 group the training loop uses — and it reads only the staged copies, which training does not
 touch. The atomic-commit and crash guarantees are the synchronous save's: the same phases run,
 only on another thread. At most one save is in flight per Engine: the next save, a load, a
@@ -29,7 +29,7 @@ _HANDOFF: contextvars.ContextVar[PendingSave | None] = contextvars.ContextVar(
 
 
 class PendingSave:
-    """One save's background part: started by :meth:`start`, awaited by :meth:`wait`."""
+    """One save's background part: started by `start`, awaited by `wait`."""
 
     def __init__(self, path: str, staging: dict[str, Any] | None = None) -> None:
         self.path = path

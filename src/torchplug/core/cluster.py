@@ -2,7 +2,7 @@
 
 Detection is the firstresult hook ``torchplug_cluster_environment``: a plugin for a scheduler
 answers when its variables are present; the torchrun reading below answers last, and a plain
-process with no launcher is rank 0 of 1. Inside the workers torchrun starts, :func:`detect` reads
+process with no launcher is rank 0 of 1. Inside the workers torchrun starts, `detect` reads
 torchrun's variables without asking the plugins (they describe the launcher process there).
 """
 

@@ -37,7 +37,7 @@ from torchplug.core.registry import (
     resolve_options,
 )
 
-#: Hooks called on every training step: resolved once per Engine (see :mod:`.dispatch`).
+#: Hooks called on every training step: resolved once per Engine (see `dispatch`).
 _PER_STEP = tuple(sorted(spec.hooks_where(per_step=True)))
 
 #: The answer types contracts name (torchplug.core.spec.Contract.answer, a dotted name so that
@@ -111,15 +111,15 @@ class Engine:
     config file's choice, else ``ddp`` under a multi-process launcher, else ``single``).
     ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``sync_batchnorm=True``
     (``torchplug launch --sync-batchnorm``) takes BatchNorm statistics over the global batch
-    (:mod:`torchplug.core.syncbn`; CPU included). ``plugins`` adds extension
+    (`torchplug.core.syncbn`; CPU included). ``plugins`` adds extension
     plugins to this Engine only (objects, or module names imported as ``python -m`` would, from
-    the current directory too); ``loggers`` names the metric loggers :meth:`log` writes to
+    the current directory too); ``loggers`` names the metric loggers `log` writes to
     (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any a plugin registers; rank 0 only), under
-    ``log_dir``; ``callbacks`` are objects whose methods :meth:`call` runs by name (your own
+    ``log_dir``; ``callbacks`` are objects whose methods `call` runs by name (your own
     loop's events, Fabric's ``callbacks``); ``profile=True`` (or a dict: ``wait``, ``warmup``,
     ``active`` optimizer steps, ``dir``, ``record_shapes``, ``profile_memory``, ``with_stack``)
     runs torch.profiler over those steps and writes one trace per rank
-    (:mod:`torchplug.core.profiling`); other keyword arguments are the strategy's options
+    (`torchplug.core.profiling`); other keyword arguments are the strategy's options
     (``torchplug plugins --verbose`` lists them).
     """
 
@@ -351,7 +351,7 @@ class Engine:
         return result
 
     def restore_on_close(self, obj: Any, name: str) -> None:
-        """Remember ``obj.name`` as it is now; :meth:`close` puts it back (what setup patches on
+        """Remember ``obj.name`` as it is now; `close` puts it back (what setup patches on
         user objects is undone, so a model pickles again after close)."""
         had = name in getattr(obj, "__dict__", {})
         previous = obj.__dict__.get(name) if had else None
@@ -508,7 +508,7 @@ class Engine:
     @contextlib.contextmanager
     def init_module(self, empty: bool = False) -> Iterator[None]:
         """Build the model inside: on this rank's device, or with ``empty=True`` on the meta
-        device (no memory), to be materialised by :meth:`setup`: only each rank's shard under
+        device (no memory), to be materialised by `setup`: only each rank's shard under
         sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere, initialised by each
         module's ``reset_parameters()`` to the numbers an eager build would have. DeepSpeed
         ZeRO-3 partitions the model as it is built instead (its ``zero.Init``)."""
@@ -536,7 +536,7 @@ class Engine:
         answers with the inner model's names instead. Only these two methods are replaced, on
         the wrapper instance (no per-step cost, nothing on the forward path); torchplug's own
         checkpoints use the state hooks, which see the wrapper's native methods (inside
-        :meth:`native_state_dicts`). ``close()`` puts the originals back.
+        `native_state_dicts`). ``close()`` puts the originals back.
         """
         if wrapped is model or getattr(wrapped, "module", None) is not model:
             return  # not a `.module` wrapper of the user's model: its names are already plain
@@ -566,7 +566,7 @@ class Engine:
 
     @contextlib.contextmanager
     def native_state_dicts(self) -> Iterator[None]:
-        """Inside, modules returned by :meth:`setup` answer ``state_dict()`` with the backend's
+        """Inside, modules returned by `setup` answer ``state_dict()`` with the backend's
         own names (``module.<name>``): what the state hooks and torch's DCP state-dict API
         expect from the wrapper."""
         self._native_state += 1
@@ -702,13 +702,13 @@ class Engine:
         move_to_device: bool = True,
         split_batches: bool = False,
     ) -> Any:
-        """Give each rank its own share of ``loader``'s batches, moved to :attr:`device`.
+        """Give each rank its own share of ``loader``'s batches, moved to `device`.
 
         Args:
             loader: a DataLoader (or any iterable of batches).
             use_distributed_sampler: give a map-style loader with the default sampler a
                 DistributedSampler (shuffle kept, one seed on every rank); else shard by batch.
-            move_to_device: put each batch on :attr:`device` (``place_batch``).
+            move_to_device: put each batch on `device` (``place_batch``).
             split_batches: ``batch_size`` is the global batch: each rank takes
                 ``batch_size / data_parallel_size`` of it (must divide evenly), so the step sees
                 the same samples on any number of ranks; ``False`` (default): ``batch_size`` is
@@ -740,7 +740,7 @@ class Engine:
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
         """``loss.backward()`` as the backend and precision need it (scaling, sharding).
 
-        Inside :meth:`accumulate` the loss is divided by the number of accumulated steps, so the
+        Inside `accumulate` the loss is divided by the number of accumulated steps, so the
         accumulated gradient is the mean over the micro-batches, as one large batch would give.
         """
         if self._accumulating is not None:
@@ -869,7 +869,7 @@ class Engine:
         0, or a dict of those), as Accelerate's: 5 prompts on 2 ranks are ``[0, 1, 2]`` and
         ``[3, 4]``. Parts follow the data-parallel rank (a tensor-parallel group shares one).
         ``apply_padding=True`` makes every part as long as the longest by repeating its last
-        item, so a later :meth:`gather` lines up; drop the repeats after gathering.
+        item, so a later `gather` lines up; drop the repeats after gathering.
 
         ``with engine.split_between_processes(prompts) as mine: outputs = generate(mine)``
         """
@@ -923,9 +923,9 @@ class Engine:
         """Every rank's ``data`` joined along the first dimension, without the padding.
 
         A distributed sampler repeats a few samples so that every rank gets as many; a plain
-        :meth:`gather` would count them twice (a 7-item eval set on 2 ranks gathers 8). This
+        `gather` would count them twice (a 7-item eval set on 2 ranks gathers 8). This
         drops the repeats in the batch last handed out by a loader from
-        :meth:`setup_dataloader` (or the last ``padding`` rows, when given), then gathers:
+        `setup_dataloader` (or the last ``padding`` rows, when given), then gathers:
         ``data`` is a tensor or tensors nested in tuples, lists and dicts (returned in the same
         structure), and first dimensions may differ between ranks (the last batch). A 0-d tensor
         or a number becomes one row per rank. Under tensor parallelism the ranks of one
@@ -1076,7 +1076,7 @@ class Engine:
     @property
     def collective_timeout(self) -> float:
         """Seconds a collective, or a checkpoint's agreement between ranks, waits before it
-        gives up: the strategy's ``timeout`` option, else :data:`DEFAULT_TIMEOUT` (one setting,
+        gives up: the strategy's ``timeout`` option, else `DEFAULT_TIMEOUT` (one setting,
         read here by everything that waits on the other ranks)."""
         return float(self.options.get("timeout") or DEFAULT_TIMEOUT)
 
@@ -1168,7 +1168,7 @@ class Engine:
 
         With ``async_=True`` it returns once the state is copied (staged) in memory; writing,
         hashing, fsync and the commit go on in a background thread while training continues.
-        The next save, load or resume and :meth:`close` wait for it (:meth:`wait_for_save`
+        The next save, load or resume and `close` wait for it (`wait_for_save`
         does so explicitly), and raise its failure, on every rank. A backend that writes its
         own format (DeepSpeed's ``native_checkpoint``) saves synchronously.
         """
@@ -1278,7 +1278,7 @@ class Engine:
         built with ``init_module(empty=True)`` and set up sharded is never whole on a rank.
 
         Returns ``{"loaded", "missing", "unexpected"}`` (tensor names); a model tensor the
-        files lack is an error unless ``strict=False``. Call it after :meth:`setup`."""
+        files lack is an error unless ``strict=False``. Call it after `setup`."""
         from torchplug.checkpoint import pretrained
 
         return pretrained.load_into(self.unwrap(model), path, strict=strict)
@@ -1297,8 +1297,8 @@ class Engine:
 
         ``N`` is ``step`` or ``state["step"]``. With ``keep_last`` the oldest numbered
         checkpoints beyond that count are deleted, never the newest complete one. Put the
-        loader from :meth:`setup_dataloader` in ``state`` to resume mid-epoch. ``async_=True``
-        returns once the state is staged in memory (see :meth:`save`).
+        loader from `setup_dataloader` in ``state`` to resume mid-epoch. ``async_=True``
+        returns once the state is staged in memory (see `save`).
         """
         from torchplug.core import resume
 

@@ -1,7 +1,7 @@
 """Generate the hook reference (docs/hooks.md) from the hook specification.
 
 ``python -m torchplug.core.hookdoc > docs/hooks.md``. Every hook found in
-:mod:`torchplug.core.spec` is listed, with its signature, return value, calling semantics
+`torchplug.core.spec` is listed, with its signature, return value, calling semantics
 (firstresult or not, wrappers), who calls it on which ranks (the contract declared with it),
 its default implementation and an example, so the reference cannot drift from the
 specification (a test compares them).

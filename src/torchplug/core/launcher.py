@@ -1,10 +1,10 @@
 """``torchplug.launch(fn, *args, nprocs=N)``: run a function on N ranks from Python or a notebook.
 
 The ranks are started by torch.distributed's elastic launcher API
-(:func:`torch.distributed.launcher.api.elastic_launch`, what ``torchrun`` runs), single node,
+(`torch.distributed.launcher.api.elastic_launch`, what ``torchrun`` runs), single node,
 with a fresh rendezvous on a free local port: no home-made spawning. Inside ``fn``,
 ``Engine()`` sees a world of N (``strategy="auto"`` picks ``ddp``, or the ``strategy`` given
-here). Rank 0's return value is returned; when a rank raises, :class:`RankFailedError` is raised
+here). Rank 0's return value is returned; when a rank raises, `RankFailedError` is raised
 here with that rank's traceback.
 
 Processes are forked where the platform allows it and CUDA is not initialized in the caller
@@ -28,7 +28,7 @@ from torchplug.core.errors import ConfigurationError, TorchplugError
 
 
 class RankFailedError(TorchplugError):
-    """A rank started by :func:`launch` raised; the message holds its traceback."""
+    """A rank started by `launch` raised; the message holds its traceback."""
 
     def __init__(self, message: str, rank: int, traceback: str) -> None:
         super().__init__(message)
@@ -99,7 +99,7 @@ def launch(
 
     ``strategy``/``precision`` act as ``torchplug launch --strategy/--precision`` would for
     ``Engine()`` inside ``fn``. Results must be picklable. A rank that raises ends the run;
-    the error is raised here as :class:`RankFailedError` carrying that rank's traceback.
+    the error is raised here as `RankFailedError` carrying that rank's traceback.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigurationError(

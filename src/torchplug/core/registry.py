@@ -200,7 +200,7 @@ class StrategyInfo:
     check: Callable[[], str | None] | None = None
     #: For a strategy that owns precision: ``precision_check(precision)`` returns why this
     #: machine cannot run that precision (e.g. no fp16 kernels on this CPU), or ``None``. Asked
-    #: before anything starts, through :func:`torchplug.core.capabilities.precision_unavailable`,
+    #: before anything starts, through `torchplug.core.capabilities.precision_unavailable`,
     #: so the launcher, ``check``, the kit and the Engine all give the same answer. Keep it
     #: cheap: it runs in ``torchplug plugins`` and the launcher, never importing the backend.
     precision_check: Callable[[str], str | None] | None = None
@@ -209,7 +209,7 @@ class StrategyInfo:
     #: field left at its default takes the parent's value. For a subclass of the parent's class.
     extends: str = ""
     #: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
-    #: :data:`torchplug.core.spec.API_VERSION`); outside it the strategy is not registered.
+    #: `torchplug.core.spec.API_VERSION`); outside it the strategy is not registered.
     api: str = ""
     #: Filled in by the plugin manager: which plugin and distribution announced it.
     provider: str = ""
@@ -320,7 +320,7 @@ class LoggerInfo:
     """A metric logger (experiment tracker) as announced through ``torchplug_register_loggers``.
 
     ``factory(log_dir)`` returns an object with ``log_metrics(metrics, step)`` and ``close()``
-    (and optionally ``log_hyperparams(params)``), see :class:`torchplug.loggers.Logger`. It is
+    (and optionally ``log_hyperparams(params)``), see `torchplug.loggers.Logger`. It is
     called only when a user selects the logger, on rank 0 unless ``all_ranks``.
     """
 

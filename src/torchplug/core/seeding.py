@@ -2,7 +2,7 @@
 
 Seeds Python's ``random``, torch (CPU and every CUDA device) and numpy when it is installed, with
 the same seed on every rank (so every rank builds the same initial model). Data-loader workers
-are seeded per rank and per worker by :func:`seed_worker` (otherwise every worker of every rank
+are seeded per rank and per worker by `seed_worker` (otherwise every worker of every rank
 would draw the same random augmentations).
 """
 
@@ -22,8 +22,8 @@ _MAX_SEED = 2**32 - 1
 def seed_everything(seed: int, *, workers: bool = True) -> int:
     """Seed ``random``, torch and numpy (if installed) with ``seed``; return it.
 
-    With ``workers``, loaders set up by :meth:`Engine.setup_dataloader` that have worker
-    processes and no ``worker_init_fn`` of their own get :func:`seed_worker`, which gives each
+    With ``workers``, loaders set up by `Engine.setup_dataloader` that have worker
+    processes and no ``worker_init_fn`` of their own get `seed_worker`, which gives each
     worker of each rank its own stream derived from ``(seed, rank, worker id)``.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:

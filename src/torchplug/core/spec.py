@@ -1,7 +1,7 @@
 """The torchplug hook specification.
 
 Every extension point of torchplug is a pluggy hook defined in this module; a plugin is any module,
-class or object with functions named like these hooks and marked with :data:`hookimpl`.
+class or object with functions named like these hooks and marked with `hookimpl`.
 
 There are two kinds of hooks.
 
@@ -10,7 +10,7 @@ A plugin announces what it offers by calling the ``register`` callback it is han
 Announcing must stay cheap: import nothing heavy here, since ``torchplug plugins`` announces
 every installed plugin.
 
-**Strategy hooks** are called on the *active set* of one :class:`~torchplug.Engine`: the chosen
+**Strategy hooks** are called on the *active set* of one `Engine`: the chosen
 backend (an object made by the strategy's factory), the precision plugin if the backend does not own
 precision, and extension plugins. Hooks that perform an action are ``firstresult``: the backend
 answers, and composable plugins wrap it with ``@hookimpl(wrapper=True)``: code before the ``yield``
@@ -57,7 +57,7 @@ API_VERSION = "1.0"
 
 #: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
 #: the API version that removes it). An entry stays for one minor version, with a hookspec under
-#: the old name made by :func:`deprecated_hookspec`, before the old hook is removed.
+#: the old name made by `deprecated_hookspec`, before the old hook is removed.
 RETIRED_HOOKS: dict[str, tuple[str, str]] = {}
 
 
@@ -72,7 +72,7 @@ class Contract:
     extensions) or ``"installed plugins"`` (called on every installed plugin by whoever needs
     the answer). ``required``: the Engine refuses to start when no plugin of its active set
     answers it. ``per_step``: called in the training loop, so resolved once per Engine into a
-    plain function (:mod:`torchplug.core.dispatch`). ``answer``: the type the answer must have
+    plain function (`torchplug.core.dispatch`). ``answer``: the type the answer must have
     (a dotted name, resolved when checked, so that this module imports no torch), with
     ``answer_text`` naming it in the error. ``called``: who calls it, on which ranks, when.
     """
@@ -85,12 +85,12 @@ class Contract:
     answer_text: str = ""
 
 
-#: Every hook's contract, by hook name (filled by :func:`contract` as this module is read).
+#: Every hook's contract, by hook name (filled by `contract` as this module is read).
 CONTRACTS: dict[str, Contract] = {}
 
 
 def contract(**fields: Any) -> Callable[[Any], Any]:
-    """Declare the :class:`Contract` of the hook specification it decorates."""
+    """Declare the `Contract` of the hook specification it decorates."""
 
     def declare(function: Any) -> Any:
         CONTRACTS[function.__name__] = Contract(**fields)
@@ -137,7 +137,7 @@ def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], An
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     """Announce the strategies (backends) this plugin provides.
 
-    Call ``register(StrategyInfo(...))`` once per strategy. The :class:`StrategyInfo` names the
+    Call ``register(StrategyInfo(...))`` once per strategy. The `StrategyInfo` names the
     strategy and its aliases, describes it in one line, lists the packages it needs, its options
     with types and defaults, and its capabilities (shards parameters? owns precision? supports
     CPU? needs its own launcher?). Its ``factory`` is called only when a user selects the strategy,
@@ -213,7 +213,7 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
 def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
     """Start the backend: create the process group if needed and choose this process's device.
 
-    The backend returns a :class:`~torchplug.core.engine.Runtime` (rank, local rank, world size,
+    The backend returns a `Runtime` (rank, local rank, world size,
     device). A precision plugin wraps this hook to learn the device it will run on.
     """
 
@@ -268,7 +268,7 @@ def torchplug_compile(
     where it cannot be compiled. Return the model to use. Optional: unanswered, the Engine calls
     ``model.compile(**options)`` (in place, so parameter names stay the model's).
 
-    Called on every rank, after :func:`torchplug_wrap`, when ``Engine(compile=...)`` asks.
+    Called on every rank, after `torchplug_wrap`, when ``Engine(compile=...)`` asks.
     """
 
 
@@ -322,7 +322,7 @@ def torchplug_optimizer_step(
     """Perform one optimizer step; return ``True`` if parameters were updated, ``False`` if skipped.
 
     Called whenever the user calls ``optimizer.step()`` on an optimizer returned by
-    :meth:`Engine.setup`. It exists because a step is not always ``optimizer.step()``: a gradient
+    `Engine.setup`. It exists because a step is not always ``optimizer.step()``: a gradient
     scaler must skip steps with inf/NaN gradients, and some backends own the step. Inside this hook
     ``optimizer.step()`` is the optimizer's real step, so an implementation can call it directly.
     """
@@ -435,10 +435,10 @@ def torchplug_save(
     """Write ``state`` as a torchplug checkpoint directory at ``path``; return ``True``.
 
     ``metadata`` is the user's JSON-serializable dict, recorded in the manifest as is. Every rank
-    calls it. The default (:func:`torchplug.checkpoint.save`) takes each module's and optimizer's
+    calls it. The default (`torchplug.checkpoint.save`) takes each module's and optimizer's
     state through the four state hooks below and writes the portable format; a backend with a
     format of its own (DeepSpeed) answers this hook and still writes through
-    :mod:`torchplug.checkpoint`, so atomicity, hashing and failure agreement are the same.
+    `torchplug.checkpoint`, so atomicity, hashing and failure agreement are the same.
     """
 
 
@@ -458,7 +458,7 @@ def torchplug_load(
     Returns the plain values of the entries not restored into an object (step counters, user
     dicts); with ``state=None``, every plain value and a summary of the rest. With ``strict`` an
     entry that cannot be restored into the object given for it is an error. Implementations read
-    through :mod:`torchplug.checkpoint`, which validates the manifest and never unpickles.
+    through `torchplug.checkpoint`, which validates the manifest and never unpickles.
     """
 
 
@@ -475,13 +475,13 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
     """The model's state by parameter name (no wrapper prefixes), as the backend holds it.
 
     Sharded backends return DTensor shards; checkpoints store them by their global shape, so any
-    strategy can load them. Also used by :meth:`Engine.full_state`.
+    strategy can load them. Also used by `Engine.full_state`.
 
     A backend that must gather a full tensor with a collective (ZeRO-3) may, while
     ``torchplug.checkpoint.deferred.wanted()`` is true (inside a save), return a
     ``Deferred(shape, dtype, produce)`` instead: the save calls ``produce`` on every rank in
     name order once it knows which rank writes the tensor, and keeps it only there, so no rank
-    holds the whole model. The same holds for :func:`torchplug_optimizer_state`.
+    holds the whole model. The same holds for `torchplug_optimizer_state`.
     """
 
 
@@ -494,7 +494,7 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
 def torchplug_load_model_state(
     engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
 ) -> bool | None:
-    """Put ``state`` (as :func:`torchplug_model_state` returns it) into ``model``; return True."""
+    """Put ``state`` (as `torchplug_model_state` returns it) into ``model``; return True."""
 
 
 @hookspec(firstresult=True)
@@ -518,7 +518,7 @@ def torchplug_optimizer_state(
 def torchplug_load_optimizer_state(
     engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> bool | None:
-    """Put ``state`` (as :func:`torchplug_optimizer_state` returns it) into ``optimizer``."""
+    """Put ``state`` (as `torchplug_optimizer_state` returns it) into ``optimizer``."""
 
 
 @hookspec(firstresult=True)
@@ -548,7 +548,7 @@ def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] |
 
     The answer is ``{"model": {name: tensor}, "optimizer": {"state": {name: {...}},
     "param_groups": [{..., "params": [names]}]} or None, "step": int or None, "format": str}``,
-    the layout :func:`torchplug_model_state` and :func:`torchplug_optimizer_state` produce;
+    the layout `torchplug_model_state` and `torchplug_optimizer_state` produce;
     ``optimizer=False`` lets a reader skip the (slower) optimizer state. ``torchplug convert``
     calls it on every installed plugin and writes the answer as a portable checkpoint or as
     safetensors. The user chose to convert this directory, so the reader may use its library's

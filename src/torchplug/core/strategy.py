@@ -1,6 +1,6 @@
 """A base class for backends: default answers to every strategy hook, for torch.distributed.
 
-A backend subclasses :class:`Strategy` and implements ``torchplug_setup`` (and whatever it does
+A backend subclasses `Strategy` and implements ``torchplug_setup`` (and whatever it does
 differently). The defaults here are marked ``trylast`` so that any other plugin in the active set
 that answers a hook takes precedence over them.
 """
@@ -216,7 +216,7 @@ def _has_backend(name: str) -> bool:
 
 
 def distributed_options() -> tuple[Option, ...]:
-    """The options of every :class:`DistributedStrategy`, for its StrategyInfo."""
+    """The options of every `DistributedStrategy`, for its StrategyInfo."""
     from torchplug.core.registry import positive_number
 
     return (

@@ -135,7 +135,7 @@ class ThroughputMonitor:
         return result
 
     def compute_and_log(self, step: int | None = None) -> dict[str, Any]:
-        """:meth:`compute`, logged under ``throughput/…`` through the Engine's loggers."""
+        """`compute`, logged under ``throughput/…`` through the Engine's loggers."""
         result = self.compute()
         if result:
             self.engine.log({f"throughput/{k}": v for k, v in result.items()}, step=step)

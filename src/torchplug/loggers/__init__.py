@@ -2,9 +2,9 @@
 
 A logger is chosen by name, as a strategy is (``Engine(loggers=["csv", "tensorboard"])``,
 ``torchplug launch --logger csv``, ``TORCHPLUG_LOGGERS=csv``), and comes from a plugin that
-announces it through ``torchplug_register_loggers``. The built-ins (:mod:`.builtin`) are
+announces it through ``torchplug_register_loggers``. The built-ins (`builtin`) are
 ``csv``, ``jsonl`` and ``tensorboard``; the ``torchplug-mlflow`` contrib package adds
-``mlflow``. A logger object is anything with :meth:`Logger.log_metrics` and :meth:`Logger.close`.
+``mlflow``. A logger object is anything with `Logger.log_metrics` and `Logger.close`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torchplug.core.metrics import to_number  # noqa: F401 - public here since A
 class Logger:
     """The interface of a logger object (subclassing it is optional: duck typing suffices).
 
-    Made by a :class:`~torchplug.LoggerInfo` factory as ``factory(log_dir)`` on the ranks that log
+    Made by a `LoggerInfo` factory as ``factory(log_dir)`` on the ranks that log
     (rank 0 by default).
     """
 

@@ -4,7 +4,7 @@ A callback is any object (or module) with some of these functions, marked with
 ``@torchplug.hookimpl``, passed as ``Trainer(callbacks=[...])``. Every callback is called for
 every event (none is ``firstresult``); what a hook returns is ignored, except that
 ``on_step_end`` may return ``True`` to stop training after that step. They are a separate
-specification from :mod:`torchplug.core.spec`: these events exist only in the Trainer's loop.
+specification from `torchplug.core.spec`: these events exist only in the Trainer's loop.
 """
 
 from __future__ import annotations
@@ -52,4 +52,4 @@ def on_epoch_end(trainer: Trainer, epoch: int, metrics: dict[str, float]) -> Non
 
 @hookspec
 def on_train_end(trainer: Trainer, metrics: dict[str, Any]) -> None:
-    """After the last step, with what :meth:`Trainer.fit` returns."""
+    """After the last step, with what `Trainer.fit` returns."""

@@ -5,7 +5,7 @@ what it does can be read and copied into a hand-written loop. It adds: gradient 
 and clipping, an LR scheduler stepped once per optimizer step, evaluation with metrics over the
 whole eval set (padding dropped, reduced over every rank), metrics to the Engine's loggers, a
 progress bar on rank 0, numbered checkpoints with automatic resume, and callbacks as pluggy
-hook implementations (:mod:`torchplug.trainer.hooks`).
+hook implementations (`torchplug.trainer.hooks`).
 """
 
 from __future__ import annotations
@@ -49,16 +49,16 @@ class Trainer:
     targets)`` batches), on any strategy; ``fit()`` runs it.
 
     ``loss_fn(model(inputs), targets)`` is the loss; for other batch layouts subclass and
-    override :meth:`training_step` (and :meth:`eval_outputs`). ``scheduler`` is an LR scheduler
+    override `training_step` (and `eval_outputs`). ``scheduler`` is an LR scheduler
     made on ``optimizer`` (or a function ``optimizer -> scheduler``), stepped once per optimizer
     step. ``metrics`` maps names to ``fn(outputs, targets)`` run on the whole gathered eval set
-    (:func:`accuracy` is one). With ``checkpoint_dir``, a checkpoint is written every
+    (`accuracy` is one). With ``checkpoint_dir``, a checkpoint is written every
     ``checkpoint_every`` steps and at the end, and ``resume="latest"`` continues from the newest
     one: running the same command again after a crash carries on from its last checkpoint.
     ``callbacks`` are objects with ``@torchplug.hookimpl`` functions named as in
-    :mod:`torchplug.trainer.hooks`. ``hparams`` (a dict) is logged once with every logger when
-    ``fit()`` starts (:meth:`Engine.log_hyperparams`). Further keyword arguments go to the
-    :class:`Engine` (or pass ``engine=`` one you made).
+    `torchplug.trainer.hooks`. ``hparams`` (a dict) is logged once with every logger when
+    ``fit()`` starts (`Engine.log_hyperparams`). Further keyword arguments go to the
+    `Engine` (or pass ``engine=`` one you made).
     """
 
     def __init__(
