@@ -54,15 +54,25 @@ _ANSWER_TYPES: dict[str | None, type] = {
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this process runs, as the backend's ``torchplug_setup`` decided."""
+    """Where this process runs, as the backend's ``torchplug_setup`` decided.
+
+    Args:
+        rank: This process's rank, 0 to ``world_size - 1``.
+        world_size: How many processes run the job.
+        local_rank: This process's index among the processes on its node.
+        device: The device this process computes on.
+        node_rank: This node's index.
+        data_parallel_rank: This rank's data-parallel replica, when not every rank is one
+            (tensor parallelism: the ranks of a tensor-parallel group share their batches);
+            ``None``: ``rank``.
+        data_parallel_size: The number of data-parallel replicas; ``None``: ``world_size``.
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     node_rank: int = 0
-    #: This rank's data-parallel replica and their number, when not every rank is one (tensor
-    #: parallelism: the ranks of a tensor-parallel group share their batches). None: rank/world.
     data_parallel_rank: int | None = None
     data_parallel_size: int | None = None
 
@@ -107,20 +117,56 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 class Engine:
     """Runs a plain PyTorch training loop on the backend chosen by name.
 
-    ``strategy`` is a registered name or alias, or ``"auto"`` (the launcher's, environment's or
-    config file's choice, else ``ddp`` under a multi-process launcher, else ``single``).
-    ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``sync_batchnorm=True``
-    (``torchplug launch --sync-batchnorm``) takes BatchNorm statistics over the global batch
-    (`torchplug.core.syncbn`; CPU included). ``plugins`` adds extension
-    plugins to this Engine only (objects, or module names imported as ``python -m`` would, from
-    the current directory too); ``loggers`` names the metric loggers `log` writes to
-    (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any a plugin registers; rank 0 only), under
-    ``log_dir``; ``callbacks`` are objects whose methods `call` runs by name (your own
-    loop's events, Fabric's ``callbacks``); ``profile=True`` (or a dict: ``wait``, ``warmup``,
-    ``active`` optimizer steps, ``dir``, ``record_shapes``, ``profile_memory``, ``with_stack``)
-    runs torch.profiler over those steps and writes one trace per rank
-    (`torchplug.core.profiling`); other keyword arguments are the strategy's options
-    (``torchplug plugins --verbose`` lists them).
+    Every argument may be left out: the launcher, the environment (``TORCHPLUG_*``) or a
+    ``torchplug.toml`` config file fill in what the code does not say. ``with Engine(...) as
+    engine:`` calls `close` at the end.
+
+    Args:
+        strategy: A registered strategy name or alias, or ``"auto"`` (the launcher's,
+            environment's or config file's choice, else ``ddp`` under a multi-process launcher,
+            else ``single``).
+        precision: ``None``/``"32"``, ``"bf16"`` or ``"fp16"`` (Accelerate's and Fabric's
+            spellings, such as ``"bf16-mixed"``, are accepted).
+        plugins: Extension plugins added to this Engine only: objects, or module names
+            imported as ``python -m`` would (from the current directory too).
+        precision_options: Options of the precision plugin (AMP's, e.g. the fp16 loss scaler's),
+            or of a strategy that owns precision; checked by name and type (``torchplug plugins
+            --verbose`` lists them). Refused when the run is in full precision.
+        seed: The seed every rank shares for the data order: a shuffling loader from
+            `setup_dataloader` gives each rank its share of the same permutation (0 to
+            2**64 - 1). Seed the model's initialisation with `torchplug.seed_everything`.
+        checkpoint_key: A secret of at least 16 bytes (else ``TORCHPLUG_CHECKPOINT_KEY``):
+            checkpoints are signed on save and must carry a valid signature on load.
+        checkpoint_timeout: Seconds a save or load waits for every rank to arrive before
+            naming the absent ones (else ``TORCHPLUG_CHECKPOINT_TIMEOUT``, else 300).
+        checkpoint_dir: The directory `save_checkpoint` writes the numbered checkpoints
+            ``step-N`` to, and `resume` reads them from.
+        resume: ``"latest"``: `resume` loads the newest complete checkpoint in
+            ``checkpoint_dir`` (a restarted job carries on); ``None``: never.
+        keep_last: Keep only this many numbered checkpoints in ``checkpoint_dir`` (the newest
+            complete one is never deleted); ``None``: keep all.
+        compile: ``True`` (torch's defaults) or a dict of ``torch.compile`` arguments (``mode``,
+            ``backend``, ``fullgraph``, ``dynamic``, ``options``, ``disable``): the model is
+            compiled after the backend's wrap in `setup`; ``None``/``False``: not compiled.
+        activation_checkpointing: Module classes or class names whose activations are
+            recomputed in backward instead of stored (applied in `setup`, before the wrap).
+        sync_batchnorm: ``True`` (``torchplug launch --sync-batchnorm``): BatchNorm statistics
+            over the global batch (`torchplug.core.syncbn`; CPU included); ``None``: the
+            environment's setting.
+        loggers: The metric loggers `log` writes to, by name (``"csv"``, ``"jsonl"``,
+            ``"tensorboard"``, or any a plugin registers) or as logger objects; rank 0 only.
+        log_dir: The directory the loggers (and the profiler's traces) write under.
+        callbacks: Objects whose methods `call` runs by name (your own loop's events,
+            Fabric's ``callbacks``).
+        profile: ``True``, or a dict (``wait``, ``warmup``, ``active`` optimizer steps, ``dir``,
+            ``record_shapes``, ``profile_memory``, ``with_stack``): runs torch.profiler over
+            those steps and writes one trace per rank (`torchplug.core.profiling`).
+        **strategy_options: The strategy's options, e.g. ``Engine("ddp", timeout=600)``
+            (``torchplug plugins --verbose`` lists them).
+
+    Raises:
+        ConfigurationError: An argument, setting or option is invalid, or the strategy cannot
+            run here (the message says what to change).
     """
 
     def __init__(
@@ -352,7 +398,12 @@ class Engine:
 
     def restore_on_close(self, obj: Any, name: str) -> None:
         """Remember ``obj.name`` as it is now; `close` puts it back (what setup patches on
-        user objects is undone, so a model pickles again after close)."""
+        user objects is undone, so a model pickles again after close).
+
+        Args:
+            obj: The object a hook patches (a user's model or optimizer).
+            name: The attribute about to be set (or added) on it.
+        """
         had = name in getattr(obj, "__dict__", {})
         previous = obj.__dict__.get(name) if had else None
 
@@ -385,22 +436,27 @@ class Engine:
 
     @property
     def strategy(self) -> str:
+        """The selected strategy's canonical name."""
         return self.info.name
 
     @property
     def rank(self) -> int:
+        """This process's rank, 0 to ``world_size - 1``."""
         return self.runtime.rank
 
     @property
     def local_rank(self) -> int:
+        """This process's index among the processes on its node."""
         return self.runtime.local_rank
 
     @property
     def node_rank(self) -> int:
+        """This node's index."""
         return self.runtime.node_rank
 
     @property
     def world_size(self) -> int:
+        """How many processes run the job."""
         return self.runtime.world_size
 
     @property
@@ -418,14 +474,17 @@ class Engine:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0."""
         return self.runtime.rank == 0
 
     @property
     def is_local_main(self) -> bool:
+        """Whether this is the first process on its node (local rank 0)."""
         return self.runtime.local_rank == 0
 
     @property
     def device(self) -> torch.device:
+        """The device this process computes on (batches and models go there)."""
         return self.runtime.device
 
     def __repr__(self) -> str:
@@ -441,6 +500,10 @@ class Engine:
 
         Returns the model if no optimizer is given, else ``(model, *optimizers)``. Create the
         optimizers on the plain model's parameters before calling this, as with plain PyTorch.
+
+        Args:
+            model: The plain model (or one built under `init_module`).
+            *optimizers: Optimizers made on ``model``'s parameters.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -511,7 +574,12 @@ class Engine:
         device (no memory), to be materialised by `setup`: only each rank's shard under
         sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere, initialised by each
         module's ``reset_parameters()`` to the numbers an eager build would have. DeepSpeed
-        ZeRO-3 partitions the model as it is built instead (its ``zero.Init``)."""
+        ZeRO-3 partitions the model as it is built instead (its ``zero.Init``).
+
+        Args:
+            empty: Build on the meta device (no memory), materialised by `setup`; ``False``: on this
+                rank's device.
+        """
         if not empty:
             with torch.device(self.device):
                 yield
@@ -621,10 +689,21 @@ class Engine:
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers set up so far, in order."""
         return list(self._optimizers)
 
     def model_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Any:
-        """The (wrapped) model whose parameters ``optimizer`` updates."""
+        """The (wrapped) model whose parameters ``optimizer`` updates.
+
+        Args:
+            optimizer: An optimizer returned by `setup` (or one whose parameters a module of
+                ``state`` owns).
+            state: A checkpoint state dict, searched for the model when ``optimizer`` was not set up
+                with one.
+
+        Raises:
+            CheckpointError: No model is known for ``optimizer``.
+        """
         ref = self._optimizer_models.get(id(optimizer))
         model = ref() if ref is not None else None
         if model is not None:
@@ -644,7 +723,12 @@ class Engine:
     @contextlib.contextmanager
     def skipping_updates(self, optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
         """Inside, with ``skip``, the optimizer's real step does nothing (the backend's step
-        around it still runs): how a wrapper skips an update without replacing the backend."""
+        around it still runs): how a wrapper skips an update without replacing the backend.
+
+        Args:
+            optimizer: The optimizer whose update is skipped.
+            skip: Skip it (``False``: run it, e.g. inside an outer skip).
+        """
         key = id(optimizer)  # kept by the Engine: nothing rides on the user's optimizer
         previous = key in self._skipped_updates
         if skip:
@@ -673,6 +757,10 @@ class Engine:
 
         Sent as UTF-8 bytes in a tensor: unlike ``broadcast_object_list`` it needs neither pickle
         nor numpy (which an install made as the README says does not have).
+
+        Args:
+            obj: A JSON-serialisable value (read on rank ``src`` only).
+            src: The rank whose ``obj`` every rank receives.
         """
         if self.world_size == 1 or not torch.distributed.is_initialized():
             return obj
@@ -686,7 +774,11 @@ class Engine:
         return json.loads(bytes(payload.cpu().tolist()).decode())
 
     def unwrap(self, obj: Any) -> Any:
-        """The user's original module behind a module this Engine returned (else ``obj``)."""
+        """The user's original module behind a module this Engine returned (else ``obj``).
+
+        Args:
+            obj: A module `setup` returned, or anything else (returned as it is).
+        """
         if isinstance(obj, torch.nn.Module):
             try:
                 return self._originals.get(obj, obj)
@@ -732,7 +824,11 @@ class Engine:
         self._last_loader = weakref.ref(loader)
 
     def place_batch(self, batch: Any) -> Any:
-        """Put a batch where the backend wants it (device, and sharding for SPMD backends)."""
+        """Put a batch where the backend wants it (device, and sharding for SPMD backends).
+
+        Args:
+            batch: Tensors, possibly nested in lists, tuples and dicts.
+        """
         return self._call.torchplug_place_batch(self, batch)
 
     # -- training step ----------------------------------------------------------------------------
@@ -742,6 +838,10 @@ class Engine:
 
         Inside `accumulate` the loss is divided by the number of accumulated steps, so the
         accumulated gradient is the mean over the micro-batches, as one large batch would give.
+
+        Args:
+            loss: The scalar loss of this rank's batch.
+            model: The model the loss came from, when several were set up (some backends need it).
         """
         if self._accumulating is not None:
             loss = loss / self._accumulating[0]
@@ -756,13 +856,29 @@ class Engine:
         norm_type: float = 2.0,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
-        """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm."""
+        """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm.
+
+        Args:
+            model: The model `setup` returned.
+            max_norm: The largest total norm the gradients may have.
+            norm_type: The norm's order (``2.0``: Euclidean; ``float("inf")``: the largest value).
+            optimizer: The model's optimizer, which a precision plugin needs to unscale fp16
+                gradients first.
+
+        Returns:
+            The total norm of the gradients before clipping.
+        """
         norm = self._call.torchplug_clip_grad_norm(self, model, optimizer, max_norm, norm_type)
         return self._answer("torchplug_clip_grad_norm", norm)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-        """Skip gradient synchronization in backward (gradient accumulation steps)."""
+        """Skip gradient synchronization in backward (gradient accumulation steps).
+
+        Args:
+            model: The model `setup` returned.
+            enabled: ``False`` makes it a no-op (synchronize as usual).
+        """
         if not enabled:
             yield
             return
@@ -775,13 +891,15 @@ class Engine:
     def accumulate(self, model: torch.nn.Module, steps: int) -> Iterator[None]:
         """Accumulate gradients over ``steps`` micro-batches; wrap each micro-batch's step in it.
 
-        The loop stays as it was::
+        The loop stays as it was:
 
-            for x, y in loader:
-                with engine.accumulate(model, steps=4):
-                    engine.backward(loss_fn(model(x), y))
-                    optimizer.step()
-                    optimizer.zero_grad()
+        ```python
+        for x, y in loader:
+            with engine.accumulate(model, steps=4):
+                engine.backward(loss_fn(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+        ```
 
         On the first ``steps - 1`` calls backward skips gradient synchronization (the backend's
         ``no_sync``; DeepSpeed marks them as no accumulation boundary), and ``optimizer.step()``
@@ -789,6 +907,10 @@ class Engine:
         loss is divided by ``steps``, so the update equals one on the ``steps`` times larger
         batch. ``optimizer.step_was_skipped`` is ``True`` after an accumulation step (step a
         scheduler only when it is ``False``). The count is kept per model.
+
+        Args:
+            model: The model `setup` returned (the count is kept per model).
+            steps: Micro-batches per optimizer update (1: every step updates).
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ConfigurationError(
@@ -844,7 +966,12 @@ class Engine:
         return torch.tensor(value, device=self.device)
 
     def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result."""
+        """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result.
+
+        Args:
+            tensor: This rank's tensor (or number).
+            op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        """
         from torchplug.core.strategy import REDUCE_OPS
 
         if op not in REDUCE_OPS:
@@ -857,7 +984,11 @@ class Engine:
         return self._answer("torchplug_reduce", result)
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
-        """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``."""
+        """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``.
+
+        Args:
+            tensor: This rank's tensor (or number), the same shape on every rank.
+        """
         tensor = self._as_tensor(tensor)
         self._check_collective("gather", tensor)
         result = self._guarded("gather", lambda: self._call.torchplug_gather(self, tensor))
@@ -872,6 +1003,10 @@ class Engine:
         item, so a later `gather` lines up; drop the repeats after gathering.
 
         ``with engine.split_between_processes(prompts) as mine: outputs = generate(mine)``
+
+        Args:
+            items: A list, tuple, tensor, or dict of those, the same on every rank.
+            apply_padding: Make every part as long as the longest.
         """
         yield sharing.split(items, self.data_parallel_rank, self.data_parallel_size, apply_padding)
 
@@ -880,7 +1015,14 @@ class Engine:
     ) -> torch.Tensor:
         """``tensor`` padded with ``pad_index`` along ``dim`` to the largest size any rank has
         there (a collective: every rank calls it), so tensors of different lengths (generated
-        tokens) can be gathered. ``pad_first``: pad before the data (left padding)."""
+        tokens) can be gathered. ``pad_first``: pad before the data (left padding).
+
+        Args:
+            tensor: This rank's tensor.
+            dim: The dimension to pad.
+            pad_index: The value padded with.
+            pad_first: Pad before the data instead of after it.
+        """
         if not -tensor.dim() <= dim < tensor.dim():
             raise ConfigurationError(
                 f"pad_across_processes(dim={dim}) on a tensor of {tensor.dim()} dimensions; "
@@ -895,7 +1037,13 @@ class Engine:
         ``fabric.call``): events of your own loop, such as
         ``engine.call("on_validation_end", metrics=metrics)``. A callback without the method is
         skipped; an attribute of that name that is not callable is an error. The Trainer's
-        callback objects work here too (their hooks are plain methods). Local to this rank."""
+        callback objects work here too (their hooks are plain methods). Local to this rank.
+
+        Args:
+            hook_name: The method name to call on each callback.
+            *args: Passed to each callback's method.
+            **kwargs: Passed to each callback's method.
+        """
         results = []
         for callback in self.callbacks:
             method = getattr(callback, hook_name, None)
@@ -912,11 +1060,19 @@ class Engine:
 
     def any(self, flag: bool | torch.Tensor) -> bool:
         """True on every rank if ``flag`` is true on any rank: a stop trigger for your own loop
-        (``if engine.any(loss.isnan()): break`` leaves every rank together)."""
+        (``if engine.any(loss.isnan()): break`` leaves every rank together).
+
+        Args:
+            flag: This rank's flag (a bool or a one-element tensor).
+        """
         return bool(self.reduce(float(bool(flag)), "max").item() > 0)
 
     def all(self, flag: bool | torch.Tensor) -> bool:
-        """True on every rank if ``flag`` is true on every rank."""
+        """True on every rank if ``flag`` is true on every rank.
+
+        Args:
+            flag: This rank's flag (a bool or a one-element tensor).
+        """
         return bool(self.reduce(float(bool(flag)), "min").item() > 0)
 
     def gather_for_metrics(self, data: Any, padding: int | None = None) -> Any:
@@ -931,6 +1087,11 @@ class Engine:
         or a number becomes one row per rank. Under tensor parallelism the ranks of one
         data-parallel replica hold the same data: each replica's values appear once. Call it on
         every rank.
+
+        Args:
+            data: This rank's tensor, or tensors nested in tuples, lists and dicts.
+            padding: How many of this rank's last rows are padding; ``None``: what the last loader's
+                sampler added.
         """
         if padding is None:
             loader = self._last_loader() if self._last_loader is not None else None
@@ -1012,6 +1173,10 @@ class Engine:
         return at once, so reduce values first (``engine.reduce``) if they differ per rank.
         Without ``step``, the step after the last one logged. Call it on any rank: it is not a
         collective.
+
+        Args:
+            metrics: Metric names and values (numbers or one-element tensors).
+            step: The step the values belong to; ``None``: the step after the last one logged.
         """
         if not isinstance(metrics, Mapping):
             raise TypeError(
@@ -1023,7 +1188,11 @@ class Engine:
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Record the run's hyperparameters with every logger (rank 0's, and loggers that log
         on every rank): csv/jsonl write them beside the metrics, TensorBoard in its hparams
-        tab, MLflow as the run's params. Nested mappings are flattened to ``"a.b"`` keys."""
+        tab, MLflow as the run's params. Nested mappings are flattened to ``"a.b"`` keys.
+
+        Args:
+            params: Hyperparameter names and values (nested mappings are flattened).
+        """
         if not isinstance(params, Mapping):
             raise ConfigurationError(
                 f"engine.log_hyperparams expects a dict of names to values, e.g. "
@@ -1091,7 +1260,12 @@ class Engine:
         return faults.guarded(op, self.rank, timeout, call)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only."""
+        """``print`` on rank 0 only.
+
+        Args:
+            *args: As ``print``'s.
+            **kwargs: As ``print``'s.
+        """
         if self.is_main:
             builtins.print(*args, **kwargs)
 
@@ -1107,7 +1281,11 @@ class Engine:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def checkpoint_header(self, state: dict[str, Any]) -> dict[str, Any]:
-        """What the manifest records about this run, besides the entries themselves."""
+        """What the manifest records about this run, besides the entries themselves.
+
+        Args:
+            state: The state being saved.
+        """
         from torchplug.core.version import VERSION as __version__
 
         step = state.get("step")
@@ -1128,6 +1306,10 @@ class Engine:
         same under every strategy, so two runs compare with ``torch.equal`` key by key.
 
         A collective under sharding strategies: call it on every rank.
+
+        Args:
+            model: The model `setup` returned.
+            optimizer: Its optimizer, to include its state too.
         """
         from torch.distributed.tensor import DTensor
 
@@ -1171,6 +1353,16 @@ class Engine:
         The next save, load or resume and `close` wait for it (`wait_for_save`
         does so explicitly), and raise its failure, on every rank. A backend that writes its
         own format (DeepSpeed's ``native_checkpoint``) saves synchronously.
+
+        Args:
+            path: The checkpoint directory to write (replaced once the new one is complete).
+            state: What to save, by name: modules, optimizers, tensors, JSON values.
+            metadata: JSON values recorded in the manifest for your own use.
+            async_: Return once the state is staged in memory; the write goes on in the background.
+
+        Raises:
+            CheckpointError: The save failed on any rank (on every rank), or some rank did not call
+                it within ``checkpoint_timeout``.
         """
         self.wait_for_save()
         if not isinstance(state, dict):
@@ -1211,7 +1403,11 @@ class Engine:
 
     def after_save(self, step: Callable[[], None]) -> None:
         """Run ``step`` once the last save has committed: now for a synchronous one, in the
-        background after the commit for an asynchronous one (used for checkpoint rotation)."""
+        background after the commit for an asynchronous one (used for checkpoint rotation).
+
+        Args:
+            step: A function of no arguments.
+        """
         pending = self._pending_save
         if pending is None:
             step()
@@ -1251,6 +1447,20 @@ class Engine:
         optimizers. An entry that cannot be restored into the object given for it (a module's
         state into a dict, another backend's optimizer format) is an error unless
         ``strict=False``, which also loads the common part of a module whose keys differ.
+
+        Args:
+            path: The checkpoint directory `save` wrote.
+            state: The objects to restore in place, by the names they were saved under; ``None``:
+                return what the checkpoint holds.
+            strict: Refuse entries that cannot be restored into the objects given, and module keys
+                that differ.
+
+        Returns:
+            The plain values of entries not restored into an object.
+
+        Raises:
+            CheckpointError: The checkpoint is missing, incomplete, fails verification, or does not
+                fit ``state``.
         """
         self.wait_for_save()
         if state is not None and not isinstance(state, dict):
@@ -1278,7 +1488,17 @@ class Engine:
         built with ``init_module(empty=True)`` and set up sharded is never whole on a rank.
 
         Returns ``{"loaded", "missing", "unexpected"}`` (tensor names); a model tensor the
-        files lack is an error unless ``strict=False``. Call it after `setup`."""
+        files lack is an error unless ``strict=False``. Call it after `setup`.
+
+        Args:
+            model: A model this Engine set up.
+            path: A ``.safetensors`` file, or a directory as ``save_pretrained`` writes it.
+            strict: Refuse a model tensor the files lack.
+
+        Returns:
+            The names of the tensors loaded, missing and unexpected: ``{"loaded", "missing",
+                "unexpected"}``.
+        """
         from torchplug.checkpoint import pretrained
 
         return pretrained.load_into(self.unwrap(model), path, strict=strict)
@@ -1299,6 +1519,15 @@ class Engine:
         checkpoints beyond that count are deleted, never the newest complete one. Put the
         loader from `setup_dataloader` in ``state`` to resume mid-epoch. ``async_=True``
         returns once the state is staged in memory (see `save`).
+
+        Args:
+            state: What to save, as for `save`; its ``"step"`` names the checkpoint when ``step`` is
+                not given.
+            step: The step number ``N`` of ``checkpoint_dir/step-N``.
+            async_: Return once the state is staged in memory (see `save`).
+
+        Returns:
+            The path of the checkpoint written.
         """
         from torchplug.core import resume
 
@@ -1310,6 +1539,13 @@ class Engine:
 
         Call it once after setup; a job restarted by ``torchplug launch --max-restarts`` then
         carries on where its last checkpoint left it.
+
+        Args:
+            state: The objects to restore in place, as for `load`.
+
+        Returns:
+            The checkpoint's step, or ``None`` when there is none (or ``resume`` is not
+                ``"latest"``).
         """
         from torchplug.core import resume
 

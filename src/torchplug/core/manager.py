@@ -770,6 +770,14 @@ def register(plugin: Any, name: str | None = None) -> str:
     ``plugin`` is a module, a class (instantiated with no arguments) or an object whose functions
     are marked with `torchplug.hookimpl`. A plugin that implements strategy hooks itself
     (not only registration hooks) joins the active set of every Engine created afterwards.
+
+    Args:
+        plugin: A module, a class (instantiated with no arguments) or an object with
+            ``@torchplug.hookimpl`` functions.
+        name: The name to register it under (``None``: one derived from the plugin).
+
+    Returns:
+        The name it was registered under (for `unregister`).
     """
     registry = get_registry()
     with _lock:
@@ -778,7 +786,11 @@ def register(plugin: Any, name: str | None = None) -> str:
 
 def unregister(name: str | object) -> None:
     """Remove a plugin registered earlier (by name, or the module/class/object registered),
-    and the strategies it announced."""
+    and the strategies it announced.
+
+    Args:
+        name: The name `register` returned, or the module, class or object registered.
+    """
     registry = get_registry()
     with _lock:
         registry.remove(name)
@@ -787,7 +799,14 @@ def unregister(name: str | object) -> None:
 def options_of(strategy: str) -> tuple[Option, ...]:
     """The options a registered strategy declares, to build on in a strategy that extends it:
     ``StrategyInfo(..., options=(*tp.options_of("ddp"), Option("extra", int, 0)))``.
-    (``StrategyInfo(extends="ddp")`` does this and inherits the capabilities as well.)"""
+    (``StrategyInfo(extends="ddp")`` does this and inherits the capabilities as well.)
+
+    Args:
+        strategy: A registered strategy's name or alias.
+
+    Returns:
+        Its options, in order.
+    """
     registry = _building if _building is not None else get_registry()
     canonical = registry.canonical(strategy)
     if canonical is None:
@@ -800,7 +819,11 @@ def options_of(strategy: str) -> tuple[Option, ...]:
 
 
 def block(names: Iterable[str] | str) -> None:
-    """Block plugins by name: never imported if not yet loaded, removed if they were."""
+    """Block plugins by name: never imported if not yet loaded, removed if they were.
+
+    Args:
+        names: A plugin name (an entry-point name such as ``"deepspeed"``) or several.
+    """
     with _lock:
         for name in [names] if isinstance(names, str) else names:
             _pending_blocks.add(name)

@@ -25,6 +25,13 @@ def seed_everything(seed: int, *, workers: bool = True) -> int:
     With ``workers``, loaders set up by `Engine.setup_dataloader` that have worker
     processes and no ``worker_init_fn`` of their own get `seed_worker`, which gives each
     worker of each rank its own stream derived from ``(seed, rank, worker id)``.
+
+    Args:
+        seed: The seed (the same on every rank seeds every rank alike).
+        workers: Give set-up loaders with worker processes `seed_worker`.
+
+    Returns:
+        The seed.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
         raise ValueError(
@@ -53,7 +60,11 @@ def worker_seed(base: int, rank: int, worker_id: int) -> int:
 
 
 def seed_worker(worker_id: int) -> None:
-    """A ``worker_init_fn`` seeding ``random``, torch and numpy per rank and worker."""
+    """A ``worker_init_fn`` seeding ``random``, torch and numpy per rank and worker.
+
+    Args:
+        worker_id: The DataLoader worker's index, as ``worker_init_fn`` receives it.
+    """
     base = int(os.environ.get(SEED_ENV, "0"))
     rank = int(os.environ.get("RANK", "0"))
     seed = worker_seed(base, rank, worker_id)

@@ -238,7 +238,12 @@ def distributed_options() -> tuple[Option, ...]:
 
 
 class DistributedStrategy(Strategy):
-    """A backend on a torch.distributed process group: created here unless one exists."""
+    """A backend on a torch.distributed process group: created here unless one exists.
+
+    Args:
+        process_group_backend: The torch.distributed backend (``None``: nccl on CUDA, gloo on CPU).
+        timeout: Seconds before a collective gives up.
+    """
 
     def __init__(
         self, process_group_backend: str | None = None, timeout: float = DEFAULT_TIMEOUT

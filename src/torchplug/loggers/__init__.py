@@ -24,11 +24,20 @@ class Logger:
     """
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Record ``metrics`` (name -> number) at ``step``."""
+        """Record ``metrics`` (name -> number) at ``step``.
+
+        Args:
+            metrics: Metric names and numbers.
+            step: The step they belong to.
+        """
         raise NotImplementedError
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:  # noqa: B027 - optional
-        """Record the run's settings once (optional)."""
+        """Record the run's settings once (optional).
+
+        Args:
+            params: Setting names and values (flat: nested mappings arrive as ``"a.b"`` keys).
+        """
 
     def close(self) -> None:  # noqa: B027 - optional
         """Flush and release files (optional)."""

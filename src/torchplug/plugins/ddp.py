@@ -31,6 +31,18 @@ DDP_OPTIONS: tuple[Option, ...] = (
 
 
 class DDPStrategy(DistributedStrategy):
+    """The ``ddp`` backend: torch DistributedDataParallel (subclass it to build on DDP).
+
+    Args:
+        process_group_backend: The torch.distributed backend (``None``: nccl on CUDA, gloo on CPU).
+        timeout: Seconds before a collective gives up.
+        **ddp: DistributedDataParallel's options: ``find_unused_parameters``, ``static_graph``,
+            ``gradient_as_bucket_view``, ``broadcast_buffers``, ``bucket_cap_mb``.
+
+    Raises:
+        TypeError: An option DDP does not have.
+    """
+
     def __init__(
         self, process_group_backend: str | None = None, timeout: float = DEFAULT_TIMEOUT, **ddp: Any
     ) -> None:
