@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(
     not SITE, reason="TORCHPLUG_SITE_DIR is not set: run by `tox -e docs` after mkdocs build"
 )
 
-ROLE = re.compile(r":(?:py:)?(?:meth|class|func|attr|data|mod|exc|obj|ref|const|term):`")
+#: A reST role as it shows once rendered: ":meth:" before the code span (the backticks are gone).
+ROLE = re.compile(r"(?<![\w:]):(?:py:)?(?:meth|class|func|attr|data|mod|exc|obj|ref|const|term):")
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
         "track", "wbr"}  # fmt: skip
 
