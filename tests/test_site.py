@@ -156,26 +156,58 @@ def test_internal_links_resolve(site, pages):
 # -- the API reference ---------------------------------------------------------------------------
 
 
-def public_callables() -> list[tuple[str, object]]:
-    """``(qualified name, callable)`` of everything whose parameters the reference must list:
-    each public function of ``torchplug``, each public class's constructor (when the class
-    defines one) and the public methods the class itself defines."""
+ROOT = Path(__file__).parent.parent
+
+
+def _documented_objects() -> list[tuple[str, object]]:
+    """``(identifier, object)`` of each ``::: name`` entry of docs/api.md."""
+    import importlib
+
     found = []
-    for name in torchplug.__all__:
-        obj = getattr(torchplug, name)
-        if inspect.isfunction(obj):
-            found.append((f"torchplug.{name}", obj))
-        elif inspect.isclass(obj):
-            if "__init__" in vars(obj):
-                found.append((f"torchplug.{name}", obj))
-            for attr, value in vars(obj).items():
-                if attr.startswith("_"):
-                    continue
-                if isinstance(value, (staticmethod, classmethod)):
-                    value = value.__func__
-                if inspect.isfunction(value) and not getattr(value, "torchplug_impl", None):
-                    found.append((f"torchplug.{name}.{attr}", value))
+    for name in re.findall(r"^::: ([\w.]+)\s*$", (ROOT / "docs" / "api.md").read_text(), re.M):
+        try:
+            obj = importlib.import_module(name)
+        except ImportError:
+            module, _, attr = name.rpartition(".")
+            obj = getattr(importlib.import_module(module), attr)
+        found.append((name, obj))
     return found
+
+
+def _callables_of(identifier: str, obj: object) -> list[tuple[str, object]]:
+    if inspect.isfunction(obj):
+        return [(identifier, obj)]
+    if inspect.ismodule(obj):
+        return [
+            found
+            for attr, value in vars(obj).items()
+            if not attr.startswith("_")
+            and (inspect.isfunction(value) or inspect.isclass(value))
+            and value.__module__ == obj.__name__  # defined there, not imported
+            for found in _callables_of(f"{identifier}.{attr}", value)
+        ]
+    if not inspect.isclass(obj):
+        return []
+    found = [(identifier, obj)] if "__init__" in vars(obj) else []
+    for attr, value in vars(obj).items():
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if (
+            not attr.startswith("_")
+            and inspect.isfunction(value)
+            and not getattr(value, "torchplug_impl", None)  # a hook implementation
+        ):
+            found.append((f"{identifier}.{attr}", value))
+    return found
+
+
+def public_callables() -> list[tuple[str, object]]:
+    """``(identifier on the API page, callable)`` of everything whose parameters the reference
+    must list: each ``:::`` entry of docs/api.md that is a function, a class's constructor (when
+    the class defines one) and the public methods the class itself defines (not its hook
+    implementations, which docs/hooks.md documents), and the same for the functions and classes
+    a documented module defines."""
+    return [found for name, obj in _documented_objects() for found in _callables_of(name, obj)]
 
 
 def parameters(obj: object) -> list[str]:

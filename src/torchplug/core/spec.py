@@ -67,14 +67,18 @@ class Contract:
     here by the plugin manager, the Engine's dispatch and answer checks, and docs/hooks.md), so
     the contract lives in one place.
 
-    ``kind``: ``"registration"`` (called once per installed plugin when the registry is built),
-    ``"strategy"`` (called on one Engine's active set: the backend, the precision plugin,
-    extensions) or ``"installed plugins"`` (called on every installed plugin by whoever needs
-    the answer). ``required``: the Engine refuses to start when no plugin of its active set
-    answers it. ``per_step``: called in the training loop, so resolved once per Engine into a
-    plain function (`torchplug.core.dispatch`). ``answer``: the type the answer must have
-    (a dotted name, resolved when checked, so that this module imports no torch), with
-    ``answer_text`` naming it in the error. ``called``: who calls it, on which ranks, when.
+    Args:
+        kind: ``"registration"`` (called once per installed plugin when the registry is built),
+            ``"strategy"`` (called on one Engine's active set: the backend, the precision plugin,
+            extensions) or ``"installed plugins"`` (called on every installed plugin by whoever
+            needs the answer).
+        called: Who calls it, on which ranks, when.
+        required: The Engine refuses to start when no plugin of its active set answers it.
+        per_step: Called in the training loop, so resolved once per Engine into a plain
+            function (`torchplug.core.dispatch`).
+        answer: The type the answer must have (a dotted name, resolved when checked, so that
+            this module imports no torch).
+        answer_text: The answer's type as the error names it.
     """
 
     kind: str
@@ -90,7 +94,11 @@ CONTRACTS: dict[str, Contract] = {}
 
 
 def contract(**fields: Any) -> Callable[[Any], Any]:
-    """Declare the `Contract` of the hook specification it decorates."""
+    """Declare the `Contract` of the hook specification it decorates.
+
+    Args:
+        **fields: The `Contract`'s fields.
+    """
 
     def declare(function: Any) -> Any:
         CONTRACTS[function.__name__] = Contract(**fields)
@@ -100,7 +108,11 @@ def contract(**fields: Any) -> Callable[[Any], Any]:
 
 
 def hooks_where(**wanted: Any) -> frozenset[str]:
-    """The hooks whose contract has every field given, e.g. ``hooks_where(required=True)``."""
+    """The hooks whose contract has every field given, e.g. ``hooks_where(required=True)``.
+
+    Args:
+        **wanted: `Contract` fields and the values they must have.
+    """
     return frozenset(
         name
         for name, declared in CONTRACTS.items()
@@ -111,7 +123,12 @@ def hooks_where(**wanted: Any) -> frozenset[str]:
 def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], Any]:
     """A hookspec marker for a hook being renamed or retired: implementing it still works for
     one minor version, with a DeprecationWarning at registration (pluggy's ``warn_on_impl``)
-    naming the replacement, so plugin authors learn of it before the hook is removed."""
+    naming the replacement, so plugin authors learn of it before the hook is removed.
+
+    Args:
+        replacement: The hook to implement instead (``""``: none).
+        removed_in: The plugin API version that removes the old hook.
+    """
     instead = f"implement {replacement} instead" if replacement else "it has no replacement"
     return hookspec(
         warn_on_impl=DeprecationWarning(
@@ -142,6 +159,9 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
     with types and defaults, and its capabilities (shards parameters? owns precision? supports
     CPU? needs its own launcher?). Its ``factory`` is called only when a user selects the strategy,
     so the backend's heavy package is imported there, never here.
+
+    Args:
+        register: Call it with one `StrategyInfo` per strategy.
     """
 
 
@@ -158,6 +178,9 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
 
     Call ``register(PrecisionInfo(...))`` with the precisions it implements (``"bf16"``,
     ``"fp16"``).
+
+    Args:
+        register: Call it with one `PrecisionInfo` per precision plugin.
     """
 
 
@@ -177,6 +200,9 @@ def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
     log directory only when a user selects it, so the tracker's package is imported there,
     never here. Loggers are added exactly as strategies are: a built-in module, an entry point
     of an installed package, or ``torchplug.register`` in your own code.
+
+    Args:
+        register: Call it with one `LoggerInfo` per logger.
     """
 
 
@@ -196,6 +222,9 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
     Return ``None`` when ``env`` does not look like your cluster; the first answer wins, so a plugin
     for a scheduler (SLURM, SageMaker, ...) answers only when its variables are present. The
     built-in implementation reads torchrun's variables and answers last.
+
+    Args:
+        env: The process's environment variables (``os.environ``, or what the launcher passes).
     """
 
 
@@ -215,6 +244,10 @@ def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
 
     The backend returns a `Runtime` (rank, local rank, world size,
     device). A precision plugin wraps this hook to learn the device it will run on.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        cluster: Who this process is in its job, as the cluster-environment plugins found it.
     """
 
 
@@ -233,6 +266,12 @@ def torchplug_wrap(
 
     Returns ``(model, optimizers)``. Wrappers post-process the backend's answer, e.g. AMP runs the
     wrapped model's forward under autocast.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The user's model (on the meta device when the strategy ``takes_meta_modules`` and it
+            was built with ``init_module(empty=True)``).
+        optimizers: The optimizers given to ``engine.setup``, made on ``model``'s parameters.
     """
 
 
@@ -247,6 +286,9 @@ def torchplug_init_module(engine: Engine) -> contextlib.AbstractContextManager[N
     Optional: unanswered, the model is built on the meta device and materialised by setup.
 
     Called on every rank, by ``engine.init_module(empty=True)``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
     """
 
 
@@ -269,6 +311,11 @@ def torchplug_compile(
     ``model.compile(**options)`` (in place, so parameter names stay the model's).
 
     Called on every rank, after `torchplug_wrap`, when ``Engine(compile=...)`` asks.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model `torchplug_wrap` returned.
+        options: The ``torch.compile`` arguments of ``Engine(compile=...)``.
     """
 
 
@@ -284,6 +331,10 @@ def torchplug_place_batch(engine: Engine, batch: Any) -> Any:
 
     The default moves tensors to ``engine.device``; an SPMD backend also marks them sharded over
     its data axis. Called for every batch of a loader returned by ``engine.setup_dataloader``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        batch: One batch as the loader yields it.
     """
 
 
@@ -301,6 +352,11 @@ def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Modul
 
     A wrapper that must change the gradients (loss scaling) registers an autograd hook on ``loss``
     before yielding: the backend's backward then carries the change, whatever the backend does.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        loss: The loss to run backward from (scaled by ``1/steps`` inside ``engine.accumulate``).
+        model: The model the user named in ``engine.backward(loss, model)``, else ``None``.
     """
 
 
@@ -325,6 +381,11 @@ def torchplug_optimizer_step(
     `Engine.setup`. It exists because a step is not always ``optimizer.step()``: a gradient
     scaler must skip steps with inf/NaN gradients, and some backends own the step. Inside this hook
     ``optimizer.step()`` is the optimizer's real step, so an implementation can call it directly.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        optimizer: The optimizer ``step()`` was called on.
+        closure: The closure passed to ``step()``, if any.
     """
 
 
@@ -348,6 +409,13 @@ def torchplug_clip_grad_norm(
 
     A precision plugin wraps it to unscale gradients first; a sharded backend computes the norm
     across shards.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model whose gradients are clipped.
+        optimizer: Its optimizer, when the user passed it (a precision plugin needs it to unscale).
+        max_norm: The largest total norm allowed.
+        norm_type: The norm's order.
     """
 
 
@@ -363,7 +431,12 @@ def torchplug_clip_grad_norm(
 def torchplug_no_sync(
     engine: Engine, model: torch.nn.Module
 ) -> AbstractContextManager[None] | None:
-    """Return a context manager in which backward does not synchronize gradients across ranks."""
+    """Return a context manager in which backward does not synchronize gradients across ranks.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model whose gradient synchronization is skipped.
+    """
 
 
 @hookspec(firstresult=True)
@@ -376,7 +449,11 @@ def torchplug_no_sync(
     called=("On every rank, by `engine.autocast()`."),
 )
 def torchplug_autocast(engine: Engine) -> AbstractContextManager[None] | None:
-    """Return the context manager that applies the active precision to code the user runs in it."""
+    """Return the context manager that applies the active precision to code the user runs in it.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+    """
 
 
 @hookspec(firstresult=True)
@@ -392,6 +469,11 @@ def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Ten
     """Reduce ``tensor`` over all ranks with ``op`` (``sum``, ``mean``, ``max``, ``min``).
 
     Returns a new tensor holding the result on every rank; the input is not modified.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        tensor: This rank's tensor.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
     """
 
 
@@ -405,7 +487,12 @@ def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Ten
     called=("On every rank (a collective), by `engine.gather`."),
 )
 def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor | None:
-    """Gather ``tensor`` from all ranks into a tensor of shape ``(world_size, *tensor.shape)``."""
+    """Gather ``tensor`` from all ranks into a tensor of shape ``(world_size, *tensor.shape)``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        tensor: This rank's tensor (the same shape on every rank).
+    """
 
 
 @hookspec(firstresult=True)
@@ -418,7 +505,11 @@ def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor | Non
     called=("On every rank (a collective), by `engine.barrier()`."),
 )
 def torchplug_barrier(engine: Engine) -> bool | None:
-    """Block until every rank reaches this point; return ``True``."""
+    """Block until every rank reaches this point; return ``True``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+    """
 
 
 @hookspec(firstresult=True)
@@ -439,6 +530,12 @@ def torchplug_save(
     state through the four state hooks below and writes the portable format; a backend with a
     format of its own (DeepSpeed) answers this hook and still writes through
     `torchplug.checkpoint`, so atomicity, hashing and failure agreement are the same.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        path: The checkpoint directory to write.
+        state: What to save, by name: modules, optimizers, tensors, JSON values.
+        metadata: The user's JSON values, recorded in the manifest.
     """
 
 
@@ -459,6 +556,12 @@ def torchplug_load(
     dicts); with ``state=None``, every plain value and a summary of the rest. With ``strict`` an
     entry that cannot be restored into the object given for it is an error. Implementations read
     through `torchplug.checkpoint`, which validates the manifest and never unpickles.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        path: The checkpoint directory to read.
+        state: The objects to restore in place, by name; ``None``: return what the checkpoint holds.
+        strict: Refuse entries that cannot be restored into the objects given.
     """
 
 
@@ -482,6 +585,10 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
     ``Deferred(shape, dtype, produce)`` instead: the save calls ``produce`` on every rank in
     name order once it knows which rank writes the tensor, and keeps it only there, so no rank
     holds the whole model. The same holds for `torchplug_optimizer_state`.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: A model this Engine set up.
     """
 
 
@@ -494,7 +601,14 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
 def torchplug_load_model_state(
     engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
 ) -> bool | None:
-    """Put ``state`` (as `torchplug_model_state` returns it) into ``model``; return True."""
+    """Put ``state`` (as `torchplug_model_state` returns it) into ``model``; return True.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: A model this Engine set up.
+        state: Its state, as `torchplug_model_state` returns it.
+        strict: Refuse missing and unexpected names.
+    """
 
 
 @hookspec(firstresult=True)
@@ -506,7 +620,13 @@ def torchplug_load_model_state(
 def torchplug_optimizer_state(
     engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any] | None:
-    """The optimizer's state keyed by parameter name (``{"state": ..., "param_groups": ...}``)."""
+    """The optimizer's state keyed by parameter name (``{"state": ..., "param_groups": ...}``).
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model whose parameters ``optimizer`` updates.
+        optimizer: An optimizer this Engine set up.
+    """
 
 
 @hookspec(firstresult=True)
@@ -518,7 +638,14 @@ def torchplug_optimizer_state(
 def torchplug_load_optimizer_state(
     engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> bool | None:
-    """Put ``state`` (as `torchplug_optimizer_state` returns it) into ``optimizer``."""
+    """Put ``state`` (as `torchplug_optimizer_state` returns it) into ``optimizer``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model whose parameters ``optimizer`` updates.
+        optimizer: An optimizer this Engine set up.
+        state: Its state, as `torchplug_optimizer_state` returns it.
+    """
 
 
 @hookspec(firstresult=True)
@@ -531,7 +658,12 @@ def torchplug_reads_in_place(engine: Engine, kind: str) -> bool | None:
     """Whether loading reads a ``kind`` (``"module"``/``"optimizer"``) entry straight into the
     tensors the state hook returns (resharding in place), or into fresh CPU tensors handed to the
     load hook. A backend whose tensors DCP cannot write (XLA), or whose optimizer holds only part
-    of the state (FairScale OSS), answers ``False``."""
+    of the state (FairScale OSS), answers ``False``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        kind: ``"module"`` or ``"optimizer"``.
+    """
 
 
 @hookspec(firstresult=True)
@@ -553,6 +685,10 @@ def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] |
     calls it on every installed plugin and writes the answer as a portable checkpoint or as
     safetensors. The user chose to convert this directory, so the reader may use its library's
     own loaders; import nothing heavy unless the directory is yours.
+
+    Args:
+        source: The directory ``torchplug convert`` was given.
+        optimizer: Whether the optimizer state is wanted too.
     """
 
 
@@ -570,6 +706,10 @@ def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] 
 
     Called on every installed plugin by ``torchplug convert``; import nothing heavy unless the
     directory is yours.
+
+    Args:
+        source: The directory ``torchplug convert`` was given.
+        destination: The directory to write ``model.safetensors`` into.
     """
 
 
@@ -593,6 +733,9 @@ def torchplug_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
     keys cannot take) and restored on load when the checkpoint holds it: a checkpoint saved
     without the plugin (another precision, an older torchplug) leaves the object as it is. Keep
     the state small, JSON values or tensors equal on every rank: rank 0's copy is written.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
     """
 
 
@@ -609,4 +752,7 @@ def torchplug_teardown(engine: Engine) -> None:
 
     Needed because one process may create several Engines one after another (tests, notebooks,
     sweeps); every plugin in the active set is called.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
     """
