@@ -260,20 +260,25 @@ def _has_signature(obj: object) -> bool:
     return inspect.isfunction(obj) or inspect.isclass(obj) and "__init__" in vars(obj)
 
 
-def test_every_public_name_is_on_the_api_page_with_its_signature(api_page):
-    missing, unsigned = [], []
+def test_every_public_name_is_on_the_api_page_described_with_its_signature(api_page):
+    missing, unsigned, undescribed = [], [], []
     for name in torchplug.__all__:
         if name == "__version__":
             continue
         section = object_section(api_page, f"torchplug.{name}")
         if section is None:
             missing.append(name)
+            continue
+        contents = [c for c in section.children if isinstance(c, Element)]
+        if not any("doc-contents" in c.classes() and visible_text(c).strip() for c in contents):
+            undescribed.append(name)
         elif _has_signature(getattr(torchplug, name)) and not any(
             "doc-signature" in e.classes() for e in section.walk()
         ):
             unsigned.append(name)
     assert not missing, f"not on the API page: {missing}"
     assert not unsigned, f"shown without a signature: {unsigned}"
+    assert not undescribed, f"shown without a description (give it a docstring): {undescribed}"
 
 
 def test_every_public_parameter_is_documented(api_page):

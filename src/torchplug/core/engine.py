@@ -167,6 +167,30 @@ class Engine:
     Raises:
         ConfigurationError: An argument, setting or option is invalid, or the strategy cannot
             run here (the message says what to change).
+
+    Attributes:
+        runtime: Where this process runs (`Runtime`), as the backend's ``torchplug_setup`` answered.
+        info: The selected strategy's record (`StrategyInfo`).
+        options: The strategy's resolved options, by name.
+        precision: The precision in use: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        precision_options: The precision plugin's resolved options.
+        backend: The object holding the strategy's hooks, made by ``info.factory(**options)``.
+        plugins: The active set: the backend, the precision plugin and the extensions, in order.
+        hook: The active set's hooks, called by name:
+            ``engine.hook.torchplug_barrier(engine=engine)``.
+        settings: Every setting with where it came from (code, launcher, environment, config file).
+        cluster: Who this process is in its job (`ClusterInfo`).
+        seed: The seed of the data order.
+        checkpoint_key: The key checkpoints are signed and verified with (``None``: no signatures).
+        checkpoints: ``checkpoint_dir``, ``resume`` and ``keep_last``, checked.
+        compile_options: ``torch.compile`` arguments (``None``: not compiled), applied after the
+            wrap.
+        activation_checkpointing: Block classes whose activations are recomputed in backward.
+        sync_batchnorm: BatchNorm statistics over the global batch (the argument, else the
+            environment).
+        loggers: The loggers `log` writes to (names checked at once, files opened on first log).
+        callbacks: The objects `call` runs methods of.
+        failing: Set when the Engine is left by an exception: teardown then skips its barrier.
     """
 
     def __init__(

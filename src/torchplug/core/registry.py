@@ -93,6 +93,7 @@ class Option:
     validate: Callable[[Any], str | None] | None = None
 
     def type_name(self) -> str:
+        """The accepted type(s) as shown to users, e.g. ``"float | None"``."""
         types = self.type if isinstance(self.type, tuple) else (self.type,)
         return " | ".join("None" if t is type(None) else t.__name__ for t in types)
 

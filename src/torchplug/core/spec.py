@@ -45,15 +45,16 @@ if TYPE_CHECKING:
 PROJECT = "torchplug"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
-#: Marks a plugin function as a torchplug hook implementation.
 hookimpl = pluggy.HookimplMarker(PROJECT)
+"""Marks a plugin function as a torchplug hook implementation: ``@hookimpl``, or with pluggy's
+options, e.g. ``@hookimpl(wrapper=True)``, ``@hookimpl(trylast=True)``."""
 
-#: The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
-#: version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
-#: removes or changes them. A plugin declares the range it supports, e.g.
-#: ``TORCHPLUG_API = ">=1.0,<2"`` in its module (or ``StrategyInfo(api=...)``); one whose range
-#: excludes this version is not loaded, and ``torchplug plugins`` says why (docs/plugins.md).
 API_VERSION = "1.0"
+"""The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
+version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
+removes or changes them. A plugin declares the range it supports, e.g.
+``TORCHPLUG_API = ">=1.0,<2"`` in its module (or ``StrategyInfo(api=...)``); one whose range
+excludes this version is not loaded, and ``torchplug plugins`` says why (docs/plugins.md)."""
 
 #: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
 #: the API version that removes it). An entry stays for one minor version, with a hookspec under

@@ -61,6 +61,7 @@ class DDPStrategy(DistributedStrategy):
     def torchplug_wrap(
         self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        """The default answer to [`torchplug_wrap`][torchplug_wrap] (see the hook reference)."""
         from torch.nn.parallel import DistributedDataParallel
 
         model = model.to(engine.device)
@@ -71,6 +72,8 @@ class DDPStrategy(DistributedStrategy):
     def torchplug_no_sync(
         self, engine: Engine, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
+        """The default answer to [`torchplug_no_sync`][torchplug_no_sync]
+        (see the hook reference)."""
         no_sync = getattr(model, "no_sync", None)
         if no_sync is None:
             raise ConfigurationError(

@@ -98,6 +98,29 @@ class Trainer:
 
     Raises:
         ConfigurationError: An argument is invalid or missing (the message says the fix).
+
+    Attributes:
+        engine: The Engine it trains with.
+        model: The model as `Engine.setup` returned it.
+        optimizer: The optimizer as `Engine.setup` returned it.
+        scheduler: The LR scheduler, or ``None``.
+        train_loader: The training loader as `Engine.setup_dataloader` returned it.
+        eval_loader: The evaluation loader, or ``None``.
+        step: Optimizer steps done so far (the checkpoint's step after a resume).
+        epoch: The current epoch, from 0.
+        loss_fn: The ``loss_fn`` argument.
+        max_epochs: The ``max_epochs`` argument.
+        max_steps: The ``max_steps`` argument.
+        grad_accum: The ``grad_accum`` argument.
+        clip_grad_norm: The ``clip_grad_norm`` argument.
+        checkpoint_every: The ``checkpoint_every`` argument.
+        log_every: The ``log_every`` argument.
+        metrics: The ``metrics`` argument, as a dict.
+        hparams: The ``hparams`` argument, as a dict.
+        callbacks: The pluggy plugin manager holding the callbacks.
+        hook: The callbacks' hooks, called by name:
+            ``trainer.hook.on_train_start(trainer=trainer)``.
+        progress: The progress bar (a no-op when off).
     """
 
     def __init__(
