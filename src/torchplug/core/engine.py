@@ -119,7 +119,7 @@ class Engine:
 
     Every argument may be left out: the launcher, the environment (``TORCHPLUG_*``) or a
     ``torchplug.toml`` config file fill in what the code does not say. ``with Engine(...) as
-    engine:`` calls `close` at the end.
+    engine:`` calls [`close`][torchplug.Engine.close] at the end.
 
     Args:
         strategy: A registered strategy name or alias, or ``"auto"`` (the launcher's,
@@ -133,31 +133,36 @@ class Engine:
             or of a strategy that owns precision; checked by name and type (``torchplug plugins
             --verbose`` lists them). Refused when the run is in full precision.
         seed: The seed every rank shares for the data order: a shuffling loader from
-            `setup_dataloader` gives each rank its share of the same permutation (0 to
-            2**64 - 1). Seed the model's initialisation with `torchplug.seed_everything`.
+            [`setup_dataloader`][torchplug.Engine.setup_dataloader] gives each rank its share of the
+            same permutation (0 to 2**64 - 1). Seed the model's initialisation with
+            [`torchplug.seed_everything`][torchplug.seed_everything].
         checkpoint_key: A secret of at least 16 bytes (else ``TORCHPLUG_CHECKPOINT_KEY``):
             checkpoints are signed on save and must carry a valid signature on load.
         checkpoint_timeout: Seconds a save or load waits for every rank to arrive before
             naming the absent ones (else ``TORCHPLUG_CHECKPOINT_TIMEOUT``, else 300).
-        checkpoint_dir: The directory `save_checkpoint` writes the numbered checkpoints
-            ``step-N`` to, and `resume` reads them from.
-        resume: ``"latest"``: `resume` loads the newest complete checkpoint in
-            ``checkpoint_dir`` (a restarted job carries on); ``None``: never.
+        checkpoint_dir: The directory [`save_checkpoint`][torchplug.Engine.save_checkpoint] writes
+            the numbered checkpoints ``step-N`` to, and [`resume`][torchplug.Engine.resume] reads
+            them from.
+        resume: ``"latest"``: [`resume`][torchplug.Engine.resume] loads the newest complete
+            checkpoint in ``checkpoint_dir`` (a restarted job carries on); ``None``: never.
         keep_last: Keep only this many numbered checkpoints in ``checkpoint_dir`` (the newest
             complete one is never deleted); ``None``: keep all.
         compile: ``True`` (torch's defaults) or a dict of ``torch.compile`` arguments (``mode``,
             ``backend``, ``fullgraph``, ``dynamic``, ``options``, ``disable``): the model is
-            compiled after the backend's wrap in `setup`; ``None``/``False``: not compiled.
+            compiled after the backend's wrap in [`setup`][torchplug.Engine.setup];
+            ``None``/``False``: not compiled.
         activation_checkpointing: Module classes or class names whose activations are
-            recomputed in backward instead of stored (applied in `setup`, before the wrap).
+            recomputed in backward instead of stored (applied in [`setup`][torchplug.Engine.setup],
+            before the wrap).
         sync_batchnorm: ``True`` (``torchplug launch --sync-batchnorm``): BatchNorm statistics
             over the global batch (`torchplug.core.syncbn`; CPU included); ``None``: the
             environment's setting.
-        loggers: The metric loggers `log` writes to, by name (``"csv"``, ``"jsonl"``,
-            ``"tensorboard"``, or any a plugin registers) or as logger objects; rank 0 only.
+        loggers: The metric loggers [`log`][torchplug.Engine.log] writes to, by name (``"csv"``,
+            ``"jsonl"``, ``"tensorboard"``, or any a plugin registers) or as logger objects; rank 0
+            only.
         log_dir: The directory the loggers (and the profiler's traces) write under.
-        callbacks: Objects whose methods `call` runs by name (your own loop's events,
-            Fabric's ``callbacks``).
+        callbacks: Objects whose methods [`call`][torchplug.Engine.call] runs by name (your own
+            loop's events, Fabric's ``callbacks``).
         profile: ``True``, or a dict (``wait``, ``warmup``, ``active`` optimizer steps, ``dir``,
             ``record_shapes``, ``profile_memory``, ``with_stack``): runs torch.profiler over
             those steps and writes one trace per rank (`torchplug.core.profiling`).
@@ -169,8 +174,9 @@ class Engine:
             run here (the message says what to change).
 
     Attributes:
-        runtime: Where this process runs (`Runtime`), as the backend's ``torchplug_setup`` answered.
-        info: The selected strategy's record (`StrategyInfo`).
+        runtime: Where this process runs ([`Runtime`][torchplug.Runtime]), as the backend's
+            ``torchplug_setup`` answered.
+        info: The selected strategy's record ([`StrategyInfo`][torchplug.StrategyInfo]).
         options: The strategy's resolved options, by name.
         precision: The precision in use: ``"32"``, ``"bf16"`` or ``"fp16"``.
         precision_options: The precision plugin's resolved options.
@@ -179,7 +185,7 @@ class Engine:
         hook: The active set's hooks, called by name:
             ``engine.hook.torchplug_barrier(engine=engine)``.
         settings: Every setting with where it came from (code, launcher, environment, config file).
-        cluster: Who this process is in its job (`ClusterInfo`).
+        cluster: Who this process is in its job ([`ClusterInfo`][torchplug.ClusterInfo]).
         seed: The seed of the data order.
         checkpoint_key: The key checkpoints are signed and verified with (``None``: no signatures).
         checkpoints: ``checkpoint_dir``, ``resume`` and ``keep_last``, checked.
@@ -188,8 +194,9 @@ class Engine:
         activation_checkpointing: Block classes whose activations are recomputed in backward.
         sync_batchnorm: BatchNorm statistics over the global batch (the argument, else the
             environment).
-        loggers: The loggers `log` writes to (names checked at once, files opened on first log).
-        callbacks: The objects `call` runs methods of.
+        loggers: The loggers [`log`][torchplug.Engine.log] writes to (names checked at once, files
+            opened on first log).
+        callbacks: The objects [`call`][torchplug.Engine.call] runs methods of.
         failing: Set when the Engine is left by an exception: teardown then skips its barrier.
     """
 
@@ -421,8 +428,8 @@ class Engine:
         return result
 
     def restore_on_close(self, obj: Any, name: str) -> None:
-        """Remember ``obj.name`` as it is now; `close` puts it back (what setup patches on
-        user objects is undone, so a model pickles again after close).
+        """Remember ``obj.name`` as it is now; [`close`][torchplug.Engine.close] puts it back (what
+        setup patches on user objects is undone, so a model pickles again after close).
 
         Args:
             obj: The object a hook patches (a user's model or optimizer).
@@ -526,7 +533,8 @@ class Engine:
         optimizers on the plain model's parameters before calling this, as with plain PyTorch.
 
         Args:
-            model: The plain model (or one built under `init_module`).
+            model: The plain model (or one built under
+                [`init_module`][torchplug.Engine.init_module]).
             *optimizers: Optimizers made on ``model``'s parameters.
         """
         if not isinstance(model, torch.nn.Module):
@@ -595,14 +603,14 @@ class Engine:
     @contextlib.contextmanager
     def init_module(self, empty: bool = False) -> Iterator[None]:
         """Build the model inside: on this rank's device, or with ``empty=True`` on the meta
-        device (no memory), to be materialised by `setup`: only each rank's shard under
-        sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere, initialised by each
-        module's ``reset_parameters()`` to the numbers an eager build would have. DeepSpeed
-        ZeRO-3 partitions the model as it is built instead (its ``zero.Init``).
+        device (no memory), to be materialised by [`setup`][torchplug.Engine.setup]: only each
+        rank's shard under sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere,
+        initialised by each module's ``reset_parameters()`` to the numbers an eager build would
+        have. DeepSpeed ZeRO-3 partitions the model as it is built instead (its ``zero.Init``).
 
         Args:
-            empty: Build on the meta device (no memory), materialised by `setup`; ``False``: on this
-                rank's device.
+            empty: Build on the meta device (no memory), materialised by
+                [`setup`][torchplug.Engine.setup]; ``False``: on this rank's device.
         """
         if not empty:
             with torch.device(self.device):
@@ -628,7 +636,8 @@ class Engine:
         answers with the inner model's names instead. Only these two methods are replaced, on
         the wrapper instance (no per-step cost, nothing on the forward path); torchplug's own
         checkpoints use the state hooks, which see the wrapper's native methods (inside
-        `native_state_dicts`). ``close()`` puts the originals back.
+        [`native_state_dicts`][torchplug.Engine.native_state_dicts]). ``close()`` puts the originals
+        back.
         """
         if wrapped is model or getattr(wrapped, "module", None) is not model:
             return  # not a `.module` wrapper of the user's model: its names are already plain
@@ -658,9 +667,9 @@ class Engine:
 
     @contextlib.contextmanager
     def native_state_dicts(self) -> Iterator[None]:
-        """Inside, modules returned by `setup` answer ``state_dict()`` with the backend's
-        own names (``module.<name>``): what the state hooks and torch's DCP state-dict API
-        expect from the wrapper."""
+        """Inside, modules returned by [`setup`][torchplug.Engine.setup] answer ``state_dict()``
+        with the backend's own names (``module.<name>``): what the state hooks and torch's DCP
+        state-dict API expect from the wrapper."""
         self._native_state += 1
         try:
             yield
@@ -720,8 +729,8 @@ class Engine:
         """The (wrapped) model whose parameters ``optimizer`` updates.
 
         Args:
-            optimizer: An optimizer returned by `setup` (or one whose parameters a module of
-                ``state`` owns).
+            optimizer: An optimizer returned by [`setup`][torchplug.Engine.setup] (or one whose
+                parameters a module of ``state`` owns).
             state: A checkpoint state dict, searched for the model when ``optimizer`` was not set up
                 with one.
 
@@ -801,7 +810,8 @@ class Engine:
         """The user's original module behind a module this Engine returned (else ``obj``).
 
         Args:
-            obj: A module `setup` returned, or anything else (returned as it is).
+            obj: A module [`setup`][torchplug.Engine.setup] returned, or anything else (returned as
+                it is).
         """
         if isinstance(obj, torch.nn.Module):
             try:
@@ -818,13 +828,14 @@ class Engine:
         move_to_device: bool = True,
         split_batches: bool = False,
     ) -> Any:
-        """Give each rank its own share of ``loader``'s batches, moved to `device`.
+        """Give each rank its own share of ``loader``'s batches, moved to
+        [`device`][torchplug.Engine.device].
 
         Args:
             loader: a DataLoader (or any iterable of batches).
             use_distributed_sampler: give a map-style loader with the default sampler a
                 DistributedSampler (shuffle kept, one seed on every rank); else shard by batch.
-            move_to_device: put each batch on `device` (``place_batch``).
+            move_to_device: put each batch on [`device`][torchplug.Engine.device] (``place_batch``).
             split_batches: ``batch_size`` is the global batch: each rank takes
                 ``batch_size / data_parallel_size`` of it (must divide evenly), so the step sees
                 the same samples on any number of ranks; ``False`` (default): ``batch_size`` is
@@ -860,8 +871,9 @@ class Engine:
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
         """``loss.backward()`` as the backend and precision need it (scaling, sharding).
 
-        Inside `accumulate` the loss is divided by the number of accumulated steps, so the
-        accumulated gradient is the mean over the micro-batches, as one large batch would give.
+        Inside [`accumulate`][torchplug.Engine.accumulate] the loss is divided by the number of
+        accumulated steps, so the accumulated gradient is the mean over the micro-batches, as one
+        large batch would give.
 
         Args:
             loss: The scalar loss of this rank's batch.
@@ -883,7 +895,7 @@ class Engine:
         """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm.
 
         Args:
-            model: The model `setup` returned.
+            model: The model [`setup`][torchplug.Engine.setup] returned.
             max_norm: The largest total norm the gradients may have.
             norm_type: The norm's order (``2.0``: Euclidean; ``float("inf")``: the largest value).
             optimizer: The model's optimizer, which a precision plugin needs to unscale fp16
@@ -900,7 +912,7 @@ class Engine:
         """Skip gradient synchronization in backward (gradient accumulation steps).
 
         Args:
-            model: The model `setup` returned.
+            model: The model [`setup`][torchplug.Engine.setup] returned.
             enabled: ``False`` makes it a no-op (synchronize as usual).
         """
         if not enabled:
@@ -933,7 +945,8 @@ class Engine:
         scheduler only when it is ``False``). The count is kept per model.
 
         Args:
-            model: The model `setup` returned (the count is kept per model).
+            model: The model [`setup`][torchplug.Engine.setup] returned (the count is kept per
+                model).
             steps: Micro-batches per optimizer update (1: every step updates).
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -1024,7 +1037,8 @@ class Engine:
         0, or a dict of those), as Accelerate's: 5 prompts on 2 ranks are ``[0, 1, 2]`` and
         ``[3, 4]``. Parts follow the data-parallel rank (a tensor-parallel group shares one).
         ``apply_padding=True`` makes every part as long as the longest by repeating its last
-        item, so a later `gather` lines up; drop the repeats after gathering.
+        item, so a later [`gather`][torchplug.Engine.gather] lines up; drop the repeats after
+        gathering.
 
         ``with engine.split_between_processes(prompts) as mine: outputs = generate(mine)``
 
@@ -1103,14 +1117,14 @@ class Engine:
         """Every rank's ``data`` joined along the first dimension, without the padding.
 
         A distributed sampler repeats a few samples so that every rank gets as many; a plain
-        `gather` would count them twice (a 7-item eval set on 2 ranks gathers 8). This
-        drops the repeats in the batch last handed out by a loader from
-        `setup_dataloader` (or the last ``padding`` rows, when given), then gathers:
-        ``data`` is a tensor or tensors nested in tuples, lists and dicts (returned in the same
-        structure), and first dimensions may differ between ranks (the last batch). A 0-d tensor
-        or a number becomes one row per rank. Under tensor parallelism the ranks of one
-        data-parallel replica hold the same data: each replica's values appear once. Call it on
-        every rank.
+        [`gather`][torchplug.Engine.gather] would count them twice (a 7-item eval set on 2 ranks
+        gathers 8). This drops the repeats in the batch last handed out by a loader from
+        [`setup_dataloader`][torchplug.Engine.setup_dataloader] (or the last ``padding`` rows, when
+        given), then gathers: ``data`` is a tensor or tensors nested in tuples, lists and dicts
+        (returned in the same structure), and first dimensions may differ between ranks (the last
+        batch). A 0-d tensor or a number becomes one row per rank. Under tensor parallelism the
+        ranks of one data-parallel replica hold the same data: each replica's values appear once.
+        Call it on every rank.
 
         Args:
             data: This rank's tensor, or tensors nested in tuples, lists and dicts.
@@ -1332,7 +1346,7 @@ class Engine:
         A collective under sharding strategies: call it on every rank.
 
         Args:
-            model: The model `setup` returned.
+            model: The model [`setup`][torchplug.Engine.setup] returned.
             optimizer: Its optimizer, to include its state too.
         """
         from torch.distributed.tensor import DTensor
@@ -1374,9 +1388,10 @@ class Engine:
 
         With ``async_=True`` it returns once the state is copied (staged) in memory; writing,
         hashing, fsync and the commit go on in a background thread while training continues.
-        The next save, load or resume and `close` wait for it (`wait_for_save`
-        does so explicitly), and raise its failure, on every rank. A backend that writes its
-        own format (DeepSpeed's ``native_checkpoint``) saves synchronously.
+        The next save, load or resume and [`close`][torchplug.Engine.close] wait for it
+        ([`wait_for_save`][torchplug.Engine.wait_for_save] does so explicitly), and raise its
+        failure, on every rank. A backend that writes its own format (DeepSpeed's
+        ``native_checkpoint``) saves synchronously.
 
         Args:
             path: The checkpoint directory to write (replaced once the new one is complete).
@@ -1473,7 +1488,7 @@ class Engine:
         ``strict=False``, which also loads the common part of a module whose keys differ.
 
         Args:
-            path: The checkpoint directory `save` wrote.
+            path: The checkpoint directory [`save`][torchplug.Engine.save] wrote.
             state: The objects to restore in place, by the names they were saved under; ``None``:
                 return what the checkpoint holds.
             strict: Refuse entries that cannot be restored into the objects given, and module keys
@@ -1512,7 +1527,8 @@ class Engine:
         built with ``init_module(empty=True)`` and set up sharded is never whole on a rank.
 
         Returns ``{"loaded", "missing", "unexpected"}`` (tensor names); a model tensor the
-        files lack is an error unless ``strict=False``. Call it after `setup`.
+        files lack is an error unless ``strict=False``. Call it after
+        [`setup`][torchplug.Engine.setup].
 
         Args:
             model: A model this Engine set up.
@@ -1541,14 +1557,15 @@ class Engine:
 
         ``N`` is ``step`` or ``state["step"]``. With ``keep_last`` the oldest numbered
         checkpoints beyond that count are deleted, never the newest complete one. Put the
-        loader from `setup_dataloader` in ``state`` to resume mid-epoch. ``async_=True``
-        returns once the state is staged in memory (see `save`).
+        loader from [`setup_dataloader`][torchplug.Engine.setup_dataloader] in ``state`` to resume
+        mid-epoch. ``async_=True`` returns once the state is staged in memory (see
+        [`save`][torchplug.Engine.save]).
 
         Args:
-            state: What to save, as for `save`; its ``"step"`` names the checkpoint when ``step`` is
-                not given.
+            state: What to save, as for [`save`][torchplug.Engine.save]; its ``"step"`` names the
+                checkpoint when ``step`` is not given.
             step: The step number ``N`` of ``checkpoint_dir/step-N``.
-            async_: Return once the state is staged in memory (see `save`).
+            async_: Return once the state is staged in memory (see [`save`][torchplug.Engine.save]).
 
         Returns:
             The path of the checkpoint written.
@@ -1565,7 +1582,7 @@ class Engine:
         carries on where its last checkpoint left it.
 
         Args:
-            state: The objects to restore in place, as for `load`.
+            state: The objects to restore in place, as for [`load`][torchplug.Engine.load].
 
         Returns:
             The checkpoint's step, or ``None`` when there is none (or ``resume`` is not

@@ -4,8 +4,8 @@ The ranks are started by torch.distributed's elastic launcher API
 (`torch.distributed.launcher.api.elastic_launch`, what ``torchrun`` runs), single node,
 with a fresh rendezvous on a free local port: no home-made spawning. Inside ``fn``,
 ``Engine()`` sees a world of N (``strategy="auto"`` picks ``ddp``, or the ``strategy`` given
-here). Rank 0's return value is returned; when a rank raises, `RankFailedError` is raised
-here with that rank's traceback.
+here). Rank 0's return value is returned; when a rank raises,
+[`RankFailedError`][torchplug.RankFailedError] is raised here with that rank's traceback.
 
 Processes are forked where the platform allows it and CUDA is not initialized in the caller
 (what makes functions defined in a notebook cell work), else spawned (then ``fn`` must be
@@ -28,7 +28,7 @@ from torchplug.core.errors import ConfigurationError, TorchplugError
 
 
 class RankFailedError(TorchplugError):
-    """A rank started by `launch` raised; the message holds its traceback.
+    """A rank started by [`launch`][torchplug.launch] raised; the message holds its traceback.
 
     Args:
         message: The error message (the rank's exception and traceback).
@@ -105,7 +105,8 @@ def launch(
 
     ``strategy``/``precision`` act as ``torchplug launch --strategy/--precision`` would for
     ``Engine()`` inside ``fn``. Results must be picklable. A rank that raises ends the run;
-    the error is raised here as `RankFailedError` carrying that rank's traceback.
+    the error is raised here as [`RankFailedError`][torchplug.RankFailedError] carrying that rank's
+    traceback.
 
     Args:
         fn: The function run on every rank (under ``spawn`` it must be picklable: defined at

@@ -2,7 +2,7 @@
 
 Built-in plugins and third-party plugins are found the same way, through the ``torchplug``
 entry-point group; a built-in is simply an entry point whose distribution is torchplug itself.
-In-house plugins join with one call to `register`.
+In-house plugins join with one call to [`register`][torchplug.register].
 
 Environment controls, read when the registry is first built:
 
@@ -754,8 +754,8 @@ def load_extension(module: str) -> object:
 def reset_registry(forget_blocks: bool = False) -> None:
     """Forget the registry so the next use rediscovers plugins (for tests and notebooks).
 
-    Names blocked with `block` stay blocked (they apply to the next registry too) unless
-    ``forget_blocks``.
+    Names blocked with [`block`][torchplug.block] stay blocked (they apply to the next registry too)
+    unless ``forget_blocks``.
     """
     global _registry
     with _lock:
@@ -768,8 +768,9 @@ def register(plugin: Any, name: str | None = None) -> str:
     """Register an in-house plugin in one line; its strategies become selectable by name.
 
     ``plugin`` is a module, a class (instantiated with no arguments) or an object whose functions
-    are marked with `torchplug.hookimpl`. A plugin that implements strategy hooks itself
-    (not only registration hooks) joins the active set of every Engine created afterwards.
+    are marked with [`torchplug.hookimpl`][torchplug.hookimpl]. A plugin that implements strategy
+    hooks itself (not only registration hooks) joins the active set of every Engine created
+    afterwards.
 
     Args:
         plugin: A module, a class (instantiated with no arguments) or an object with
@@ -777,7 +778,7 @@ def register(plugin: Any, name: str | None = None) -> str:
         name: The name to register it under (``None``: one derived from the plugin).
 
     Returns:
-        The name it was registered under (for `unregister`).
+        The name it was registered under (for [`unregister`][torchplug.unregister]).
     """
     registry = get_registry()
     with _lock:
@@ -789,7 +790,8 @@ def unregister(name: str | object) -> None:
     and the strategies it announced.
 
     Args:
-        name: The name `register` returned, or the module, class or object registered.
+        name: The name [`register`][torchplug.register] returned, or the module, class or object
+            registered.
     """
     registry = get_registry()
     with _lock:

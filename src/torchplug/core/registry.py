@@ -224,7 +224,8 @@ class StrategyInfo:
             field left at its default takes the parent's value. For a subclass of the parent's
             class.
         api: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
-            `torchplug.core.spec.API_VERSION`); outside it the strategy is not registered.
+            [`torchplug.core.spec.API_VERSION`][torchplug.core.spec.API_VERSION]); outside it the
+            strategy is not registered.
         provider: Filled in by the plugin manager: which plugin and distribution announced it.
         distribution: Filled in by the plugin manager: the installed distribution of that plugin.
         version: Filled in by the plugin manager: that distribution's version.

@@ -2,8 +2,8 @@
 
 Seeds Python's ``random``, torch (CPU and every CUDA device) and numpy when it is installed, with
 the same seed on every rank (so every rank builds the same initial model). Data-loader workers
-are seeded per rank and per worker by `seed_worker` (otherwise every worker of every rank
-would draw the same random augmentations).
+are seeded per rank and per worker by [`seed_worker`][torchplug.seed_worker] (otherwise every worker
+of every rank would draw the same random augmentations).
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ _MAX_SEED = 2**32 - 1
 def seed_everything(seed: int, *, workers: bool = True) -> int:
     """Seed ``random``, torch and numpy (if installed) with ``seed``; return it.
 
-    With ``workers``, loaders set up by `Engine.setup_dataloader` that have worker
-    processes and no ``worker_init_fn`` of their own get `seed_worker`, which gives each
+    With ``workers``, loaders set up by
+    [`Engine.setup_dataloader`][torchplug.Engine.setup_dataloader] that have worker processes and no
+    ``worker_init_fn`` of their own get [`seed_worker`][torchplug.seed_worker], which gives each
     worker of each rank its own stream derived from ``(seed, rank, worker id)``.
 
     Args:
         seed: The seed (the same on every rank seeds every rank alike).
-        workers: Give set-up loaders with worker processes `seed_worker`.
+        workers: Give set-up loaders with worker processes [`seed_worker`][torchplug.seed_worker].
 
     Returns:
         The seed.

@@ -1,7 +1,8 @@
 """The torchplug hook specification.
 
 Every extension point of torchplug is a pluggy hook defined in this module; a plugin is any module,
-class or object with functions named like these hooks and marked with `hookimpl`.
+class or object with functions named like these hooks and marked with
+[`hookimpl`][torchplug.hookimpl].
 
 There are two kinds of hooks.
 
@@ -10,7 +11,7 @@ A plugin announces what it offers by calling the ``register`` callback it is han
 Announcing must stay cheap: import nothing heavy here, since ``torchplug plugins`` announces
 every installed plugin.
 
-**Strategy hooks** are called on the *active set* of one `Engine`: the chosen
+**Strategy hooks** are called on the *active set* of one [`Engine`][torchplug.Engine]: the chosen
 backend (an object made by the strategy's factory), the precision plugin if the backend does not own
 precision, and extension plugins. Hooks that perform an action are ``firstresult``: the backend
 answers, and composable plugins wrap it with ``@hookimpl(wrapper=True)``: code before the ``yield``
@@ -95,10 +96,11 @@ CONTRACTS: dict[str, Contract] = {}
 
 
 def contract(**fields: Any) -> Callable[[Any], Any]:
-    """Declare the `Contract` of the hook specification it decorates.
+    """Declare the [`Contract`][torchplug.core.spec.Contract] of the hook specification it
+    decorates.
 
     Args:
-        **fields: The `Contract`'s fields.
+        **fields: The [`Contract`][torchplug.core.spec.Contract]'s fields.
     """
 
     def declare(function: Any) -> Any:
@@ -112,7 +114,7 @@ def hooks_where(**wanted: Any) -> frozenset[str]:
     """The hooks whose contract has every field given, e.g. ``hooks_where(required=True)``.
 
     Args:
-        **wanted: `Contract` fields and the values they must have.
+        **wanted: [`Contract`][torchplug.core.spec.Contract] fields and the values they must have.
     """
     return frozenset(
         name
@@ -155,14 +157,15 @@ def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], An
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     """Announce the strategies (backends) this plugin provides.
 
-    Call ``register(StrategyInfo(...))`` once per strategy. The `StrategyInfo` names the
-    strategy and its aliases, describes it in one line, lists the packages it needs, its options
-    with types and defaults, and its capabilities (shards parameters? owns precision? supports
-    CPU? needs its own launcher?). Its ``factory`` is called only when a user selects the strategy,
-    so the backend's heavy package is imported there, never here.
+    Call ``register(StrategyInfo(...))`` once per strategy. The
+    [`StrategyInfo`][torchplug.StrategyInfo] names the strategy and its aliases, describes it in one
+    line, lists the packages it needs, its options with types and defaults, and its capabilities
+    (shards parameters? owns precision? supports CPU? needs its own launcher?). Its ``factory`` is
+    called only when a user selects the strategy, so the backend's heavy package is imported there,
+    never here.
 
     Args:
-        register: Call it with one `StrategyInfo` per strategy.
+        register: Call it with one [`StrategyInfo`][torchplug.StrategyInfo] per strategy.
     """
 
 
@@ -181,7 +184,7 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
     ``"fp16"``).
 
     Args:
-        register: Call it with one `PrecisionInfo` per precision plugin.
+        register: Call it with one [`PrecisionInfo`][torchplug.PrecisionInfo] per precision plugin.
     """
 
 
@@ -203,7 +206,7 @@ def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
     of an installed package, or ``torchplug.register`` in your own code.
 
     Args:
-        register: Call it with one `LoggerInfo` per logger.
+        register: Call it with one [`LoggerInfo`][torchplug.LoggerInfo] per logger.
     """
 
 
@@ -243,7 +246,7 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
 def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
     """Start the backend: create the process group if needed and choose this process's device.
 
-    The backend returns a `Runtime` (rank, local rank, world size,
+    The backend returns a [`Runtime`][torchplug.Runtime] (rank, local rank, world size,
     device). A precision plugin wraps this hook to learn the device it will run on.
 
     Args:
@@ -311,11 +314,12 @@ def torchplug_compile(
     where it cannot be compiled. Return the model to use. Optional: unanswered, the Engine calls
     ``model.compile(**options)`` (in place, so parameter names stay the model's).
 
-    Called on every rank, after `torchplug_wrap`, when ``Engine(compile=...)`` asks.
+    Called on every rank, after [`torchplug_wrap`][torchplug_wrap], when ``Engine(compile=...)``
+    asks.
 
     Args:
         engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
-        model: The model `torchplug_wrap` returned.
+        model: The model [`torchplug_wrap`][torchplug_wrap] returned.
         options: The ``torch.compile`` arguments of ``Engine(compile=...)``.
     """
 
@@ -379,9 +383,10 @@ def torchplug_optimizer_step(
     """Perform one optimizer step; return ``True`` if parameters were updated, ``False`` if skipped.
 
     Called whenever the user calls ``optimizer.step()`` on an optimizer returned by
-    `Engine.setup`. It exists because a step is not always ``optimizer.step()``: a gradient
-    scaler must skip steps with inf/NaN gradients, and some backends own the step. Inside this hook
-    ``optimizer.step()`` is the optimizer's real step, so an implementation can call it directly.
+    [`Engine.setup`][torchplug.Engine.setup]. It exists because a step is not always
+    ``optimizer.step()``: a gradient scaler must skip steps with inf/NaN gradients, and some
+    backends own the step. Inside this hook ``optimizer.step()`` is the optimizer's real step, so an
+    implementation can call it directly.
 
     Args:
         engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
@@ -579,13 +584,14 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
     """The model's state by parameter name (no wrapper prefixes), as the backend holds it.
 
     Sharded backends return DTensor shards; checkpoints store them by their global shape, so any
-    strategy can load them. Also used by `Engine.full_state`.
+    strategy can load them. Also used by [`Engine.full_state`][torchplug.Engine.full_state].
 
     A backend that must gather a full tensor with a collective (ZeRO-3) may, while
     ``torchplug.checkpoint.deferred.wanted()`` is true (inside a save), return a
     ``Deferred(shape, dtype, produce)`` instead: the save calls ``produce`` on every rank in
     name order once it knows which rank writes the tensor, and keeps it only there, so no rank
-    holds the whole model. The same holds for `torchplug_optimizer_state`.
+    holds the whole model. The same holds for
+    [`torchplug_optimizer_state`][torchplug_optimizer_state].
 
     Args:
         engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
@@ -602,12 +608,13 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
 def torchplug_load_model_state(
     engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
 ) -> bool | None:
-    """Put ``state`` (as `torchplug_model_state` returns it) into ``model``; return True.
+    """Put ``state`` (as [`torchplug_model_state`][torchplug_model_state] returns it) into
+    ``model``; return True.
 
     Args:
         engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
         model: A model this Engine set up.
-        state: Its state, as `torchplug_model_state` returns it.
+        state: Its state, as [`torchplug_model_state`][torchplug_model_state] returns it.
         strict: Refuse missing and unexpected names.
     """
 
@@ -639,13 +646,14 @@ def torchplug_optimizer_state(
 def torchplug_load_optimizer_state(
     engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> bool | None:
-    """Put ``state`` (as `torchplug_optimizer_state` returns it) into ``optimizer``.
+    """Put ``state`` (as [`torchplug_optimizer_state`][torchplug_optimizer_state] returns it) into
+    ``optimizer``.
 
     Args:
         engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
         model: The model whose parameters ``optimizer`` updates.
         optimizer: An optimizer this Engine set up.
-        state: Its state, as `torchplug_optimizer_state` returns it.
+        state: Its state, as [`torchplug_optimizer_state`][torchplug_optimizer_state] returns it.
     """
 
 
@@ -681,11 +689,12 @@ def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] |
 
     The answer is ``{"model": {name: tensor}, "optimizer": {"state": {name: {...}},
     "param_groups": [{..., "params": [names]}]} or None, "step": int or None, "format": str}``,
-    the layout `torchplug_model_state` and `torchplug_optimizer_state` produce;
-    ``optimizer=False`` lets a reader skip the (slower) optimizer state. ``torchplug convert``
-    calls it on every installed plugin and writes the answer as a portable checkpoint or as
-    safetensors. The user chose to convert this directory, so the reader may use its library's
-    own loaders; import nothing heavy unless the directory is yours.
+    the layout [`torchplug_model_state`][torchplug_model_state] and
+    [`torchplug_optimizer_state`][torchplug_optimizer_state] produce; ``optimizer=False`` lets a
+    reader skip the (slower) optimizer state. ``torchplug convert`` calls it on every installed
+    plugin and writes the answer as a portable checkpoint or as safetensors. The user chose to
+    convert this directory, so the reader may use its library's own loaders; import nothing heavy
+    unless the directory is yours.
 
     Args:
         source: The directory ``torchplug convert`` was given.

@@ -1,8 +1,8 @@
 """A base class for backends: default answers to every strategy hook, for torch.distributed.
 
-A backend subclasses `Strategy` and implements ``torchplug_setup`` (and whatever it does
-differently). The defaults here are marked ``trylast`` so that any other plugin in the active set
-that answers a hook takes precedence over them.
+A backend subclasses [`Strategy`][torchplug.Strategy] and implements ``torchplug_setup`` (and
+whatever it does differently). The defaults here are marked ``trylast`` so that any other plugin in
+the active set that answers a hook takes precedence over them.
 """
 
 from __future__ import annotations
@@ -243,7 +243,8 @@ def _has_backend(name: str) -> bool:
 
 
 def distributed_options() -> tuple[Option, ...]:
-    """The options of every `DistributedStrategy`, for its StrategyInfo."""
+    """The options of every [`DistributedStrategy`][torchplug.DistributedStrategy], for its
+    StrategyInfo."""
     from torchplug.core.registry import positive_number
 
     return (

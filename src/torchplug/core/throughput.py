@@ -120,7 +120,8 @@ class ThroughputMonitor:
             batches: Batches processed so far.
             samples: Samples processed so far.
             tokens: Tokens processed so far, for ``tokens_per_s``.
-            flops: The FLOPs of the step just done (`measure_flops`), for ``flops_per_s`` and MFU.
+            flops: The FLOPs of the step just done ([`measure_flops`][torchplug.measure_flops]), for
+                ``flops_per_s`` and MFU.
         """
         if self._points and time <= self._points[-1][0]:
             raise ConfigurationError(
@@ -158,7 +159,8 @@ class ThroughputMonitor:
         return result
 
     def compute_and_log(self, step: int | None = None) -> dict[str, Any]:
-        """`compute`, logged under ``throughput/…`` through the Engine's loggers.
+        """[`compute`][torchplug.ThroughputMonitor.compute], logged under ``throughput/…`` through
+        the Engine's loggers.
 
         Args:
             step: The step to log at (``None``: the step after the last one logged).

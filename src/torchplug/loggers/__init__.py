@@ -4,7 +4,8 @@ A logger is chosen by name, as a strategy is (``Engine(loggers=["csv", "tensorbo
 ``torchplug launch --logger csv``, ``TORCHPLUG_LOGGERS=csv``), and comes from a plugin that
 announces it through ``torchplug_register_loggers``. The built-ins (`builtin`) are
 ``csv``, ``jsonl`` and ``tensorboard``; the ``torchplug-mlflow`` contrib package adds
-``mlflow``. A logger object is anything with `Logger.log_metrics` and `Logger.close`.
+``mlflow``. A logger object is anything with [`Logger.log_metrics`][torchplug.Logger.log_metrics]
+and [`Logger.close`][torchplug.Logger.close].
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from torchplug.core.metrics import to_number  # noqa: F401 - public here since A
 class Logger:
     """The interface of a logger object (subclassing it is optional: duck typing suffices).
 
-    Made by a `LoggerInfo` factory as ``factory(log_dir)`` on the ranks that log
-    (rank 0 by default).
+    Made by a [`LoggerInfo`][torchplug.LoggerInfo] factory as ``factory(log_dir)`` on the ranks that
+    log (rank 0 by default).
     """
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:

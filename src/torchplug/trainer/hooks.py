@@ -4,7 +4,8 @@ A callback is any object (or module) with some of these functions, marked with
 ``@torchplug.hookimpl``, passed as ``Trainer(callbacks=[...])``. Every callback is called for
 every event (none is ``firstresult``); what a hook returns is ignored, except that
 ``on_step_end`` may return ``True`` to stop training after that step. They are a separate
-specification from `torchplug.core.spec`: these events exist only in the Trainer's loop.
+specification from [`torchplug.core.spec`][torchplug.core.spec]: these events exist only in the
+Trainer's loop.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def on_epoch_end(trainer: Trainer, epoch: int, metrics: dict[str, float]) -> Non
 
 @hookspec
 def on_train_end(trainer: Trainer, metrics: dict[str, Any]) -> None:
-    """After the last step, with what `Trainer.fit` returns.
+    """After the last step, with what [`Trainer.fit`][torchplug.Trainer.fit] returns.
 
     Args:
         trainer: The Trainer (``trainer.engine``, ``trainer.model``, ``trainer.step``, ...).
-        metrics: What `Trainer.fit` returns.
+        metrics: What [`Trainer.fit`][torchplug.Trainer.fit] returns.
     """

@@ -5,7 +5,7 @@ what it does can be read and copied into a hand-written loop. It adds: gradient 
 and clipping, an LR scheduler stepped once per optimizer step, evaluation with metrics over the
 whole eval set (padding dropped, reduced over every rank), metrics to the Engine's loggers, a
 progress bar on rank 0, numbered checkpoints with automatic resume, and callbacks as pluggy
-hook implementations (`torchplug.trainer.hooks`).
+hook implementations ([`torchplug.trainer.hooks`][torchplug.trainer.hooks]).
 """
 
 from __future__ import annotations
@@ -54,23 +54,26 @@ class Trainer:
     targets)`` batches), on any strategy; ``fit()`` runs it.
 
     ``loss_fn(model(inputs), targets)`` is the loss; for other batch layouts subclass and
-    override `training_step` (and `eval_outputs`). Running the same command again after a
-    crash carries on from the last checkpoint (with ``checkpoint_dir``). ``with Trainer(...) as
-    trainer:`` closes its Engine at the end.
+    override [`training_step`][torchplug.Trainer.training_step] (and
+    [`eval_outputs`][torchplug.Trainer.eval_outputs]). Running the same command again after a crash
+    carries on from the last checkpoint (with ``checkpoint_dir``). ``with Trainer(...) as trainer:``
+    closes its Engine at the end.
 
     Args:
         model: The plain model (the Trainer sets it up with its Engine).
         optimizer: An optimizer made on ``model``'s parameters.
         loss_fn: ``loss_fn(outputs, targets)``, the loss of a batch; ``None`` only when a
-            subclass overrides `training_step` and `eval_outputs`.
+            subclass overrides [`training_step`][torchplug.Trainer.training_step] and
+            [`eval_outputs`][torchplug.Trainer.eval_outputs].
         train_data: The training batches: a DataLoader of ``(inputs, targets)`` (each rank gets
             its share). Required.
         eval_data: Evaluation batches, run after each epoch (metrics over all ranks).
-        strategy: As `Engine`'s ``strategy``.
-        precision: As `Engine`'s ``precision``.
+        strategy: As [`Engine`][torchplug.Engine]'s ``strategy``.
+        precision: As [`Engine`][torchplug.Engine]'s ``precision``.
         max_epochs: Passes over ``train_data``.
         max_steps: Stop after this many optimizer steps (``None``: after ``max_epochs``).
-        grad_accum: Micro-batches per optimizer step (`Engine.accumulate`).
+        grad_accum: Micro-batches per optimizer step
+            ([`Engine.accumulate`][torchplug.Engine.accumulate]).
         clip_grad_norm: Clip gradients to this total norm before each optimizer step.
         scheduler: An LR scheduler made on ``optimizer`` (or a function ``optimizer ->
             scheduler``), stepped once per optimizer step that was not skipped.
@@ -80,31 +83,32 @@ class Trainer:
         resume: ``"latest"``: continue from the newest complete checkpoint in
             ``checkpoint_dir``; ``None``: start afresh.
         keep_last: Keep only this many checkpoints (``None``: all).
-        loggers: As `Engine`'s ``loggers``: ``train/loss``, ``train/lr``,
+        loggers: As [`Engine`][torchplug.Engine]'s ``loggers``: ``train/loss``, ``train/lr``,
             ``train/samples_per_s`` every ``log_every`` steps, and ``epoch/*`` (``train_loss``,
             ``eval_*``) after each epoch.
-        log_dir: As `Engine`'s ``log_dir``.
+        log_dir: As [`Engine`][torchplug.Engine]'s ``log_dir``.
         log_every: Steps between logged training metrics (the loss is averaged over them).
         metrics: Names to functions ``fn(outputs, targets)`` run on the whole gathered eval set
-            (`accuracy` is one).
+            ([`accuracy`][torchplug.accuracy] is one).
         callbacks: Objects with ``@torchplug.hookimpl`` functions named as in
-            `torchplug.trainer.hooks`.
+            [`torchplug.trainer.hooks`][torchplug.trainer.hooks].
         progress: Show a progress bar on rank 0 (tqdm, else rich); ``None``: when stderr is a
             terminal.
         hparams: Logged once with every logger when ``fit()`` starts
-            (`Engine.log_hyperparams`).
+            ([`Engine.log_hyperparams`][torchplug.Engine.log_hyperparams]).
         engine: An Engine you made, used instead of one made from the arguments above.
-        **engine_options: Further keyword arguments of the `Engine` it makes.
+        **engine_options: Further keyword arguments of the [`Engine`][torchplug.Engine] it makes.
 
     Raises:
         ConfigurationError: An argument is invalid or missing (the message says the fix).
 
     Attributes:
         engine: The Engine it trains with.
-        model: The model as `Engine.setup` returned it.
-        optimizer: The optimizer as `Engine.setup` returned it.
+        model: The model as [`Engine.setup`][torchplug.Engine.setup] returned it.
+        optimizer: The optimizer as [`Engine.setup`][torchplug.Engine.setup] returned it.
         scheduler: The LR scheduler, or ``None``.
-        train_loader: The training loader as `Engine.setup_dataloader` returned it.
+        train_loader: The training loader as
+            [`Engine.setup_dataloader`][torchplug.Engine.setup_dataloader] returned it.
         eval_loader: The evaluation loader, or ``None``.
         step: Optimizer steps done so far (the checkpoint's step after a resume).
         epoch: The current epoch, from 0.
