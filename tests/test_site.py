@@ -33,6 +33,8 @@ pytestmark = pytest.mark.skipif(
 
 #: A reST role as it shows once rendered: ":meth:" before the code span (the backticks are gone).
 ROLE = re.compile(r"(?<![\w:]):(?:py:)?(?:meth|class|func|attr|data|mod|exc|obj|ref|const|term):")
+#: A Google-style section mkdocstrings did not parse (parsed ones show as "Parameters:").
+UNPARSED = re.compile(r"^\s*Args:")
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
         "track", "wbr"}  # fmt: skip
 
@@ -107,13 +109,18 @@ def pages(site) -> dict[Path, Element]:
 
 
 def test_no_raw_rest_roles(site, pages):
-    found = []
+    found, unparsed = [], []
     for page, tree in pages.items():
         for line in visible_text(tree).splitlines():
             if ROLE.search(line):
                 found.append(f"{page.relative_to(site)}: {line.strip()[:120]}")
+            if UNPARSED.search(line):
+                unparsed.append(f"{page.relative_to(site)}: {line.strip()[:120]}")
     assert not found, "raw reST roles (write `name` or [`name`][torchplug.name]):\n" + "\n".join(
         found
+    )
+    assert not unparsed, "docstring sections shown as text (indent them as Google style):\n" + (
+        "\n".join(unparsed)
     )
 
 
