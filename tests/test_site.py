@@ -4,12 +4,15 @@
 By hand: ``mkdocs build --strict --site-dir /tmp/site && TORCHPLUG_SITE_DIR=/tmp/site pytest
 tests/test_site.py``.
 
-- no page shows a raw reST role (``:meth:`log```): docstrings are Markdown (Google style);
+- no page shows a raw reST role (``:meth:`log```) or an unparsed ``Args:`` section:
+  docstrings are Markdown, Google style;
 - every relative link and asset of every page resolves to a file of the site, and a link's
   ``#anchor`` to an element of the page it points at;
-- the API reference shows every public name of ``torchplug`` with its signature, and every
-  parameter of every public callable (functions, classes' constructors and public methods)
-  with a description in the object's Parameters table.
+- the API reference shows every public name of ``torchplug`` with a description and, for
+  functions and classes with a constructor, its signature; and every parameter of every
+  callable it documents (each ``:::`` entry of docs/api.md: functions, constructors, public
+  methods, and the functions and classes of the modules listed) has a description in the
+  object's Parameters table, which names no parameter the signature lacks.
 """
 
 from __future__ import annotations
