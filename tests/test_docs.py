@@ -109,14 +109,79 @@ def test_every_public_name_is_in_the_api_reference():
     assert not missing, f"add '::: torchplug.NAME' to docs/api.md for {missing}"
 
 
+def _repository_url() -> str:
+    """The one project URL: pyproject's [project.urls] Repository, which mkdocs.yml repeats."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    url = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+    assert f"repo_url: {url}\n" in (ROOT / "mkdocs.yml").read_text(), "mkdocs.yml: repo_url"
+    return url
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
 def test_relative_links_resolve():
-    link = re.compile(r"\]\((?!https?:|mailto:|#)([^)#\s]+)(?:#[^)]*)?\)")
+    """README.md links into the repository (GitHub shows it there); a docs page links to pages
+    and files of the site only, since its relative links must resolve in the built site."""
     broken = []
     for page in PAGES:
-        for target in link.findall(page.read_text()):
-            if not (page.parent / target).exists():
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:|#", target):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            inside = ROOT if page.parent == ROOT else DOCS
+            if not path.exists() or inside.resolve() not in (path, *path.parents):
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
-    assert not broken
+    assert not broken, "link the repository's files as REPOSITORY/blob/main/PATH:\n" + "\n".join(
+        broken
+    )
+
+
+def test_links_to_the_repository_name_existing_files():
+    """``REPOSITORY/blob/main/PATH`` (a file) and ``REPOSITORY/tree/main/PATH`` (a directory)
+    links name paths that exist in this checkout; other links to the repository are refused."""
+    repository = _repository_url()
+    found, broken = 0, []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if not target.startswith(repository):
+                continue
+            found += 1
+            match = re.fullmatch(
+                re.escape(repository) + r"/(blob|tree)/main/([^#?]+)(#.*)?", target
+            )
+            path = ROOT / match.group(2) if match else None
+            if path is None or not (path.is_file() if match.group(1) == "blob" else path.is_dir()):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert found, "no links to the repository found: is the pattern still right?"
+    assert not broken, f"links to the repository that do not resolve here: {broken}"
+
+
+def test_landing_page_code_fits_the_column():
+    """The home page's blocks show whole, without a scroll bar (lines of at most 88 columns)."""
+    long = [
+        line
+        for _, code, _ in blocks(DOCS / "index.md")
+        for line in code.splitlines()
+        if len(line) > 88
+    ]
+    assert not long, f"docs/index.md: wrap these lines to 88 columns: {long}"
+
+
+def test_docstrings_have_no_rest_roles():
+    """Docstrings are Markdown (mkdocstrings, Google style): a reST role such as :meth:`x`
+    would show raw on the API page and in docs/hooks.md."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "docstring_roles.py"), "--check"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, (
+        f"reST roles in docstrings; rewrite them: python tools/docstring_roles.py\n{run.stdout}"
+    )
 
 
 def test_nav_lists_existing_pages_only():

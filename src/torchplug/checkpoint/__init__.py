@@ -7,14 +7,14 @@ A checkpoint is a directory::
                          sha256), a digest of all of it, and an HMAC signature when a key is set
       tensors/rank-N/    tensor data written by torch.distributed.checkpoint, each rank its own
 
-Modules: :mod:`~torchplug.checkpoint.manifest` (format, structure, schema),
-:mod:`~torchplug.checkpoint.files` (atomic directory I/O, path confinement),
-:mod:`~torchplug.checkpoint.verify` (hashes and signatures),
-:mod:`~torchplug.checkpoint.tensors` (the DCP tensor store and its JSON index),
-:mod:`~torchplug.checkpoint.coordinate` (how ranks agree), :mod:`~torchplug.checkpoint.io` (the
-save and load phases) and :mod:`~torchplug.checkpoint.convert` (to safetensors). Nothing here has a
+Modules: `torchplug.checkpoint.manifest` (format, structure, schema),
+`torchplug.checkpoint.files` (atomic directory I/O, path confinement),
+`torchplug.checkpoint.verify` (hashes and signatures),
+`torchplug.checkpoint.tensors` (the DCP tensor store and its JSON index),
+`torchplug.checkpoint.coordinate` (how ranks agree), `torchplug.checkpoint.io` (the
+save and load phases) and `torchplug.checkpoint.convert` (to safetensors). Nothing here has a
 branch for a particular backend: backends take part through the state hooks of
-:mod:`torchplug.core.spec`.
+`torchplug.core.spec`.
 """
 
 from torchplug.checkpoint import files

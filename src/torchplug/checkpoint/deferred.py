@@ -4,9 +4,9 @@ which rank writes each.
 Why: a ZeRO-3 rank holds a partition of the model and of the optimizer state. Gathering every
 full tensor on every rank before the save decides who writes what made each rank hold the whole
 model and optimizer state at once: at save time, the memory ZeRO-3 was chosen to avoid. A
-strategy whose state hooks gather (a collective per tensor) may return a :class:`Deferred`
-instead of a tensor while :func:`wanted` is true (only inside a save's capture); the save then
-calls :func:`produce`, which gathers the deferred tensors in one order on every rank and keeps
+strategy whose state hooks gather (a collective per tensor) may return a `Deferred`
+instead of a tensor while `wanted` is true (only inside a save's capture); the save then
+calls `produce`, which gathers the deferred tensors in one order on every rank and keeps
 each only on the rank that writes it. A rank then holds its share of the full state plus the
 one tensor being gathered. Everywhere else (``engine.full_state``, a strategy's load) the hooks
 are called without deferring and return tensors as before.
@@ -53,13 +53,13 @@ class Deferred:
 
 
 def wanted() -> bool:
-    """Whether the caller of a state hook takes :class:`Deferred` values (a save capturing)."""
+    """Whether the caller of a state hook takes `Deferred` values (a save capturing)."""
     return _DEFERRING.get()
 
 
 @contextlib.contextmanager
 def deferring() -> Iterator[None]:
-    """State hooks called inside may return :class:`Deferred` values."""
+    """State hooks called inside may return `Deferred` values."""
     token = _DEFERRING.set(True)
     try:
         yield

@@ -119,7 +119,7 @@ def hasher(name: str) -> Any:
 
 def expected_digest(entry: Any) -> tuple[str, str]:
     """Which digest of a manifest file entry a load checks, and its recorded value (the first of
-    :data:`DIGESTS` it records; blake3 is checked only where it is installed when sha256 is
+    `DIGESTS` it records; blake3 is checked only where it is installed when sha256 is
     recorded too)."""
     found = [(name, entry[name]) for name in DIGESTS if name in entry]
     if len(found) > 1 and _blake3() is None:

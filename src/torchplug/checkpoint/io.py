@@ -1,7 +1,7 @@
 """Saving and loading a checkpoint: the phases every rank goes through, and who does what.
 
 A save runs four phases, each ended by an agreement between ranks
-(:class:`~torchplug.checkpoint.coordinate.Coordinator`): *arrive* (every rank is here, for the same
+(`Coordinator`): *arrive* (every rank is here, for the same
 path; rank 0 makes the temporary directory), *capture* (each entry's state through the strategy's
 state hooks), *write* (each rank writes the tensors it owns and hashes its own files), *commit*
 (rank 0 writes the manifest and swaps the directory into place); then each rank removes its own
@@ -94,7 +94,7 @@ def replicated(kind: str, key: str, obj: Any, payload: Any, paths: set[str]) -> 
     """Which of the tensor ``paths`` one state entry added are equal on every rank by
     construction: a module's parameters (not its buffers: each rank updates BatchNorm's running
     statistics from its own batches) and an optimizer's state. Anything else is rank 0's copy
-    (:func:`torchplug.checkpoint.tensors.assign`). A buffer is known by its name (wrapper
+    (`torchplug.checkpoint.tensors.assign`). A buffer is known by its name (wrapper
     prefixes aside) or by sharing storage with one of the module's buffers; taking a parameter
     for a buffer only costs balance, never correctness."""
     if kind == "optimizer":

@@ -4,7 +4,7 @@
 structure in JSON, tensors by name), the index of every tensor chunk (which file, which bytes),
 every file's size and digest (BLAKE3, or sha256 before format 3), and a sha256 digest of all of
 that. An HMAC-SHA256 signature over the same bytes is added when a checkpoint key is configured
-(:mod:`torchplug.checkpoint.verify`).
+(`torchplug.checkpoint.verify`).
 
 The schema is closed where a value is used: every key torchplug reads has a checked type and
 range, dtypes come from an explicit list, and the structure tags (``__tensor__``, ``__tuple__``,
@@ -107,7 +107,7 @@ def kind_of(obj: Any, key: str = "") -> str:
 def encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     """A JSON skeleton of ``obj``; its tensors go into ``tensors`` under slash-separated paths.
 
-    Tuples, dicts with non-string keys and tensors are tagged so that :func:`decode` restores
+    Tuples, dicts with non-string keys and tensors are tagged so that `decode` restores
     them exactly. Anything else that JSON cannot hold is refused: no pickles.
     """
     if type(obj).__name__ == "ShardedTensor":  # FSDP1's sharded state: neither full nor DTensor
@@ -151,7 +151,7 @@ def encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Rebuild what :func:`encode` took apart (from a skeleton :func:`validate` accepted)."""
+    """Rebuild what `encode` took apart (from a skeleton `validate` accepted)."""
     if isinstance(skeleton, list):
         return [decode(v, tensors) for v in skeleton]
     if isinstance(skeleton, dict):
@@ -232,7 +232,7 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
 
 def load_json(raw: bytes, where: str) -> Any:
     """The manifest's JSON, its digest checked: all a signature check needs (linear in the
-    bytes). :func:`check` validates it afterwards."""
+    bytes). `check` validates it afterwards."""
     try:
         body = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except CheckpointError as exc:
@@ -255,7 +255,7 @@ def load_json(raw: bytes, where: str) -> Any:
 
 
 def check(body: Any, where: str) -> None:
-    """Validate a manifest body (see :func:`validate`), as a CheckpointError naming the key."""
+    """Validate a manifest body (see `validate`), as a CheckpointError naming the key."""
     try:
         validate(body, where)
     except _Invalid as exc:
@@ -502,7 +502,7 @@ _COLUMN_LIMIT = 2**62
 def _columns(
     shape: list[int], total: int, chunks: list[Any], itemsize: int, file_sizes: Mapping[str, int]
 ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-    """Every check of :func:`_validate_tensor`'s per-chunk loop, done column-wise: a manifest
+    """Every check of `_validate_tensor`'s per-chunk loop, done column-wise: a manifest
     holds ranks x tensors chunks, and a Python loop over a million of them takes seconds. Each
     field of every chunk is gathered at C speed (``map(itemgetter)``), the numbers packed into
     one int64 array (which refuses anything but integers, and integers beyond int64), then
@@ -559,13 +559,13 @@ def _columns(
 
 
 def _validate_batch(tensors: Mapping[str, Any], file_sizes: Mapping[str, int]) -> set[str]:
-    """The names of the tensors that pass every check of :func:`_validate_tensor`, checked for
+    """The names of the tensors that pass every check of `_validate_tensor`, checked for
     all tensors of one dimensionality at once: a manifest of R ranks x T tensors holds R x T
     chunks, and per-tensor tensor operations cost T times their overhead (most of the time at
     1024 ranks). Only a clean pass accepts: a group with anything off (a bad chunk, a volume
-    that differs, an overlap) is left to :func:`_validate_tensor`, tensor by tensor, which finds
+    that differs, an overlap) is left to `_validate_tensor`, tensor by tensor, which finds
     and words the problem; a layout split other than by its first dimension is checked per
-    tensor by :func:`_disjoint_columns`."""
+    tensor by `_disjoint_columns`."""
     groups: dict[int, list[tuple[str, list[int], int, list[Any]]]] = {}
     for name, meta in tensors.items():
         try:
@@ -592,8 +592,8 @@ def _validate_batch(tensors: Mapping[str, Any], file_sizes: Mapping[str, int]) -
 def _validate_group(
     dims: int, group: list[tuple[str, list[int], int, list[Any]]], file_sizes: Mapping[str, int]
 ) -> list[str]:
-    """:func:`_validate_batch` for the tensors of ``dims`` dimensions; all of them or none.
-    Each tensor's fields are gathered as in :func:`_columns` (small argument tuples, at C
+    """`_validate_batch` for the tensors of ``dims`` dimensions; all of them or none.
+    Each tensor's fields are gathered as in `_columns` (small argument tuples, at C
     speed) into one int64 buffer, field by field, and checked together."""
     count = sum(len(g[3]) for g in group)
     with_raw = "raw" in group[0][3][0] if isinstance(group[0][3][0], dict) else False
@@ -677,9 +677,9 @@ def _validate_group(
 
 
 def _disjoint_columns(shape: list[int], starts: torch.Tensor, sizes: torch.Tensor) -> bool:
-    """:func:`_disjoint` for chunks held as ``(n, dims)`` tensors: the grid check in tensor
+    """`_disjoint` for chunks held as ``(n, dims)`` tensors: the grid check in tensor
     operations (each piece's cell in the grid every piece's edges cut, cells compared by their
-    linear index); any other layout goes to :func:`_disjoint`."""
+    linear index); any other layout goes to `_disjoint`."""
     keep = (sizes > 0).all(dim=1)
     if not bool(keep.all()):
         starts, sizes = starts[keep], sizes[keep]

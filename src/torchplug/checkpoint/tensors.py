@@ -40,7 +40,7 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 def plain_sizes(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """Bytes of each plain (not DTensor) tensor: what :func:`assign` balances over the ranks."""
+    """Bytes of each plain (not DTensor) tensor: what `assign` balances over the ranks."""
     from torch.distributed.tensor import DTensor
 
     return {
@@ -123,7 +123,7 @@ def _without_record_crc32() -> Iterator[None]:
         set_(previous)
 
 
-#: Bytes written between two early writebacks (see :class:`_HashingStream`).
+#: Bytes written between two early writebacks (see `_HashingStream`).
 _WRITEBACK_EVERY = 16 << 20
 
 
@@ -135,7 +135,7 @@ class _HashingStream(io.RawIOBase):
     (``fdatasync`` on a background thread, which waits on the disk without the GIL) while this
     thread goes on hashing and writing: the final fsync then has only the tail left, so the
     hash costs no extra time over a plain save that fsyncs. Durability is unchanged: the writer
-    still fsyncs the whole file at the end (through :meth:`fileno`)."""
+    still fsyncs the whole file at the end (through `fileno`)."""
 
     def __init__(self, raw: Any, digest: Any) -> None:
         super().__init__()
@@ -291,7 +291,7 @@ def _record_raw_offsets(root: Path, index: dict[str, Any]) -> None:
 
 def _contiguous_planner() -> Any:
     """DCP's save planner, handing DCP every tensor contiguous, so each chunk's bytes are stored
-    in row-major order and a load can read them straight into place (see :func:`_raw_offset`)."""
+    in row-major order and a load can read them straight into place (see `_raw_offset`)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     class ContiguousSavePlanner(DefaultSavePlanner):
@@ -341,7 +341,7 @@ def _raw_offset(handle: Any, offset: int, length: int, nbytes: int) -> int | Non
     ``[offset, offset+length)`` begin, or None when they cannot be read raw.
 
     DCP stores each chunk as a ``torch.save`` zip. Its one storage record holds the chunk's
-    bytes uncompressed; with a contiguous chunk (:func:`_contiguous_planner`), a little-endian
+    bytes uncompressed; with a contiguous chunk (`_contiguous_planner`), a little-endian
     byte order and exactly ``nbytes`` bytes, those bytes are the chunk in row-major order, so a
     load can read them into the target tensor in one copy instead of unzipping into a temporary
     and copying again (what made loading slower than hashing the same bytes).

@@ -28,7 +28,7 @@ OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug", "--
 PLUGIN_ENV = "TORCHPLUG_PLUGIN_MODULES"
 DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
 LAUNCHED_ENV = "TORCHPLUG_LAUNCHED"
-#: The same variable as :data:`torchplug.core.syncbn.SYNC_BATCHNORM_ENV` (core is not imported
+#: The same variable as `torchplug.core.syncbn.SYNC_BATCHNORM_ENV` (core is not imported
 #: here at module level: ``torchplug launch --help`` stays cheap).
 SYNC_BATCHNORM_ENV = "TORCHPLUG_SYNC_BATCHNORM"
 

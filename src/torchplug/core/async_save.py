@@ -10,7 +10,7 @@ returns. A staged tensor whose version counter moved while it was copied (change
 outside ``optimizer.step()``) fails the save rather than writing a mix of two states.
 
 Why it is safe: after staging, a save needs no collective of the process group — its phases
-agree through the c10d store (:class:`~torchplug.checkpoint.coordinate.Coordinator`), never the
+agree through the c10d store (`Coordinator`), never the
 group the training loop uses — and it reads only the staged copies, which training does not
 touch. The atomic-commit and crash guarantees are the synchronous save's: the same phases run,
 only on another thread. At most one save is in flight per Engine: the next save, a load, a
@@ -37,7 +37,7 @@ _HANDOFF: contextvars.ContextVar[PendingSave | None] = contextvars.ContextVar(
 
 
 class PendingSave:
-    """One save's background part: started by :meth:`start`, awaited by :meth:`wait`."""
+    """One save's background part: started by `start`, awaited by `wait`."""
 
     def __init__(self, path: str, staging: dict[str, Any] | None = None) -> None:
         self.path = path
@@ -86,7 +86,7 @@ class PendingSave:
 
     def wait_staged(self) -> None:
         """Block until the background copy of parameters and optimizer state is over (the
-        next optimizer step may change them then); its failure is raised by :meth:`wait`."""
+        next optimizer step may change them then); its failure is raised by `wait`."""
         if not self.staged.is_set():
             self.staged.wait()
 
@@ -166,7 +166,7 @@ def stage(tensors: dict[str, Any], staging: dict[str, Any] | None = None) -> dic
     tensors to host memory, DTensors (sharded state) as a local copy of this rank's shard.
     ``staging`` holds an earlier save's host copies: one of the same shape and dtype is filled
     in place (fresh memory costs a page fault per page, which was most of the time the loop
-    waited); it then holds this save's copies for the next (:func:`keep_only` drops the ones no
+    waited); it then holds this save's copies for the next (`keep_only` drops the ones no
     longer saved). Memory: one host copy of this rank's state stays with the Engine between
     async saves, as torch DCP's cached staging."""
     from torch.distributed.tensor import DTensor

@@ -54,18 +54,32 @@ def find_executable_batch_size(
     below ``minimum`` (then a RuntimeError says so). The sizes tried are kept on the wrapper as
     ``tried`` (the last one is the size that ran).
 
-        @tp.find_executable_batch_size(starting_batch_size=256)
-        def train(batch_size):
-            loader = engine.setup_dataloader(DataLoader(data, batch_size=batch_size))
-            ...
+    ```python
+    @tp.find_executable_batch_size(starting_batch_size=256)
+    def train(batch_size):
+        loader = engine.setup_dataloader(DataLoader(data, batch_size=batch_size))
+        ...
 
-        train()
+    train()
+    ```
 
     Build what depends on the batch size (loaders, and what holds memory: models, optimizers)
     inside the function, so a retry starts from scratch. On several ranks each rank halves on
     its own error: ranks that run the same model on the same memory fail at the same size,
     which is the usual case; a rank that fails alone leaves the others waiting in their next
     collective until its timeout names it.
+
+    Args:
+        function: The function to decorate (or leave it out and call the decorator with the
+            keywords).
+        starting_batch_size: The first batch size tried.
+        minimum: The smallest batch size tried before giving up.
+
+    Returns:
+        The wrapped function (or a decorator, without ``function``).
+
+    Raises:
+        RuntimeError: Out of memory even at ``minimum`` (raised by the wrapped function).
     """
     if starting_batch_size < 1 or minimum < 1 or minimum > starting_batch_size:
         raise ConfigurationError(

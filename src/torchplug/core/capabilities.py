@@ -9,8 +9,8 @@ report ``SKIP`` with the reason, the Engine refuses at construction, and the tes
 
 Where the answer comes from: the strategy's own ``StrategyInfo.precision_check`` when it owns
 precision (DeepSpeed, FSDP2, XLA), otherwise the precision plugin's ``PrecisionInfo.check``
-(AMP). Both ask the machine through the probes below (:func:`cpu_kernels_missing`,
-:func:`cuda_lacks`), never a list of CPU models.
+(AMP). Both ask the machine through the probes below (`cpu_kernels_missing`,
+`cuda_lacks`), never a list of CPU models.
 
 ``TORCHPLUG_ASSUME_NO_KERNELS=fp16`` (or ``bf16,fp16``) makes those probes answer as if this
 machine had no native kernels for the named precisions: the refusal path of an AMD EPYC without

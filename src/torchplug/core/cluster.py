@@ -2,7 +2,7 @@
 
 Detection is the firstresult hook ``torchplug_cluster_environment``: a plugin for a scheduler
 answers when its variables are present; the torchrun reading below answers last, and a plain
-process with no launcher is rank 0 of 1. Inside the workers torchrun starts, :func:`detect` reads
+process with no launcher is rank 0 of 1. Inside the workers torchrun starts, `detect` reads
 torchrun's variables without asking the plugins (they describe the launcher process there).
 """
 
@@ -32,25 +32,29 @@ class ClusterInfo:
     of the job, describe that task; for a launcher process (``torchplug launch`` started once per
     node by ``mpirun``/``srun``), describe the node: ``num_nodes``, ``node_rank``,
     ``master_addr`` and ``master_port`` fill torchrun's multi-node flags.
+
+    Args:
+        rank: This process's rank in the whole job, 0 to ``world_size - 1``.
+        world_size: How many processes the job has in all.
+        local_rank: This process's index among the processes on its node (chooses its GPU).
+        local_world_size: How many processes run on this node.
+        node_rank: This node's index, 0 to ``num_nodes - 1``.
+        num_nodes: How many nodes the job spans.
+        master_addr: Host of rank 0, where the process group's store listens; every process must
+            agree.
+        master_port: That store's TCP port; ``None`` lets a single process pick a free one.
+        source: Which environment answered, e.g. ``"torchrun"`` or ``"SLURM"`` (shown by
+            ``doctor``).
     """
 
-    #: This process's rank in the whole job, 0 to ``world_size - 1``.
     rank: int = 0
-    #: How many processes the job has in all.
     world_size: int = 1
-    #: This process's index among the processes on its node (chooses its GPU).
     local_rank: int = 0
-    #: How many processes run on this node.
     local_world_size: int = 1
-    #: This node's index, 0 to ``num_nodes - 1``.
     node_rank: int = 0
-    #: How many nodes the job spans.
     num_nodes: int = 1
-    #: Host of rank 0, where the process group's store listens; every process must agree.
     master_addr: str = "127.0.0.1"
-    #: That store's TCP port; ``None`` lets a single process pick a free one.
     master_port: int | None = None
-    #: Which environment answered, e.g. ``"torchrun"`` or ``"SLURM"`` (shown by ``doctor``).
     source: str = "single process"
 
 

@@ -42,7 +42,7 @@ class Settings:
     strategy: Setting
     precision: Setting
     #: Strategy options: the config file's shared ``[options]``, overlaid by the launcher's
-    #: ``--option`` flags and the code's keyword arguments. :meth:`for_strategy` adds the
+    #: ``--option`` flags and the code's keyword arguments. `for_strategy` adds the
     #: chosen strategy's own table and drops shared file options that strategy does not know.
     options: dict[str, Setting] = field(default_factory=dict)
     config_file: Path | None = None
@@ -71,13 +71,13 @@ class Settings:
 
     def for_strategy(self, info: Any, canonical: Callable[[str], str | None]) -> dict[str, Setting]:
         """The options in effect for strategy ``info``, each with its source; sets
-        :attr:`options` to them.
+        `options` to them.
 
         Highest first: code argument > ``torchplug launch --option`` > the file's
         ``[strategies.NAME]`` table for this strategy (by name or alias) > the file's shared
         ``[options]`` > the strategy's default. A shared ``[options]`` entry this strategy does
-        not know is left out (recorded in :attr:`ignored`) unless no installed strategy knows it
-        (then it is a typo, checked by :func:`problems` and the Engine); a name in the strategy's
+        not know is left out (recorded in `ignored`) unless no installed strategy knows it
+        (then it is a typo, checked by `problems` and the Engine); a name in the strategy's
         own table, the launcher's or the code's that it does not know is an error.
         """
         known = {o.name for o in info.options}

@@ -1,6 +1,6 @@
 """Data loaders for many processes: each rank sees its own share, on its own device.
 
-Map-style datasets with the default samplers get a :class:`DistributedSampler` (shuffling is kept,
+Map-style datasets with the default samplers get a `DistributedSampler` (shuffling is kept,
 with one seed on every rank; in one process too, so that the global batches are the same on any
 number of processes). The shuffle's epoch is an explicit counter: ``loader.set_epoch(e)``
 sets it, each *completed* pass advances it by one, and it is part of the loader's state, so a
@@ -124,7 +124,7 @@ def _part_of(batch: Any, rank: int, parts: int) -> Any:
 
 
 class EngineDataLoader:
-    """What :meth:`Engine.setup_dataloader` returns: iterate it like the loader it wraps."""
+    """What `Engine.setup_dataloader` returns: iterate it like the loader it wraps."""
 
     def __init__(
         self,

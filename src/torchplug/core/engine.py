@@ -37,7 +37,7 @@ from torchplug.core.registry import (
     resolve_options,
 )
 
-#: Hooks called on every training step: resolved once per Engine (see :mod:`.dispatch`).
+#: Hooks called on every training step: resolved once per Engine (see `dispatch`).
 _PER_STEP = tuple(sorted(spec.hooks_where(per_step=True)))
 
 #: The answer types contracts name (torchplug.core.spec.Contract.answer, a dotted name so that
@@ -54,15 +54,25 @@ _ANSWER_TYPES: dict[str | None, type] = {
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this process runs, as the backend's ``torchplug_setup`` decided."""
+    """Where this process runs, as the backend's ``torchplug_setup`` decided.
+
+    Args:
+        rank: This process's rank, 0 to ``world_size - 1``.
+        world_size: How many processes run the job.
+        local_rank: This process's index among the processes on its node.
+        device: The device this process computes on.
+        node_rank: This node's index.
+        data_parallel_rank: This rank's data-parallel replica, when not every rank is one
+            (tensor parallelism: the ranks of a tensor-parallel group share their batches);
+            ``None``: ``rank``.
+        data_parallel_size: The number of data-parallel replicas; ``None``: ``world_size``.
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     node_rank: int = 0
-    #: This rank's data-parallel replica and their number, when not every rank is one (tensor
-    #: parallelism: the ranks of a tensor-parallel group share their batches). None: rank/world.
     data_parallel_rank: int | None = None
     data_parallel_size: int | None = None
 
@@ -107,20 +117,87 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 class Engine:
     """Runs a plain PyTorch training loop on the backend chosen by name.
 
-    ``strategy`` is a registered name or alias, or ``"auto"`` (the launcher's, environment's or
-    config file's choice, else ``ddp`` under a multi-process launcher, else ``single``).
-    ``precision`` is ``None``/``"32"``, ``"bf16"`` or ``"fp16"``. ``sync_batchnorm=True``
-    (``torchplug launch --sync-batchnorm``) takes BatchNorm statistics over the global batch
-    (:mod:`torchplug.core.syncbn`; CPU included). ``plugins`` adds extension
-    plugins to this Engine only (objects, or module names imported as ``python -m`` would, from
-    the current directory too); ``loggers`` names the metric loggers :meth:`log` writes to
-    (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any a plugin registers; rank 0 only), under
-    ``log_dir``; ``callbacks`` are objects whose methods :meth:`call` runs by name (your own
-    loop's events, Fabric's ``callbacks``); ``profile=True`` (or a dict: ``wait``, ``warmup``,
-    ``active`` optimizer steps, ``dir``, ``record_shapes``, ``profile_memory``, ``with_stack``)
-    runs torch.profiler over those steps and writes one trace per rank
-    (:mod:`torchplug.core.profiling`); other keyword arguments are the strategy's options
-    (``torchplug plugins --verbose`` lists them).
+    Every argument may be left out: the launcher, the environment (``TORCHPLUG_*``) or a
+    ``torchplug.toml`` config file fill in what the code does not say. ``with Engine(...) as
+    engine:`` calls [`close`][torchplug.Engine.close] at the end.
+
+    Args:
+        strategy: A registered strategy name or alias, or ``"auto"`` (the launcher's,
+            environment's or config file's choice, else ``ddp`` under a multi-process launcher,
+            else ``single``).
+        precision: ``None``/``"32"``, ``"bf16"`` or ``"fp16"`` (Accelerate's and Fabric's
+            spellings, such as ``"bf16-mixed"``, are accepted).
+        plugins: Extension plugins added to this Engine only: objects, or module names
+            imported as ``python -m`` would (from the current directory too).
+        precision_options: Options of the precision plugin (AMP's, e.g. the fp16 loss scaler's),
+            or of a strategy that owns precision; checked by name and type (``torchplug plugins
+            --verbose`` lists them). Refused when the run is in full precision.
+        seed: The seed every rank shares for the data order: a shuffling loader from
+            [`setup_dataloader`][torchplug.Engine.setup_dataloader] gives each rank its share of the
+            same permutation (0 to 2**64 - 1). Seed the model's initialisation with
+            [`torchplug.seed_everything`][torchplug.seed_everything].
+        checkpoint_key: A secret of at least 16 bytes (else ``TORCHPLUG_CHECKPOINT_KEY``):
+            checkpoints are signed on save and must carry a valid signature on load.
+        checkpoint_timeout: Seconds a save or load waits for every rank to arrive before
+            naming the absent ones (else ``TORCHPLUG_CHECKPOINT_TIMEOUT``, else 300).
+        checkpoint_dir: The directory [`save_checkpoint`][torchplug.Engine.save_checkpoint] writes
+            the numbered checkpoints ``step-N`` to, and [`resume`][torchplug.Engine.resume] reads
+            them from.
+        resume: ``"latest"``: [`resume`][torchplug.Engine.resume] loads the newest complete
+            checkpoint in ``checkpoint_dir`` (a restarted job carries on); ``None``: never.
+        keep_last: Keep only this many numbered checkpoints in ``checkpoint_dir`` (the newest
+            complete one is never deleted); ``None``: keep all.
+        compile: ``True`` (torch's defaults) or a dict of ``torch.compile`` arguments (``mode``,
+            ``backend``, ``fullgraph``, ``dynamic``, ``options``, ``disable``): the model is
+            compiled after the backend's wrap in [`setup`][torchplug.Engine.setup];
+            ``None``/``False``: not compiled.
+        activation_checkpointing: Module classes or class names whose activations are
+            recomputed in backward instead of stored (applied in [`setup`][torchplug.Engine.setup],
+            before the wrap).
+        sync_batchnorm: ``True`` (``torchplug launch --sync-batchnorm``): BatchNorm statistics
+            over the global batch (`torchplug.core.syncbn`; CPU included); ``None``: the
+            environment's setting.
+        loggers: The metric loggers [`log`][torchplug.Engine.log] writes to, by name (``"csv"``,
+            ``"jsonl"``, ``"tensorboard"``, or any a plugin registers) or as logger objects; rank 0
+            only.
+        log_dir: The directory the loggers (and the profiler's traces) write under.
+        callbacks: Objects whose methods [`call`][torchplug.Engine.call] runs by name (your own
+            loop's events, Fabric's ``callbacks``).
+        profile: ``True``, or a dict (``wait``, ``warmup``, ``active`` optimizer steps, ``dir``,
+            ``record_shapes``, ``profile_memory``, ``with_stack``): runs torch.profiler over
+            those steps and writes one trace per rank (`torchplug.core.profiling`).
+        **strategy_options: The strategy's options, e.g. ``Engine("ddp", timeout=600)``
+            (``torchplug plugins --verbose`` lists them).
+
+    Raises:
+        ConfigurationError: An argument, setting or option is invalid, or the strategy cannot
+            run here (the message says what to change).
+
+    Attributes:
+        runtime: Where this process runs ([`Runtime`][torchplug.Runtime]), as the backend's
+            ``torchplug_setup`` answered.
+        info: The selected strategy's record ([`StrategyInfo`][torchplug.StrategyInfo]).
+        options: The strategy's resolved options, by name.
+        precision: The precision in use: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        precision_options: The precision plugin's resolved options.
+        backend: The object holding the strategy's hooks, made by ``info.factory(**options)``.
+        plugins: The active set: the backend, the precision plugin and the extensions, in order.
+        hook: The active set's hooks, called by name:
+            ``engine.hook.torchplug_barrier(engine=engine)``.
+        settings: Every setting with where it came from (code, launcher, environment, config file).
+        cluster: Who this process is in its job ([`ClusterInfo`][torchplug.ClusterInfo]).
+        seed: The seed of the data order.
+        checkpoint_key: The key checkpoints are signed and verified with (``None``: no signatures).
+        checkpoints: ``checkpoint_dir``, ``resume`` and ``keep_last``, checked.
+        compile_options: ``torch.compile`` arguments (``None``: not compiled), applied after the
+            wrap.
+        activation_checkpointing: Block classes whose activations are recomputed in backward.
+        sync_batchnorm: BatchNorm statistics over the global batch (the argument, else the
+            environment).
+        loggers: The loggers [`log`][torchplug.Engine.log] writes to (names checked at once, files
+            opened on first log).
+        callbacks: The objects [`call`][torchplug.Engine.call] runs methods of.
+        failing: Set when the Engine is left by an exception: teardown then skips its barrier.
     """
 
     def __init__(
@@ -351,8 +428,13 @@ class Engine:
         return result
 
     def restore_on_close(self, obj: Any, name: str) -> None:
-        """Remember ``obj.name`` as it is now; :meth:`close` puts it back (what setup patches on
-        user objects is undone, so a model pickles again after close)."""
+        """Remember ``obj.name`` as it is now; [`close`][torchplug.Engine.close] puts it back (what
+        setup patches on user objects is undone, so a model pickles again after close).
+
+        Args:
+            obj: The object a hook patches (a user's model or optimizer).
+            name: The attribute about to be set (or added) on it.
+        """
         had = name in getattr(obj, "__dict__", {})
         previous = obj.__dict__.get(name) if had else None
 
@@ -385,22 +467,27 @@ class Engine:
 
     @property
     def strategy(self) -> str:
+        """The selected strategy's canonical name."""
         return self.info.name
 
     @property
     def rank(self) -> int:
+        """This process's rank, 0 to ``world_size - 1``."""
         return self.runtime.rank
 
     @property
     def local_rank(self) -> int:
+        """This process's index among the processes on its node."""
         return self.runtime.local_rank
 
     @property
     def node_rank(self) -> int:
+        """This node's index."""
         return self.runtime.node_rank
 
     @property
     def world_size(self) -> int:
+        """How many processes run the job."""
         return self.runtime.world_size
 
     @property
@@ -418,14 +505,17 @@ class Engine:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0."""
         return self.runtime.rank == 0
 
     @property
     def is_local_main(self) -> bool:
+        """Whether this is the first process on its node (local rank 0)."""
         return self.runtime.local_rank == 0
 
     @property
     def device(self) -> torch.device:
+        """The device this process computes on (batches and models go there)."""
         return self.runtime.device
 
     def __repr__(self) -> str:
@@ -441,6 +531,11 @@ class Engine:
 
         Returns the model if no optimizer is given, else ``(model, *optimizers)``. Create the
         optimizers on the plain model's parameters before calling this, as with plain PyTorch.
+
+        Args:
+            model: The plain model (or one built under
+                [`init_module`][torchplug.Engine.init_module]).
+            *optimizers: Optimizers made on ``model``'s parameters.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -508,10 +603,15 @@ class Engine:
     @contextlib.contextmanager
     def init_module(self, empty: bool = False) -> Iterator[None]:
         """Build the model inside: on this rank's device, or with ``empty=True`` on the meta
-        device (no memory), to be materialised by :meth:`setup`: only each rank's shard under
-        sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere, initialised by each
-        module's ``reset_parameters()`` to the numbers an eager build would have. DeepSpeed
-        ZeRO-3 partitions the model as it is built instead (its ``zero.Init``)."""
+        device (no memory), to be materialised by [`setup`][torchplug.Engine.setup]: only each
+        rank's shard under sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere,
+        initialised by each module's ``reset_parameters()`` to the numbers an eager build would
+        have. DeepSpeed ZeRO-3 partitions the model as it is built instead (its ``zero.Init``).
+
+        Args:
+            empty: Build on the meta device (no memory), materialised by
+                [`setup`][torchplug.Engine.setup]; ``False``: on this rank's device.
+        """
         if not empty:
             with torch.device(self.device):
                 yield
@@ -536,7 +636,8 @@ class Engine:
         answers with the inner model's names instead. Only these two methods are replaced, on
         the wrapper instance (no per-step cost, nothing on the forward path); torchplug's own
         checkpoints use the state hooks, which see the wrapper's native methods (inside
-        :meth:`native_state_dicts`). ``close()`` puts the originals back.
+        [`native_state_dicts`][torchplug.Engine.native_state_dicts]). ``close()`` puts the originals
+        back.
         """
         if wrapped is model or getattr(wrapped, "module", None) is not model:
             return  # not a `.module` wrapper of the user's model: its names are already plain
@@ -566,9 +667,9 @@ class Engine:
 
     @contextlib.contextmanager
     def native_state_dicts(self) -> Iterator[None]:
-        """Inside, modules returned by :meth:`setup` answer ``state_dict()`` with the backend's
-        own names (``module.<name>``): what the state hooks and torch's DCP state-dict API
-        expect from the wrapper."""
+        """Inside, modules returned by [`setup`][torchplug.Engine.setup] answer ``state_dict()``
+        with the backend's own names (``module.<name>``): what the state hooks and torch's DCP
+        state-dict API expect from the wrapper."""
         self._native_state += 1
         try:
             yield
@@ -623,10 +724,21 @@ class Engine:
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers set up so far, in order."""
         return list(self._optimizers)
 
     def model_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Any:
-        """The (wrapped) model whose parameters ``optimizer`` updates."""
+        """The (wrapped) model whose parameters ``optimizer`` updates.
+
+        Args:
+            optimizer: An optimizer returned by [`setup`][torchplug.Engine.setup] (or one whose
+                parameters a module of ``state`` owns).
+            state: A checkpoint state dict, searched for the model when ``optimizer`` was not set up
+                with one.
+
+        Raises:
+            CheckpointError: No model is known for ``optimizer``.
+        """
         ref = self._optimizer_models.get(id(optimizer))
         model = ref() if ref is not None else None
         if model is not None:
@@ -646,7 +758,12 @@ class Engine:
     @contextlib.contextmanager
     def skipping_updates(self, optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
         """Inside, with ``skip``, the optimizer's real step does nothing (the backend's step
-        around it still runs): how a wrapper skips an update without replacing the backend."""
+        around it still runs): how a wrapper skips an update without replacing the backend.
+
+        Args:
+            optimizer: The optimizer whose update is skipped.
+            skip: Skip it (``False``: run it, e.g. inside an outer skip).
+        """
         key = id(optimizer)  # kept by the Engine: nothing rides on the user's optimizer
         previous = key in self._skipped_updates
         if skip:
@@ -675,6 +792,10 @@ class Engine:
 
         Sent as UTF-8 bytes in a tensor: unlike ``broadcast_object_list`` it needs neither pickle
         nor numpy (which an install made as the README says does not have).
+
+        Args:
+            obj: A JSON-serialisable value (read on rank ``src`` only).
+            src: The rank whose ``obj`` every rank receives.
         """
         if self.world_size == 1 or not torch.distributed.is_initialized():
             return obj
@@ -688,7 +809,12 @@ class Engine:
         return json.loads(bytes(payload.cpu().tolist()).decode())
 
     def unwrap(self, obj: Any) -> Any:
-        """The user's original module behind a module this Engine returned (else ``obj``)."""
+        """The user's original module behind a module this Engine returned (else ``obj``).
+
+        Args:
+            obj: A module [`setup`][torchplug.Engine.setup] returned, or anything else (returned as
+                it is).
+        """
         if isinstance(obj, torch.nn.Module):
             try:
                 return self._originals.get(obj, obj)
@@ -704,13 +830,14 @@ class Engine:
         move_to_device: bool = True,
         split_batches: bool = False,
     ) -> Any:
-        """Give each rank its own share of ``loader``'s batches, moved to :attr:`device`.
+        """Give each rank its own share of ``loader``'s batches, moved to
+        [`device`][torchplug.Engine.device].
 
         Args:
             loader: a DataLoader (or any iterable of batches).
             use_distributed_sampler: give a map-style loader with the default sampler a
                 DistributedSampler (shuffle kept, one seed on every rank); else shard by batch.
-            move_to_device: put each batch on :attr:`device` (``place_batch``).
+            move_to_device: put each batch on [`device`][torchplug.Engine.device] (``place_batch``).
             split_batches: ``batch_size`` is the global batch: each rank takes
                 ``batch_size / data_parallel_size`` of it (must divide evenly), so the step sees
                 the same samples on any number of ranks; ``False`` (default): ``batch_size`` is
@@ -734,7 +861,11 @@ class Engine:
         self._last_loader = weakref.ref(loader)
 
     def place_batch(self, batch: Any) -> Any:
-        """Put a batch where the backend wants it (device, and sharding for SPMD backends)."""
+        """Put a batch where the backend wants it (device, and sharding for SPMD backends).
+
+        Args:
+            batch: Tensors, possibly nested in lists, tuples and dicts.
+        """
         return self._call.torchplug_place_batch(self, batch)
 
     # -- training step ----------------------------------------------------------------------------
@@ -742,8 +873,13 @@ class Engine:
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
         """``loss.backward()`` as the backend and precision need it (scaling, sharding).
 
-        Inside :meth:`accumulate` the loss is divided by the number of accumulated steps, so the
-        accumulated gradient is the mean over the micro-batches, as one large batch would give.
+        Inside [`accumulate`][torchplug.Engine.accumulate] the loss is divided by the number of
+        accumulated steps, so the accumulated gradient is the mean over the micro-batches, as one
+        large batch would give.
+
+        Args:
+            loss: The scalar loss of this rank's batch.
+            model: The model the loss came from, when several were set up (some backends need it).
         """
         if self._accumulating is not None:
             loss = loss / self._accumulating[0]
@@ -758,13 +894,29 @@ class Engine:
         norm_type: float = 2.0,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
-        """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm."""
+        """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm.
+
+        Args:
+            model: The model [`setup`][torchplug.Engine.setup] returned.
+            max_norm: The largest total norm the gradients may have.
+            norm_type: The norm's order (``2.0``: Euclidean; ``float("inf")``: the largest value).
+            optimizer: The model's optimizer, which a precision plugin needs to unscale fp16
+                gradients first.
+
+        Returns:
+            The total norm of the gradients before clipping.
+        """
         norm = self._call.torchplug_clip_grad_norm(self, model, optimizer, max_norm, norm_type)
         return self._answer("torchplug_clip_grad_norm", norm)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-        """Skip gradient synchronization in backward (gradient accumulation steps)."""
+        """Skip gradient synchronization in backward (gradient accumulation steps).
+
+        Args:
+            model: The model [`setup`][torchplug.Engine.setup] returned.
+            enabled: ``False`` makes it a no-op (synchronize as usual).
+        """
         if not enabled:
             yield
             return
@@ -777,13 +929,15 @@ class Engine:
     def accumulate(self, model: torch.nn.Module, steps: int) -> Iterator[None]:
         """Accumulate gradients over ``steps`` micro-batches; wrap each micro-batch's step in it.
 
-        The loop stays as it was::
+        The loop stays as it was:
 
-            for x, y in loader:
-                with engine.accumulate(model, steps=4):
-                    engine.backward(loss_fn(model(x), y))
-                    optimizer.step()
-                    optimizer.zero_grad()
+        ```python
+        for x, y in loader:
+            with engine.accumulate(model, steps=4):
+                engine.backward(loss_fn(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+        ```
 
         On the first ``steps - 1`` calls backward skips gradient synchronization (the backend's
         ``no_sync``; DeepSpeed marks them as no accumulation boundary), and ``optimizer.step()``
@@ -791,6 +945,11 @@ class Engine:
         loss is divided by ``steps``, so the update equals one on the ``steps`` times larger
         batch. ``optimizer.step_was_skipped`` is ``True`` after an accumulation step (step a
         scheduler only when it is ``False``). The count is kept per model.
+
+        Args:
+            model: The model [`setup`][torchplug.Engine.setup] returned (the count is kept per
+                model).
+            steps: Micro-batches per optimizer update (1: every step updates).
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ConfigurationError(
@@ -846,7 +1005,12 @@ class Engine:
         return torch.tensor(value, device=self.device)
 
     def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result."""
+        """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result.
+
+        Args:
+            tensor: This rank's tensor (or number).
+            op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        """
         from torchplug.core.strategy import REDUCE_OPS
 
         if op not in REDUCE_OPS:
@@ -859,7 +1023,11 @@ class Engine:
         return self._answer("torchplug_reduce", result)
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
-        """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``."""
+        """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``.
+
+        Args:
+            tensor: This rank's tensor (or number), the same shape on every rank.
+        """
         tensor = self._as_tensor(tensor)
         self._check_collective("gather", tensor)
         result = self._guarded("gather", lambda: self._call.torchplug_gather(self, tensor))
@@ -871,9 +1039,14 @@ class Engine:
         0, or a dict of those), as Accelerate's: 5 prompts on 2 ranks are ``[0, 1, 2]`` and
         ``[3, 4]``. Parts follow the data-parallel rank (a tensor-parallel group shares one).
         ``apply_padding=True`` makes every part as long as the longest by repeating its last
-        item, so a later :meth:`gather` lines up; drop the repeats after gathering.
+        item, so a later [`gather`][torchplug.Engine.gather] lines up; drop the repeats after
+        gathering.
 
         ``with engine.split_between_processes(prompts) as mine: outputs = generate(mine)``
+
+        Args:
+            items: A list, tuple, tensor, or dict of those, the same on every rank.
+            apply_padding: Make every part as long as the longest.
         """
         yield sharing.split(items, self.data_parallel_rank, self.data_parallel_size, apply_padding)
 
@@ -882,7 +1055,14 @@ class Engine:
     ) -> torch.Tensor:
         """``tensor`` padded with ``pad_index`` along ``dim`` to the largest size any rank has
         there (a collective: every rank calls it), so tensors of different lengths (generated
-        tokens) can be gathered. ``pad_first``: pad before the data (left padding)."""
+        tokens) can be gathered. ``pad_first``: pad before the data (left padding).
+
+        Args:
+            tensor: This rank's tensor.
+            dim: The dimension to pad.
+            pad_index: The value padded with.
+            pad_first: Pad before the data instead of after it.
+        """
         if not -tensor.dim() <= dim < tensor.dim():
             raise ConfigurationError(
                 f"pad_across_processes(dim={dim}) on a tensor of {tensor.dim()} dimensions; "
@@ -897,7 +1077,13 @@ class Engine:
         ``fabric.call``): events of your own loop, such as
         ``engine.call("on_validation_end", metrics=metrics)``. A callback without the method is
         skipped; an attribute of that name that is not callable is an error. The Trainer's
-        callback objects work here too (their hooks are plain methods). Local to this rank."""
+        callback objects work here too (their hooks are plain methods). Local to this rank.
+
+        Args:
+            hook_name: The method name to call on each callback.
+            *args: Passed to each callback's method.
+            **kwargs: Passed to each callback's method.
+        """
         results = []
         for callback in self.callbacks:
             method = getattr(callback, hook_name, None)
@@ -914,25 +1100,38 @@ class Engine:
 
     def any(self, flag: bool | torch.Tensor) -> bool:
         """True on every rank if ``flag`` is true on any rank: a stop trigger for your own loop
-        (``if engine.any(loss.isnan()): break`` leaves every rank together)."""
+        (``if engine.any(loss.isnan()): break`` leaves every rank together).
+
+        Args:
+            flag: This rank's flag (a bool or a one-element tensor).
+        """
         return bool(self.reduce(float(bool(flag)), "max").item() > 0)
 
     def all(self, flag: bool | torch.Tensor) -> bool:
-        """True on every rank if ``flag`` is true on every rank."""
+        """True on every rank if ``flag`` is true on every rank.
+
+        Args:
+            flag: This rank's flag (a bool or a one-element tensor).
+        """
         return bool(self.reduce(float(bool(flag)), "min").item() > 0)
 
     def gather_for_metrics(self, data: Any, padding: int | None = None) -> Any:
         """Every rank's ``data`` joined along the first dimension, without the padding.
 
         A distributed sampler repeats a few samples so that every rank gets as many; a plain
-        :meth:`gather` would count them twice (a 7-item eval set on 2 ranks gathers 8). This
-        drops the repeats in the batch last handed out by a loader from
-        :meth:`setup_dataloader` (or the last ``padding`` rows, when given), then gathers:
-        ``data`` is a tensor or tensors nested in tuples, lists and dicts (returned in the same
-        structure), and first dimensions may differ between ranks (the last batch). A 0-d tensor
-        or a number becomes one row per rank. Under tensor parallelism the ranks of one
-        data-parallel replica hold the same data: each replica's values appear once. Call it on
-        every rank.
+        [`gather`][torchplug.Engine.gather] would count them twice (a 7-item eval set on 2 ranks
+        gathers 8). This drops the repeats in the batch last handed out by a loader from
+        [`setup_dataloader`][torchplug.Engine.setup_dataloader] (or the last ``padding`` rows, when
+        given), then gathers: ``data`` is a tensor or tensors nested in tuples, lists and dicts
+        (returned in the same structure), and first dimensions may differ between ranks (the last
+        batch). A 0-d tensor or a number becomes one row per rank. Under tensor parallelism the
+        ranks of one data-parallel replica hold the same data: each replica's values appear once.
+        Call it on every rank.
+
+        Args:
+            data: This rank's tensor, or tensors nested in tuples, lists and dicts.
+            padding: How many of this rank's last rows are padding; ``None``: what the last loader's
+                sampler added.
         """
         if padding is None:
             loader = self._last_loader() if self._last_loader is not None else None
@@ -1014,6 +1213,10 @@ class Engine:
         return at once, so reduce values first (``engine.reduce``) if they differ per rank.
         Without ``step``, the step after the last one logged. Call it on any rank: it is not a
         collective.
+
+        Args:
+            metrics: Metric names and values (numbers or one-element tensors).
+            step: The step the values belong to; ``None``: the step after the last one logged.
         """
         if not isinstance(metrics, Mapping):
             raise TypeError(
@@ -1025,7 +1228,11 @@ class Engine:
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Record the run's hyperparameters with every logger (rank 0's, and loggers that log
         on every rank): csv/jsonl write them beside the metrics, TensorBoard in its hparams
-        tab, MLflow as the run's params. Nested mappings are flattened to ``"a.b"`` keys."""
+        tab, MLflow as the run's params. Nested mappings are flattened to ``"a.b"`` keys.
+
+        Args:
+            params: Hyperparameter names and values (nested mappings are flattened).
+        """
         if not isinstance(params, Mapping):
             raise ConfigurationError(
                 f"engine.log_hyperparams expects a dict of names to values, e.g. "
@@ -1078,7 +1285,7 @@ class Engine:
     @property
     def collective_timeout(self) -> float:
         """Seconds a collective, or a checkpoint's agreement between ranks, waits before it
-        gives up: the strategy's ``timeout`` option, else :data:`DEFAULT_TIMEOUT` (one setting,
+        gives up: the strategy's ``timeout`` option, else `DEFAULT_TIMEOUT` (one setting,
         read here by everything that waits on the other ranks)."""
         return float(self.options.get("timeout") or DEFAULT_TIMEOUT)
 
@@ -1093,7 +1300,12 @@ class Engine:
         return faults.guarded(op, self.rank, timeout, call)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only."""
+        """``print`` on rank 0 only.
+
+        Args:
+            *args: As ``print``'s.
+            **kwargs: As ``print``'s.
+        """
         if self.is_main:
             builtins.print(*args, **kwargs)
 
@@ -1109,7 +1321,11 @@ class Engine:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def checkpoint_header(self, state: dict[str, Any]) -> dict[str, Any]:
-        """What the manifest records about this run, besides the entries themselves."""
+        """What the manifest records about this run, besides the entries themselves.
+
+        Args:
+            state: The state being saved.
+        """
         from torchplug.core.version import VERSION as __version__
 
         step = state.get("step")
@@ -1130,6 +1346,10 @@ class Engine:
         same under every strategy, so two runs compare with ``torch.equal`` key by key.
 
         A collective under sharding strategies: call it on every rank.
+
+        Args:
+            model: The model [`setup`][torchplug.Engine.setup] returned.
+            optimizer: Its optimizer, to include its state too.
         """
         from torch.distributed.tensor import DTensor
 
@@ -1173,11 +1393,22 @@ class Engine:
         its next forward and backward (the next ``optimizer.step()`` waits for that copy), then
         writing, hashing, fsync and the commit go on there while training continues. Change
         saved parameters or optimizer state in place only through ``optimizer.step()`` until
-        then (or call :meth:`wait_for_save` first): a tensor changed during its copy fails the
-        save instead of writing a mix of two states.
-        The next save, load or resume and :meth:`close` wait for it (:meth:`wait_for_save`
-        does so explicitly), and raise its failure, on every rank. A backend that writes its
-        own format (DeepSpeed's ``native_checkpoint``) saves synchronously.
+        then (or call [`wait_for_save`][torchplug.Engine.wait_for_save] first): a tensor changed
+        during its copy fails the save instead of writing a mix of two states. The next save,
+        load or resume and [`close`][torchplug.Engine.close] wait for it, and raise its failure,
+        on every rank. A backend that writes its own format (DeepSpeed's
+        ``native_checkpoint``) saves synchronously.
+
+        Args:
+            path: The checkpoint directory to write (replaced once the new one is complete).
+            state: What to save, by name: modules, optimizers, tensors, JSON values.
+            metadata: JSON values recorded in the manifest for your own use.
+            async_: Return once buffers and values are staged in memory; parameters and
+                optimizer state are copied, and the write goes on, in the background.
+
+        Raises:
+            CheckpointError: The save failed on any rank (on every rank), or some rank did not call
+                it within ``checkpoint_timeout``.
         """
         self.wait_for_save()
         if not isinstance(state, dict):
@@ -1218,7 +1449,11 @@ class Engine:
 
     def after_save(self, step: Callable[[], None]) -> None:
         """Run ``step`` once the last save has committed: now for a synchronous one, in the
-        background after the commit for an asynchronous one (used for checkpoint rotation)."""
+        background after the commit for an asynchronous one (used for checkpoint rotation).
+
+        Args:
+            step: A function of no arguments.
+        """
         pending = self._pending_save
         if pending is None:
             step()
@@ -1258,6 +1493,20 @@ class Engine:
         optimizers. An entry that cannot be restored into the object given for it (a module's
         state into a dict, another backend's optimizer format) is an error unless
         ``strict=False``, which also loads the common part of a module whose keys differ.
+
+        Args:
+            path: The checkpoint directory [`save`][torchplug.Engine.save] wrote.
+            state: The objects to restore in place, by the names they were saved under; ``None``:
+                return what the checkpoint holds.
+            strict: Refuse entries that cannot be restored into the objects given, and module keys
+                that differ.
+
+        Returns:
+            The plain values of entries not restored into an object.
+
+        Raises:
+            CheckpointError: The checkpoint is missing, incomplete, fails verification, or does not
+                fit ``state``.
         """
         self.wait_for_save()
         if state is not None and not isinstance(state, dict):
@@ -1285,7 +1534,18 @@ class Engine:
         built with ``init_module(empty=True)`` and set up sharded is never whole on a rank.
 
         Returns ``{"loaded", "missing", "unexpected"}`` (tensor names); a model tensor the
-        files lack is an error unless ``strict=False``. Call it after :meth:`setup`."""
+        files lack is an error unless ``strict=False``. Call it after
+        [`setup`][torchplug.Engine.setup].
+
+        Args:
+            model: A model this Engine set up.
+            path: A ``.safetensors`` file, or a directory as ``save_pretrained`` writes it.
+            strict: Refuse a model tensor the files lack.
+
+        Returns:
+            The names of the tensors loaded, missing and unexpected: ``{"loaded", "missing",
+                "unexpected"}``.
+        """
         from torchplug.checkpoint import pretrained
 
         return pretrained.load_into(self.unwrap(model), path, strict=strict)
@@ -1304,8 +1564,18 @@ class Engine:
 
         ``N`` is ``step`` or ``state["step"]``. With ``keep_last`` the oldest numbered
         checkpoints beyond that count are deleted, never the newest complete one. Put the
-        loader from :meth:`setup_dataloader` in ``state`` to resume mid-epoch. ``async_=True``
-        returns once the state is staged in memory (see :meth:`save`).
+        loader from [`setup_dataloader`][torchplug.Engine.setup_dataloader] in ``state`` to resume
+        mid-epoch. ``async_=True`` returns once the state is staged in memory (see
+        [`save`][torchplug.Engine.save]).
+
+        Args:
+            state: What to save, as for [`save`][torchplug.Engine.save]; its ``"step"`` names the
+                checkpoint when ``step`` is not given.
+            step: The step number ``N`` of ``checkpoint_dir/step-N``.
+            async_: Return once the state is staged in memory (see [`save`][torchplug.Engine.save]).
+
+        Returns:
+            The path of the checkpoint written.
         """
         from torchplug.core import resume
 
@@ -1317,6 +1587,13 @@ class Engine:
 
         Call it once after setup; a job restarted by ``torchplug launch --max-restarts`` then
         carries on where its last checkpoint left it.
+
+        Args:
+            state: The objects to restore in place, as for [`load`][torchplug.Engine.load].
+
+        Returns:
+            The checkpoint's step, or ``None`` when there is none (or ``resume`` is not
+                ``"latest"``).
         """
         from torchplug.core import resume
 

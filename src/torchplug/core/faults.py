@@ -1,11 +1,11 @@
 """Failures that end fast and say why.
 
-* :func:`install_error_recorder`: an uncaught exception in a rank is written to torchrun's error
+* `install_error_recorder`: an uncaught exception in a rank is written to torchrun's error
   file (``TORCHELASTIC_ERROR_FILE``, what ``@record`` does) with a precise time, so the launcher can
   name the rank that failed first and show its traceback once.
-* :data:`failing`: set when the process is going down with an exception; teardown then skips its
+* `failing`: set when the process is going down with an exception; teardown then skips its
   barrier (the other ranks may be inside a collective that will never complete).
-* :class:`CollectiveChecker`: the debug mode (``TORCHPLUG_DEBUG_COLLECTIVES=1``, ``torchplug launch
+* `CollectiveChecker`: the debug mode (``TORCHPLUG_DEBUG_COLLECTIVES=1``, ``torchplug launch
   --debug``). Before each torchplug collective every rank posts ``(op, shape, dtype)`` to the
   process group's store and reads the others'; a rank missing or differing is named.
 """
@@ -147,7 +147,7 @@ def _excepthook(
 
 
 def install_error_recorder() -> None:
-    """Route uncaught exceptions through :func:`record` (once per process)."""
+    """Route uncaught exceptions through `record` (once per process)."""
     if getattr(sys.excepthook, "_torchplug", False):
         return
     previous = sys.excepthook
@@ -186,7 +186,7 @@ class CollectiveChecker:
         self.calls = 0
 
     def check(self, op: str, shape: Sequence[int] | None = None, dtype: str | None = None) -> None:
-        """Raise :class:`CollectiveError` on every rank unless all call the same collective."""
+        """Raise `CollectiveError` on every rank unless all call the same collective."""
         self.calls += 1
         n = self.calls
         key = f"torchplug/debug/{n}/"
@@ -261,7 +261,7 @@ def timed_out(op: str, rank: int, timeout: float | None, exc: BaseException) -> 
 
 
 def guarded(op: str, rank: int, timeout: float | None, call: Callable[[], Any]) -> Any:
-    """``call()``; a timeout inside it becomes a :class:`CollectiveError` that says why."""
+    """``call()``; a timeout inside it becomes a `CollectiveError` that says why."""
     try:
         return call()
     except CollectiveError:

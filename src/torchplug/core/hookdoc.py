@@ -1,7 +1,7 @@
 """Generate the hook reference (docs/hooks.md) from the hook specification.
 
 ``python -m torchplug.core.hookdoc > docs/hooks.md``. Every hook found in
-:mod:`torchplug.core.spec` is listed, with its signature, return value, calling semantics
+`torchplug.core.spec` is listed, with its signature, return value, calling semantics
 (firstresult or not, wrappers), who calls it on which ranks (the contract declared with it),
 its default implementation and an example, so the reference cannot drift from the
 specification (a test compares them).
@@ -177,6 +177,30 @@ def _signature(name: str, function: Callable[..., Any]) -> str:
     return f"{name}(\n" + "\n".join(lines) + f"\n){shown}"
 
 
+def _split_args(doc: str) -> tuple[str, list[str]]:
+    """A hook's docstring without its Google-style ``Args:`` section, and that section's
+    entries as Markdown list items (``- `name`: text``)."""
+    prose: list[str] = []
+    entries: list[str] = []
+    lines = doc.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() != "Args:":
+            prose.append(lines[i])
+            i += 1
+            continue
+        i += 1
+        while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
+            line = lines[i]
+            if line.startswith("        ") and entries:  # continues the entry above
+                entries[-1] += " " + line.strip()
+            elif line.strip():
+                name, _, text = line.strip().partition(": ")
+                entries.append(f"- `{name}`: {text}")
+            i += 1
+    return "\n".join(prose).strip("\n"), entries
+
+
 def render() -> str:
     """The whole of docs/hooks.md."""
     out = [
@@ -222,7 +246,7 @@ def render() -> str:
     for name, function in listed:
         opts = getattr(function, f"{spec.PROJECT}_spec", {}) or {}
         returns = inspect.signature(function).return_annotation
-        doc = inspect.getdoc(function) or "(undocumented)"
+        doc, arguments = _split_args(inspect.getdoc(function) or "(undocumented)")
         out += [
             f"## {name}",
             "",
@@ -233,6 +257,10 @@ def render() -> str:
             "",
             doc,
             "",
+        ]
+        if arguments:
+            out += ["- **Arguments**:", *(f"    {entry}" for entry in arguments)]
+        out += [
             f"- **Kind**: {_kind(name)} hook."
             if _kind(name) != "installed plugins"
             else "- **Kind**: called on every installed plugin (not on an Engine's active set).",

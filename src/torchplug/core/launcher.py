@@ -1,11 +1,11 @@
 """``torchplug.launch(fn, *args, nprocs=N)``: run a function on N ranks from Python or a notebook.
 
 The ranks are started by torch.distributed's elastic launcher API
-(:func:`torch.distributed.launcher.api.elastic_launch`, what ``torchrun`` runs), single node,
+(`torch.distributed.launcher.api.elastic_launch`, what ``torchrun`` runs), single node,
 with a fresh rendezvous on a free local port: no home-made spawning. Inside ``fn``,
 ``Engine()`` sees a world of N (``strategy="auto"`` picks ``ddp``, or the ``strategy`` given
-here). Rank 0's return value is returned; when a rank raises, :class:`RankFailedError` is raised
-here with that rank's traceback.
+here). Rank 0's return value is returned; when a rank raises,
+[`RankFailedError`][torchplug.RankFailedError] is raised here with that rank's traceback.
 
 Processes are forked where the platform allows it and CUDA is not initialized in the caller
 (what makes functions defined in a notebook cell work), else spawned (then ``fn`` must be
@@ -28,7 +28,13 @@ from torchplug.core.errors import ConfigurationError, TorchplugError
 
 
 class RankFailedError(TorchplugError):
-    """A rank started by :func:`launch` raised; the message holds its traceback."""
+    """A rank started by [`launch`][torchplug.launch] raised; the message holds its traceback.
+
+    Args:
+        message: The error message (the rank's exception and traceback).
+        rank: The rank that raised.
+        traceback: That rank's formatted traceback.
+    """
 
     def __init__(self, message: str, rank: int, traceback: str) -> None:
         super().__init__(message)
@@ -99,7 +105,27 @@ def launch(
 
     ``strategy``/``precision`` act as ``torchplug launch --strategy/--precision`` would for
     ``Engine()`` inside ``fn``. Results must be picklable. A rank that raises ends the run;
-    the error is raised here as :class:`RankFailedError` carrying that rank's traceback.
+    the error is raised here as [`RankFailedError`][torchplug.RankFailedError] carrying that rank's
+    traceback.
+
+    Args:
+        fn: The function run on every rank (under ``spawn`` it must be picklable: defined at
+            module level).
+        *args: Passed to ``fn``.
+        nprocs: The number of ranks.
+        strategy: The strategy ``Engine()`` selects inside ``fn`` (``None``: its own choice).
+        precision: The precision ``Engine()`` runs inside ``fn`` (``None``: its own choice).
+        max_restarts: Restart all ranks up to this many times after a failure (as ``torchplug launch
+            --max-restarts``).
+        start_method: ``"fork"``, ``"spawn"`` or ``"forkserver"``; ``None``: fork where
+            available and CUDA is not initialised yet, else spawn.
+        **kwargs: Passed to ``fn``.
+
+    Returns:
+        What ``fn`` returned on rank 0.
+
+    Raises:
+        RankFailedError: A rank raised (after the restarts).
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigurationError(

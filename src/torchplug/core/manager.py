@@ -2,7 +2,7 @@
 
 Built-in plugins and third-party plugins are found the same way, through the ``torchplug``
 entry-point group; a built-in is simply an entry point whose distribution is torchplug itself.
-In-house plugins join with one call to :func:`register`.
+In-house plugins join with one call to [`register`][torchplug.register].
 
 Environment controls, read when the registry is first built:
 
@@ -65,7 +65,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
 DEFAULT_ANSWERS = frozenset({"checkpoint"})
 
 #: Hooks that make a plugin part of an Engine's active set when it is registered globally, and
-#: the ones that active set must answer (declared with each hook in :mod:`torchplug.core.spec`).
+#: the ones that active set must answer (declared with each hook in `torchplug.core.spec`).
 STRATEGY_HOOKS = spec.hooks_where(kind="strategy")
 ACTION_HOOKS = spec.hooks_where(required=True)
 
@@ -458,7 +458,7 @@ class Registry:
     # -- discovery ------------------------------------------------------------------------------
 
     def load_builtins(self) -> None:
-        """torchplug's own plugins, from :data:`BUILTIN_PLUGINS` (not from entry points, so a
+        """torchplug's own plugins, from `BUILTIN_PLUGINS` (not from entry points, so a
         source checkout without an installed distribution has them too); blocked ones are never
         imported, and one that fails to import is recorded while the rest load."""
         import importlib
@@ -580,7 +580,7 @@ class Registry:
 
     def precision_unavailable(self, info: StrategyInfo, precision: str) -> str | None:
         """Why ``precision`` cannot run under ``info`` on this machine, or ``None`` (the one
-        probe: :func:`torchplug.core.capabilities.precision_unavailable`)."""
+        probe: `torchplug.core.capabilities.precision_unavailable`)."""
         return capabilities.precision_unavailable(info, precision, self.precisions)
 
     def logger(self, name: str) -> LoggerInfo:
@@ -653,7 +653,7 @@ class Registry:
         ]
 
     def default_answers(self) -> list[object]:
-        """The extensions holding torchplug's default answers (:data:`DEFAULT_ANSWERS`)."""
+        """The extensions holding torchplug's default answers (`DEFAULT_ANSWERS`)."""
         return [
             plugin
             for name, plugin in self.pm.list_name_plugin()
@@ -754,8 +754,8 @@ def load_extension(module: str) -> object:
 def reset_registry(forget_blocks: bool = False) -> None:
     """Forget the registry so the next use rediscovers plugins (for tests and notebooks).
 
-    Names blocked with :func:`block` stay blocked (they apply to the next registry too) unless
-    ``forget_blocks``.
+    Names blocked with [`block`][torchplug.block] stay blocked (they apply to the next registry too)
+    unless ``forget_blocks``.
     """
     global _registry
     with _lock:
@@ -768,8 +768,17 @@ def register(plugin: Any, name: str | None = None) -> str:
     """Register an in-house plugin in one line; its strategies become selectable by name.
 
     ``plugin`` is a module, a class (instantiated with no arguments) or an object whose functions
-    are marked with :data:`torchplug.hookimpl`. A plugin that implements strategy hooks itself
-    (not only registration hooks) joins the active set of every Engine created afterwards.
+    are marked with [`torchplug.hookimpl`][torchplug.hookimpl]. A plugin that implements strategy
+    hooks itself (not only registration hooks) joins the active set of every Engine created
+    afterwards.
+
+    Args:
+        plugin: A module, a class (instantiated with no arguments) or an object with
+            ``@torchplug.hookimpl`` functions.
+        name: The name to register it under (``None``: one derived from the plugin).
+
+    Returns:
+        The name it was registered under (for [`unregister`][torchplug.unregister]).
     """
     registry = get_registry()
     with _lock:
@@ -778,7 +787,12 @@ def register(plugin: Any, name: str | None = None) -> str:
 
 def unregister(name: str | object) -> None:
     """Remove a plugin registered earlier (by name, or the module/class/object registered),
-    and the strategies it announced."""
+    and the strategies it announced.
+
+    Args:
+        name: The name [`register`][torchplug.register] returned, or the module, class or object
+            registered.
+    """
     registry = get_registry()
     with _lock:
         registry.remove(name)
@@ -787,7 +801,14 @@ def unregister(name: str | object) -> None:
 def options_of(strategy: str) -> tuple[Option, ...]:
     """The options a registered strategy declares, to build on in a strategy that extends it:
     ``StrategyInfo(..., options=(*tp.options_of("ddp"), Option("extra", int, 0)))``.
-    (``StrategyInfo(extends="ddp")`` does this and inherits the capabilities as well.)"""
+    (``StrategyInfo(extends="ddp")`` does this and inherits the capabilities as well.)
+
+    Args:
+        strategy: A registered strategy's name or alias.
+
+    Returns:
+        Its options, in order.
+    """
     registry = _building if _building is not None else get_registry()
     canonical = registry.canonical(strategy)
     if canonical is None:
@@ -800,7 +821,11 @@ def options_of(strategy: str) -> tuple[Option, ...]:
 
 
 def block(names: Iterable[str] | str) -> None:
-    """Block plugins by name: never imported if not yet loaded, removed if they were."""
+    """Block plugins by name: never imported if not yet loaded, removed if they were.
+
+    Args:
+        names: A plugin name (an entry-point name such as ``"deepspeed"``) or several.
+    """
     with _lock:
         for name in [names] if isinstance(names, str) else names:
             _pending_blocks.add(name)

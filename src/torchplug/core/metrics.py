@@ -67,7 +67,7 @@ def requested(
 
 class LoggerSet:
     """The loggers of one Engine. Names are checked at once (a typo fails before training);
-    the logger objects are made on the first :meth:`log`, on rank 0 (every rank for loggers that
+    the logger objects are made on the first `log`, on rank 0 (every rank for loggers that
     declare ``all_ranks``), so a rank that does not log opens no file."""
 
     def __init__(

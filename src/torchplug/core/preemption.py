@@ -66,7 +66,7 @@ class Preemption:
         return noted
 
     def disarm(self) -> None:
-        """Put back the handlers that were there before :meth:`arm`."""
+        """Put back the handlers that were there before `arm`."""
         if threading.current_thread() is not threading.main_thread():
             return
         for number, previous in self._previous.items():
@@ -98,7 +98,7 @@ def note_checkpoint(path: Path, step: int) -> None:
 
 
 def last_checkpoint(directory: str | os.PathLike[str]) -> tuple[int, str] | None:
-    """What :func:`note_checkpoint` left in ``directory``: (step, path), or ``None``."""
+    """What `note_checkpoint` left in ``directory``: (step, path), or ``None``."""
     try:
         step, path = (Path(directory) / "last_checkpoint").read_text().splitlines()[:2]
         return int(step), path

@@ -33,7 +33,7 @@ DEFAULTS: dict[str, Any] = {
 
 def options(profile: Any, log_dir: Path) -> dict[str, Any] | None:
     """The profiler's settings from ``Engine(profile=...)``: ``None``/``False`` (off), ``True``
-    (the defaults) or a dict of :data:`DEFAULTS`' keys."""
+    (the defaults) or a dict of `DEFAULTS`' keys."""
     if profile is None or profile is False:
         return None
     if profile is True:

@@ -70,24 +70,44 @@ DEFAULT_TIMEOUT = 1800.0
 
 @dataclass(frozen=True)
 class Option:
-    """One option of a strategy (``Engine(strategy=..., **options)``) or precision plugin."""
+    """One option of a strategy (``Engine(strategy=..., **options)``) or precision plugin.
+
+    Args:
+        name: The option's name, as passed to ``Engine(...)``, ``torchplug launch --option
+            name=value`` or the config file.
+        type: The accepted type, or a tuple of them (``type(None)`` for an optional value); an
+            ``int`` is accepted where ``float`` is.
+        default: The value used when the option is not given.
+        help: One line shown by ``torchplug plugins --verbose`` and in error messages.
+        choices: The only values accepted, or ``None`` for any value of ``type``.
+        validate: Checks a value of the right type; returns what is wrong and what is expected (e.g.
+            "must be a positive number of seconds, got -1"), or ``None`` when the value is fine.
+            Runs wherever options are resolved, so ``torchplug launch`` and ``doctor`` catch it too.
+    """
 
     name: str
     type: type | tuple[type, ...]
     default: Any
     help: str = ""
     choices: tuple[Any, ...] | None = None
-    #: Checks a value of the right type; returns what is wrong and what is expected (e.g.
-    #: "must be a positive number of seconds, got -1"), or ``None`` when the value is fine.
-    #: Runs wherever options are resolved, so ``torchplug launch`` and ``doctor`` catch it too.
     validate: Callable[[Any], str | None] | None = None
 
     def type_name(self) -> str:
+        """The accepted type(s) as shown to users, e.g. ``"float | None"``."""
         types = self.type if isinstance(self.type, tuple) else (self.type,)
         return " | ".join("None" if t is type(None) else t.__name__ for t in types)
 
     def check(self, owner: str, value: Any) -> Any:
-        """Return ``value`` if it fits this option, else raise an error naming the fix."""
+        """Return ``value`` if it fits this option, else raise an error naming the fix.
+
+        Args:
+            owner: What the option belongs to, for the message (e.g. ``"strategy 'ddp'"``).
+            value: The value given.
+
+        Raises:
+            ConfigurationError: The value has the wrong type, is not one of ``choices``, or
+                ``validate`` refuses it.
+        """
         types = self.type if isinstance(self.type, tuple) else (self.type,)
         ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
         if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
@@ -145,81 +165,110 @@ def resolve_options(
 
 @dataclass(frozen=True)
 class StrategyInfo:
-    """A backend as announced by its plugin through ``torchplug_register_strategies``."""
+    """A backend as announced by its plugin through ``torchplug_register_strategies``.
+
+    Args:
+        name: The name users select it by (``Engine(strategy=name)``, ``--strategy name``).
+        factory: Called as ``factory(**options)`` when the strategy is selected; returns the plugin
+            object holding the strategy hooks. Import the backend's heavy package inside it, not
+            before.
+        description: One line shown by ``torchplug plugins``.
+        aliases: Other names that select it.
+        requires: Importable module names the strategy needs; checked without importing them.
+        install_hint: What to run when a required module is missing, e.g. ``pip install
+            torchplug[deepspeed]``.
+        options: The strategy's options (``Engine(strategy=..., **options)``), each checked by type.
+        precisions: Precisions the strategy can run. ``owns_precision`` strategies implement them
+            themselves; the others get them from a precision plugin (AMP).
+        owns_precision: The backend implements the precisions itself (e.g. DeepSpeed) instead of
+            composing with a precision plugin.
+        shards_parameters: Informational (``torchplug plugins -v``) and checked by the conformance
+            kit's ``memory`` property: each rank holds at most 3/4 of the whole parameters
+            (optimizer state).
+        shards_optimizer: Each rank holds only its shard of the optimizer state (informational and
+            checked as ``shards_parameters`` is).
+        takes_meta_modules: The backend's ``torchplug_wrap`` takes a model still on the meta device
+            (built under ``engine.init_module(empty=True)``) and the Engine materialises only each
+            rank's shards after the wrap; ``False``: the Engine materialises the whole model on the
+            CPU first.
+        supports_cpu: Runs on a machine without CUDA (the core refuses it there when ``False``).
+        supports_cuda: Runs on CUDA devices.
+        distributed: Runs several processes (needs a launcher such as torchrun when world size > 1).
+        launcher: ``"torchrun"`` or the name of a launcher the strategy brings (e.g. ``"xla"``).
+        tolerance: How far results may stray from the single-process reference (lossy communication
+            such as gradient compression declares more); ``None``: check convergence instead.
+        resume_exact: Whether a run resumed from a checkpoint repeats the uninterrupted run exactly
+            (the kit's ``resume`` property, to 1e-6, whatever ``tolerance`` says). ``False`` only
+            for a strategy whose communication keeps state that checkpoints do not carry (e.g.
+            PowerSGD's).
+        refuses: What the strategy refuses by design with a ConfigurationError, by the conformance
+            kit's names: ``"compile"`` (Engine(compile=True)), ``"clipping"``, ``"accumulation"``,
+            ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate). The kit passes
+            a declared refusal as such and fails one that is not declared.
+        deviations: Conformance-kit properties the strategy fails by design, each with the reason,
+            e.g. ``{"clipping": "local SGD clips each rank's gradients"}``: the kit still runs them
+            and reports each as ``DEVIATES`` with the reason and what it measured, not as a PASS or
+            a failure. Only what the design makes impossible belongs here; a wrong answer is a FAIL.
+        precision_options: For a strategy that owns precision: the ``Engine(precision_options=...)``
+            it understands (the backend reads the resolved values from ``engine.precision_options``
+            in setup).
+        check: Extra usability test; returns why the strategy cannot run here, or ``None``.
+        precision_check: For a strategy that owns precision: ``precision_check(precision)`` returns
+            why this machine cannot run that precision (e.g. no fp16 kernels on this CPU), or
+            ``None``. Asked before anything starts, through
+            `torchplug.core.capabilities.precision_unavailable`, so the launcher, ``check``, the kit
+            and the Engine all give the same answer. Keep it cheap: it runs in ``torchplug plugins``
+            and the launcher, never importing the backend.
+        extends: The name of a registered strategy whose options, capabilities and defaults this one
+            inherits: its own options are added to (or replace, by name) the parent's, and every
+            field left at its default takes the parent's value. For a subclass of the parent's
+            class.
+        api: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
+            [`torchplug.core.spec.API_VERSION`][torchplug.core.spec.API_VERSION]); outside it the
+            strategy is not registered.
+        provider: Filled in by the plugin manager: which plugin and distribution announced it.
+        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
+        version: Filled in by the plugin manager: that distribution's version.
+        problem: Filled in by the plugin manager: why the strategy is broken (e.g. a misspelled hook
+            on its class), so that it is listed as broken with the reason and never selected.
+    """
 
     name: str
-    #: Called as ``factory(**options)`` when the strategy is selected; returns the plugin object
-    #: holding the strategy hooks. Import the backend's heavy package inside it, not before.
     factory: Callable[..., object]
     description: str
     aliases: tuple[str, ...] = ()
-    #: Importable module names the strategy needs; checked without importing them.
     requires: tuple[str, ...] = ()
-    #: What to run when a required module is missing, e.g. ``pip install torchplug[deepspeed]``.
     install_hint: str = ""
     options: tuple[Option, ...] = ()
-    #: Precisions the strategy can run. ``owns_precision`` strategies implement them themselves;
-    #: the others get them from a precision plugin (AMP).
     precisions: tuple[str, ...] = ("32", "bf16", "fp16")
     owns_precision: bool = False
-    #: Informational (``torchplug plugins -v``) and checked by the conformance kit's ``memory``
-    #: property: each rank holds at most 3/4 of the whole parameters (optimizer state).
     shards_parameters: bool = False
     shards_optimizer: bool = False
-    #: The backend's ``torchplug_wrap`` takes a model still on the meta device (built under
-    #: ``engine.init_module(empty=True)``) and the Engine materialises only each rank's shards
-    #: after the wrap; ``False``: the Engine materialises the whole model on the CPU first.
     takes_meta_modules: bool = False
     supports_cpu: bool = True
     supports_cuda: bool = True
-    #: Runs several processes (needs a launcher such as torchrun when world size > 1).
     distributed: bool = True
-    #: ``"torchrun"`` or the name of a launcher the strategy brings (e.g. ``"xla"``).
     launcher: str = "torchrun"
-    #: How far results may stray from the single-process reference (lossy communication such
-    #: as gradient compression declares more); ``None``: check convergence instead.
     tolerance: float | None = 1e-5
-    #: Whether a run resumed from a checkpoint repeats the uninterrupted run exactly (the kit's
-    #: ``resume`` property, to 1e-6, whatever ``tolerance`` says). ``False`` only for a strategy
-    #: whose communication keeps state that checkpoints do not carry (e.g. PowerSGD's).
     resume_exact: bool = True
-    #: What the strategy refuses by design with a ConfigurationError, by the conformance kit's
-    #: names: ``"compile"`` (Engine(compile=True)), ``"clipping"``, ``"accumulation"``,
-    #: ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate). The kit
-    #: passes a declared refusal as such and fails one that is not declared.
     refuses: tuple[str, ...] = ()
-    #: Conformance-kit properties the strategy fails by design, each with the reason, e.g.
-    #: ``{"clipping": "local SGD clips each rank's gradients"}``: the kit still runs them and
-    #: reports each as ``DEVIATES`` with the reason and what it measured, not as a PASS or a
-    #: failure. Only what the design makes impossible belongs here; a wrong answer is a FAIL.
     deviations: Mapping[str, str] = field(default_factory=dict, hash=False)
-    #: For a strategy that owns precision: the ``Engine(precision_options=...)`` it understands
-    #: (the backend reads the resolved values from ``engine.precision_options`` in setup).
     precision_options: tuple[Option, ...] = ()
-    #: Extra usability test; returns why the strategy cannot run here, or ``None``.
     check: Callable[[], str | None] | None = None
-    #: For a strategy that owns precision: ``precision_check(precision)`` returns why this
-    #: machine cannot run that precision (e.g. no fp16 kernels on this CPU), or ``None``. Asked
-    #: before anything starts, through :func:`torchplug.core.capabilities.precision_unavailable`,
-    #: so the launcher, ``check``, the kit and the Engine all give the same answer. Keep it
-    #: cheap: it runs in ``torchplug plugins`` and the launcher, never importing the backend.
     precision_check: Callable[[str], str | None] | None = None
-    #: The name of a registered strategy whose options, capabilities and defaults this one
-    #: inherits: its own options are added to (or replace, by name) the parent's, and every
-    #: field left at its default takes the parent's value. For a subclass of the parent's class.
     extends: str = ""
-    #: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
-    #: :data:`torchplug.core.spec.API_VERSION`); outside it the strategy is not registered.
     api: str = ""
-    #: Filled in by the plugin manager: which plugin and distribution announced it.
     provider: str = ""
     distribution: str = ""
     version: str = ""
-    #: Filled in by the plugin manager: why the strategy is broken (e.g. a misspelled hook on
-    #: its class), so that it is listed as broken with the reason and never selected.
     problem: str = ""
 
     def option(self, name: str) -> Option | None:
+        """The option called ``name``, or ``None``.
+
+        Args:
+            name: The option's name.
+        """
         return next((o for o in self.options if o.name == name), None)
 
     def unusable_reason(self) -> str | None:
@@ -251,16 +300,35 @@ class StrategyInfo:
         return None
 
     def resolve_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The strategy's option defaults overlaid with ``given``, each checked.
+
+        Args:
+            given: Option values by name.
+
+        Raises:
+            ConfigurationError: An unknown option, or a value that does not fit.
+        """
         return resolve_options(f"strategy '{self.name}'", self.options, given)
 
     def with_provider(self, provider: str, distribution: str, version: str) -> StrategyInfo:
+        """A copy naming the plugin that announced it (the plugin manager calls this).
+
+        Args:
+            provider: The plugin's registered name.
+            distribution: The installed distribution that holds it.
+            version: That distribution's version.
+        """
         return dataclasses.replace(
             self, provider=provider, distribution=distribution, version=version
         )
 
     def inheriting(self, parent: StrategyInfo) -> StrategyInfo:
         """This strategy with what it left at the defaults taken from ``parent`` (``extends``):
-        the parent's options first, this one's added or replacing them by name."""
+        the parent's options first, this one's added or replacing them by name.
+
+        Args:
+            parent: The strategy named by ``extends``.
+        """
         own = {o.name for o in self.options}
         changes: dict[str, Any] = {
             "options": (*(o for o in parent.options if o.name not in own), *self.options)
@@ -292,24 +360,40 @@ class StrategyInfo:
 
 @dataclass(frozen=True)
 class PrecisionInfo:
-    """A precision plugin (e.g. AMP), composed with backends that do not own precision."""
+    """A precision plugin (e.g. AMP), composed with backends that do not own precision.
+
+    Args:
+        name: The precision plugin's name, shown by ``torchplug plugins``.
+        factory: Called as ``factory(precision, **options)`` with ``"bf16"`` or ``"fp16"``; returns
+            the plugin object.
+        precisions: The precisions it provides (``"bf16"``, ``"fp16"``).
+        description: One line shown by ``torchplug plugins``.
+        options: Set with ``Engine(precision=..., precision_options={...})``.
+        check: ``check(precision)`` returns why this machine cannot run that precision, or ``None``
+            (see ``StrategyInfo.precision_check``); asked for every strategy it is composed with.
+        provider: Filled in by the plugin manager: which plugin announced it.
+        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
+        version: Filled in by the plugin manager: that distribution's version.
+    """
 
     name: str
-    #: Called as ``factory(precision, **options)`` with ``"bf16"`` or ``"fp16"``; returns the
-    #: plugin object.
     factory: Callable[..., object]
     precisions: tuple[str, ...]
     description: str = ""
-    #: Set with ``Engine(precision=..., precision_options={...})``.
     options: tuple[Option, ...] = ()
-    #: ``check(precision)`` returns why this machine cannot run that precision, or ``None``
-    #: (see ``StrategyInfo.precision_check``); asked for every strategy it is composed with.
     check: Callable[[str], str | None] | None = None
     provider: str = ""
     distribution: str = ""
     version: str = ""
 
     def with_provider(self, provider: str, distribution: str, version: str) -> PrecisionInfo:
+        """A copy naming the plugin that announced it (the plugin manager calls this).
+
+        Args:
+            provider: The plugin's registered name.
+            distribution: The installed distribution that holds it.
+            version: That distribution's version.
+        """
         return dataclasses.replace(
             self, provider=provider, distribution=distribution, version=version
         )
@@ -320,18 +404,29 @@ class LoggerInfo:
     """A metric logger (experiment tracker) as announced through ``torchplug_register_loggers``.
 
     ``factory(log_dir)`` returns an object with ``log_metrics(metrics, step)`` and ``close()``
-    (and optionally ``log_hyperparams(params)``), see :class:`torchplug.loggers.Logger`. It is
+    (and optionally ``log_hyperparams(params)``), see `torchplug.loggers.Logger`. It is
     called only when a user selects the logger, on rank 0 unless ``all_ranks``.
+
+    Args:
+        name: The name users select it by (``Engine(loggers=[name])``, ``--logger name``).
+        factory: Called as ``factory(log_dir)`` when the logger is selected; returns the logger
+            object.
+        description: One line shown by ``torchplug plugins``.
+        requires: Importable module names the logger needs; checked without importing them.
+        install_hint: What to run when a required module is missing, e.g. ``pip install
+            torchplug[tensorboard]``.
+        all_ranks: Log on every rank (each rank writes its own directory ``rank-N``), not rank 0
+            only.
+        provider: Filled in by the plugin manager: which plugin announced it.
+        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
+        version: Filled in by the plugin manager: that distribution's version.
     """
 
     name: str
     factory: Callable[..., object]
     description: str = ""
-    #: Importable module names the logger needs; checked without importing them.
     requires: tuple[str, ...] = ()
-    #: What to run when a required module is missing, e.g. ``pip install torchplug[tensorboard]``.
     install_hint: str = ""
-    #: Log on every rank (each rank writes its own directory ``rank-N``), not rank 0 only.
     all_ranks: bool = False
     provider: str = ""
     distribution: str = ""
@@ -342,6 +437,13 @@ class LoggerInfo:
         return missing_package(self.requires, self.install_hint)
 
     def with_provider(self, provider: str, distribution: str, version: str) -> LoggerInfo:
+        """A copy naming the plugin that announced it (the plugin manager calls this).
+
+        Args:
+            provider: The plugin's registered name.
+            distribution: The installed distribution that holds it.
+            version: That distribution's version.
+        """
         return dataclasses.replace(
             self, provider=provider, distribution=distribution, version=version
         )

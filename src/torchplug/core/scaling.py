@@ -9,7 +9,7 @@ puts the original ``forward`` back).
 
 Meta-device materialisation calls each module's ``reset_parameters()`` in module order, then the
 model's own initialisation (Hugging Face's ``_init_weights`` through ``post_init``, or a model's
-``init_weights()``), starting from the RNG state :meth:`Engine.init_module` saw, so a model built
+``init_weights()``), starting from the RNG state `Engine.init_module` saw, so a model built
 empty initialises to the same numbers as one built eagerly. Under a sharding backend each module's
 full tensors exist only while that module is initialised, then only this rank's shard is kept (a
 model-wide ``init_weights()`` holds the whole model on the CPU while it runs).
@@ -337,7 +337,7 @@ def materialize(
     """Allocate a meta-device model on ``device`` and initialise it in place (sharded
     parameters: only this rank's shard is kept; each module's full tensors live, on the CPU,
     only while it initialises): each module's ``reset_parameters()`` in module order, then the
-    model's own initialisation (:func:`own_init`), as an eager build runs them."""
+    model's own initialisation (`own_init`), as an eager build runs them."""
     check_initialisable(model)
     how = own_init(model)
     ties = record_ties(model, creators)
@@ -374,9 +374,9 @@ def record_ties(
 ) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
     """Every slot holding a tensor another slot holds too (a tied embedding and head), with
     the slot it is tied to: the tensor's creator (``creators``, from
-    :func:`recording_creators`) where known, else the first slot in module order.
+    `recording_creators`) where known, else the first slot in module order.
     ``to_empty``, and ``.to()`` onto a device whose tensors are of another kind (XLA), make each
-    slot's tensor on its own and would untie them silently; :func:`restore_ties` after."""
+    slot's tensor on its own and would untie them silently; `restore_ties` after."""
     slots_of: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for module in model.modules():
         for slots in (module._parameters, module._buffers):  # noqa: SLF001

@@ -2,8 +2,8 @@
 
 Seeds Python's ``random``, torch (CPU and every CUDA device) and numpy when it is installed, with
 the same seed on every rank (so every rank builds the same initial model). Data-loader workers
-are seeded per rank and per worker by :func:`seed_worker` (otherwise every worker of every rank
-would draw the same random augmentations).
+are seeded per rank and per worker by [`seed_worker`][torchplug.seed_worker] (otherwise every worker
+of every rank would draw the same random augmentations).
 """
 
 from __future__ import annotations
@@ -22,9 +22,17 @@ _MAX_SEED = 2**32 - 1
 def seed_everything(seed: int, *, workers: bool = True) -> int:
     """Seed ``random``, torch and numpy (if installed) with ``seed``; return it.
 
-    With ``workers``, loaders set up by :meth:`Engine.setup_dataloader` that have worker
-    processes and no ``worker_init_fn`` of their own get :func:`seed_worker`, which gives each
+    With ``workers``, loaders set up by
+    [`Engine.setup_dataloader`][torchplug.Engine.setup_dataloader] that have worker processes and no
+    ``worker_init_fn`` of their own get [`seed_worker`][torchplug.seed_worker], which gives each
     worker of each rank its own stream derived from ``(seed, rank, worker id)``.
+
+    Args:
+        seed: The seed (the same on every rank seeds every rank alike).
+        workers: Give set-up loaders with worker processes [`seed_worker`][torchplug.seed_worker].
+
+    Returns:
+        The seed.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
         raise ValueError(
@@ -53,7 +61,11 @@ def worker_seed(base: int, rank: int, worker_id: int) -> int:
 
 
 def seed_worker(worker_id: int) -> None:
-    """A ``worker_init_fn`` seeding ``random``, torch and numpy per rank and worker."""
+    """A ``worker_init_fn`` seeding ``random``, torch and numpy per rank and worker.
+
+    Args:
+        worker_id: The DataLoader worker's index, as ``worker_init_fn`` receives it.
+    """
     base = int(os.environ.get(SEED_ENV, "0"))
     rank = int(os.environ.get("RANK", "0"))
     seed = worker_seed(base, rank, worker_id)

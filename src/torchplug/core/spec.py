@@ -1,7 +1,8 @@
 """The torchplug hook specification.
 
 Every extension point of torchplug is a pluggy hook defined in this module; a plugin is any module,
-class or object with functions named like these hooks and marked with :data:`hookimpl`.
+class or object with functions named like these hooks and marked with
+[`hookimpl`][torchplug.hookimpl].
 
 There are two kinds of hooks.
 
@@ -10,7 +11,7 @@ A plugin announces what it offers by calling the ``register`` callback it is han
 Announcing must stay cheap: import nothing heavy here, since ``torchplug plugins`` announces
 every installed plugin.
 
-**Strategy hooks** are called on the *active set* of one :class:`~torchplug.Engine`: the chosen
+**Strategy hooks** are called on the *active set* of one [`Engine`][torchplug.Engine]: the chosen
 backend (an object made by the strategy's factory), the precision plugin if the backend does not own
 precision, and extension plugins. Hooks that perform an action are ``firstresult``: the backend
 answers, and composable plugins wrap it with ``@hookimpl(wrapper=True)``: code before the ``yield``
@@ -45,19 +46,20 @@ if TYPE_CHECKING:
 PROJECT = "torchplug"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
-#: Marks a plugin function as a torchplug hook implementation.
 hookimpl = pluggy.HookimplMarker(PROJECT)
+"""Marks a plugin function as a torchplug hook implementation: ``@hookimpl``, or with pluggy's
+options, e.g. ``@hookimpl(wrapper=True)``, ``@hookimpl(trylast=True)``."""
 
-#: The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
-#: version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
-#: removes or changes them. A plugin declares the range it supports, e.g.
-#: ``TORCHPLUG_API = ">=1.0,<2"`` in its module (or ``StrategyInfo(api=...)``); one whose range
-#: excludes this version is not loaded, and ``torchplug plugins`` says why (docs/plugins.md).
 API_VERSION = "1.0"
+"""The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
+version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
+removes or changes them. A plugin declares the range it supports, e.g.
+``TORCHPLUG_API = ">=1.0,<2"`` in its module (or ``StrategyInfo(api=...)``); one whose range
+excludes this version is not loaded, and ``torchplug plugins`` says why (docs/plugins.md)."""
 
 #: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
 #: the API version that removes it). An entry stays for one minor version, with a hookspec under
-#: the old name made by :func:`deprecated_hookspec`, before the old hook is removed.
+#: the old name made by `deprecated_hookspec`, before the old hook is removed.
 RETIRED_HOOKS: dict[str, tuple[str, str]] = {}
 
 
@@ -67,14 +69,18 @@ class Contract:
     here by the plugin manager, the Engine's dispatch and answer checks, and docs/hooks.md), so
     the contract lives in one place.
 
-    ``kind``: ``"registration"`` (called once per installed plugin when the registry is built),
-    ``"strategy"`` (called on one Engine's active set: the backend, the precision plugin,
-    extensions) or ``"installed plugins"`` (called on every installed plugin by whoever needs
-    the answer). ``required``: the Engine refuses to start when no plugin of its active set
-    answers it. ``per_step``: called in the training loop, so resolved once per Engine into a
-    plain function (:mod:`torchplug.core.dispatch`). ``answer``: the type the answer must have
-    (a dotted name, resolved when checked, so that this module imports no torch), with
-    ``answer_text`` naming it in the error. ``called``: who calls it, on which ranks, when.
+    Args:
+        kind: ``"registration"`` (called once per installed plugin when the registry is built),
+            ``"strategy"`` (called on one Engine's active set: the backend, the precision plugin,
+            extensions) or ``"installed plugins"`` (called on every installed plugin by whoever
+            needs the answer).
+        called: Who calls it, on which ranks, when.
+        required: The Engine refuses to start when no plugin of its active set answers it.
+        per_step: Called in the training loop, so resolved once per Engine into a plain
+            function (`torchplug.core.dispatch`).
+        answer: The type the answer must have (a dotted name, resolved when checked, so that
+            this module imports no torch).
+        answer_text: The answer's type as the error names it.
     """
 
     kind: str
@@ -85,12 +91,17 @@ class Contract:
     answer_text: str = ""
 
 
-#: Every hook's contract, by hook name (filled by :func:`contract` as this module is read).
+#: Every hook's contract, by hook name (filled by `contract` as this module is read).
 CONTRACTS: dict[str, Contract] = {}
 
 
 def contract(**fields: Any) -> Callable[[Any], Any]:
-    """Declare the :class:`Contract` of the hook specification it decorates."""
+    """Declare the [`Contract`][torchplug.core.spec.Contract] of the hook specification it
+    decorates.
+
+    Args:
+        **fields: The [`Contract`][torchplug.core.spec.Contract]'s fields.
+    """
 
     def declare(function: Any) -> Any:
         CONTRACTS[function.__name__] = Contract(**fields)
@@ -100,7 +111,11 @@ def contract(**fields: Any) -> Callable[[Any], Any]:
 
 
 def hooks_where(**wanted: Any) -> frozenset[str]:
-    """The hooks whose contract has every field given, e.g. ``hooks_where(required=True)``."""
+    """The hooks whose contract has every field given, e.g. ``hooks_where(required=True)``.
+
+    Args:
+        **wanted: [`Contract`][torchplug.core.spec.Contract] fields and the values they must have.
+    """
     return frozenset(
         name
         for name, declared in CONTRACTS.items()
@@ -111,7 +126,12 @@ def hooks_where(**wanted: Any) -> frozenset[str]:
 def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], Any]:
     """A hookspec marker for a hook being renamed or retired: implementing it still works for
     one minor version, with a DeprecationWarning at registration (pluggy's ``warn_on_impl``)
-    naming the replacement, so plugin authors learn of it before the hook is removed."""
+    naming the replacement, so plugin authors learn of it before the hook is removed.
+
+    Args:
+        replacement: The hook to implement instead (``""``: none).
+        removed_in: The plugin API version that removes the old hook.
+    """
     instead = f"implement {replacement} instead" if replacement else "it has no replacement"
     return hookspec(
         warn_on_impl=DeprecationWarning(
@@ -137,11 +157,15 @@ def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], An
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     """Announce the strategies (backends) this plugin provides.
 
-    Call ``register(StrategyInfo(...))`` once per strategy. The :class:`StrategyInfo` names the
-    strategy and its aliases, describes it in one line, lists the packages it needs, its options
-    with types and defaults, and its capabilities (shards parameters? owns precision? supports
-    CPU? needs its own launcher?). Its ``factory`` is called only when a user selects the strategy,
-    so the backend's heavy package is imported there, never here.
+    Call ``register(StrategyInfo(...))`` once per strategy. The
+    [`StrategyInfo`][torchplug.StrategyInfo] names the strategy and its aliases, describes it in one
+    line, lists the packages it needs, its options with types and defaults, and its capabilities
+    (shards parameters? owns precision? supports CPU? needs its own launcher?). Its ``factory`` is
+    called only when a user selects the strategy, so the backend's heavy package is imported there,
+    never here.
+
+    Args:
+        register: Call it with one [`StrategyInfo`][torchplug.StrategyInfo] per strategy.
     """
 
 
@@ -158,6 +182,9 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
 
     Call ``register(PrecisionInfo(...))`` with the precisions it implements (``"bf16"``,
     ``"fp16"``).
+
+    Args:
+        register: Call it with one [`PrecisionInfo`][torchplug.PrecisionInfo] per precision plugin.
     """
 
 
@@ -177,6 +204,9 @@ def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
     log directory only when a user selects it, so the tracker's package is imported there,
     never here. Loggers are added exactly as strategies are: a built-in module, an entry point
     of an installed package, or ``torchplug.register`` in your own code.
+
+    Args:
+        register: Call it with one [`LoggerInfo`][torchplug.LoggerInfo] per logger.
     """
 
 
@@ -196,6 +226,9 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
     Return ``None`` when ``env`` does not look like your cluster; the first answer wins, so a plugin
     for a scheduler (SLURM, SageMaker, ...) answers only when its variables are present. The
     built-in implementation reads torchrun's variables and answers last.
+
+    Args:
+        env: The process's environment variables (``os.environ``, or what the launcher passes).
     """
 
 
@@ -213,8 +246,12 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
 def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
     """Start the backend: create the process group if needed and choose this process's device.
 
-    The backend returns a :class:`~torchplug.core.engine.Runtime` (rank, local rank, world size,
+    The backend returns a [`Runtime`][torchplug.Runtime] (rank, local rank, world size,
     device). A precision plugin wraps this hook to learn the device it will run on.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        cluster: Who this process is in its job, as the cluster-environment plugins found it.
     """
 
 
@@ -233,6 +270,12 @@ def torchplug_wrap(
 
     Returns ``(model, optimizers)``. Wrappers post-process the backend's answer, e.g. AMP runs the
     wrapped model's forward under autocast.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The user's model (on the meta device when the strategy ``takes_meta_modules`` and it
+            was built with ``init_module(empty=True)``).
+        optimizers: The optimizers given to ``engine.setup``, made on ``model``'s parameters.
     """
 
 
@@ -247,6 +290,9 @@ def torchplug_init_module(engine: Engine) -> contextlib.AbstractContextManager[N
     Optional: unanswered, the model is built on the meta device and materialised by setup.
 
     Called on every rank, by ``engine.init_module(empty=True)``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
     """
 
 
@@ -268,7 +314,13 @@ def torchplug_compile(
     where it cannot be compiled. Return the model to use. Optional: unanswered, the Engine calls
     ``model.compile(**options)`` (in place, so parameter names stay the model's).
 
-    Called on every rank, after :func:`torchplug_wrap`, when ``Engine(compile=...)`` asks.
+    Called on every rank, after [`torchplug_wrap`][torchplug_wrap], when ``Engine(compile=...)``
+    asks.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model [`torchplug_wrap`][torchplug_wrap] returned.
+        options: The ``torch.compile`` arguments of ``Engine(compile=...)``.
     """
 
 
@@ -284,6 +336,10 @@ def torchplug_place_batch(engine: Engine, batch: Any) -> Any:
 
     The default moves tensors to ``engine.device``; an SPMD backend also marks them sharded over
     its data axis. Called for every batch of a loader returned by ``engine.setup_dataloader``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        batch: One batch as the loader yields it.
     """
 
 
@@ -301,6 +357,11 @@ def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Modul
 
     A wrapper that must change the gradients (loss scaling) registers an autograd hook on ``loss``
     before yielding: the backend's backward then carries the change, whatever the backend does.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        loss: The loss to run backward from (scaled by ``1/steps`` inside ``engine.accumulate``).
+        model: The model the user named in ``engine.backward(loss, model)``, else ``None``.
     """
 
 
@@ -322,9 +383,15 @@ def torchplug_optimizer_step(
     """Perform one optimizer step; return ``True`` if parameters were updated, ``False`` if skipped.
 
     Called whenever the user calls ``optimizer.step()`` on an optimizer returned by
-    :meth:`Engine.setup`. It exists because a step is not always ``optimizer.step()``: a gradient
-    scaler must skip steps with inf/NaN gradients, and some backends own the step. Inside this hook
-    ``optimizer.step()`` is the optimizer's real step, so an implementation can call it directly.
+    [`Engine.setup`][torchplug.Engine.setup]. It exists because a step is not always
+    ``optimizer.step()``: a gradient scaler must skip steps with inf/NaN gradients, and some
+    backends own the step. Inside this hook ``optimizer.step()`` is the optimizer's real step, so an
+    implementation can call it directly.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        optimizer: The optimizer ``step()`` was called on.
+        closure: The closure passed to ``step()``, if any.
     """
 
 
@@ -348,6 +415,13 @@ def torchplug_clip_grad_norm(
 
     A precision plugin wraps it to unscale gradients first; a sharded backend computes the norm
     across shards.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model whose gradients are clipped.
+        optimizer: Its optimizer, when the user passed it (a precision plugin needs it to unscale).
+        max_norm: The largest total norm allowed.
+        norm_type: The norm's order.
     """
 
 
@@ -363,7 +437,12 @@ def torchplug_clip_grad_norm(
 def torchplug_no_sync(
     engine: Engine, model: torch.nn.Module
 ) -> AbstractContextManager[None] | None:
-    """Return a context manager in which backward does not synchronize gradients across ranks."""
+    """Return a context manager in which backward does not synchronize gradients across ranks.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model whose gradient synchronization is skipped.
+    """
 
 
 @hookspec(firstresult=True)
@@ -376,7 +455,11 @@ def torchplug_no_sync(
     called=("On every rank, by `engine.autocast()`."),
 )
 def torchplug_autocast(engine: Engine) -> AbstractContextManager[None] | None:
-    """Return the context manager that applies the active precision to code the user runs in it."""
+    """Return the context manager that applies the active precision to code the user runs in it.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+    """
 
 
 @hookspec(firstresult=True)
@@ -392,6 +475,11 @@ def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Ten
     """Reduce ``tensor`` over all ranks with ``op`` (``sum``, ``mean``, ``max``, ``min``).
 
     Returns a new tensor holding the result on every rank; the input is not modified.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        tensor: This rank's tensor.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
     """
 
 
@@ -405,7 +493,12 @@ def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Ten
     called=("On every rank (a collective), by `engine.gather`."),
 )
 def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor | None:
-    """Gather ``tensor`` from all ranks into a tensor of shape ``(world_size, *tensor.shape)``."""
+    """Gather ``tensor`` from all ranks into a tensor of shape ``(world_size, *tensor.shape)``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        tensor: This rank's tensor (the same shape on every rank).
+    """
 
 
 @hookspec(firstresult=True)
@@ -418,7 +511,11 @@ def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor | Non
     called=("On every rank (a collective), by `engine.barrier()`."),
 )
 def torchplug_barrier(engine: Engine) -> bool | None:
-    """Block until every rank reaches this point; return ``True``."""
+    """Block until every rank reaches this point; return ``True``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+    """
 
 
 @hookspec(firstresult=True)
@@ -435,10 +532,16 @@ def torchplug_save(
     """Write ``state`` as a torchplug checkpoint directory at ``path``; return ``True``.
 
     ``metadata`` is the user's JSON-serializable dict, recorded in the manifest as is. Every rank
-    calls it. The default (:func:`torchplug.checkpoint.save`) takes each module's and optimizer's
+    calls it. The default (`torchplug.checkpoint.save`) takes each module's and optimizer's
     state through the four state hooks below and writes the portable format; a backend with a
     format of its own (DeepSpeed) answers this hook and still writes through
-    :mod:`torchplug.checkpoint`, so atomicity, hashing and failure agreement are the same.
+    `torchplug.checkpoint`, so atomicity, hashing and failure agreement are the same.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        path: The checkpoint directory to write.
+        state: What to save, by name: modules, optimizers, tensors, JSON values.
+        metadata: The user's JSON values, recorded in the manifest.
     """
 
 
@@ -458,7 +561,13 @@ def torchplug_load(
     Returns the plain values of the entries not restored into an object (step counters, user
     dicts); with ``state=None``, every plain value and a summary of the rest. With ``strict`` an
     entry that cannot be restored into the object given for it is an error. Implementations read
-    through :mod:`torchplug.checkpoint`, which validates the manifest and never unpickles.
+    through `torchplug.checkpoint`, which validates the manifest and never unpickles.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        path: The checkpoint directory to read.
+        state: The objects to restore in place, by name; ``None``: return what the checkpoint holds.
+        strict: Refuse entries that cannot be restored into the objects given.
     """
 
 
@@ -475,13 +584,18 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
     """The model's state by parameter name (no wrapper prefixes), as the backend holds it.
 
     Sharded backends return DTensor shards; checkpoints store them by their global shape, so any
-    strategy can load them. Also used by :meth:`Engine.full_state`.
+    strategy can load them. Also used by [`Engine.full_state`][torchplug.Engine.full_state].
 
     A backend that must gather a full tensor with a collective (ZeRO-3) may, while
     ``torchplug.checkpoint.deferred.wanted()`` is true (inside a save), return a
     ``Deferred(shape, dtype, produce)`` instead: the save calls ``produce`` on every rank in
     name order once it knows which rank writes the tensor, and keeps it only there, so no rank
-    holds the whole model. The same holds for :func:`torchplug_optimizer_state`.
+    holds the whole model. The same holds for
+    [`torchplug_optimizer_state`][torchplug_optimizer_state].
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: A model this Engine set up.
     """
 
 
@@ -494,7 +608,15 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
 def torchplug_load_model_state(
     engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
 ) -> bool | None:
-    """Put ``state`` (as :func:`torchplug_model_state` returns it) into ``model``; return True."""
+    """Put ``state`` (as [`torchplug_model_state`][torchplug_model_state] returns it) into
+    ``model``; return True.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: A model this Engine set up.
+        state: Its state, as [`torchplug_model_state`][torchplug_model_state] returns it.
+        strict: Refuse missing and unexpected names.
+    """
 
 
 @hookspec(firstresult=True)
@@ -506,7 +628,13 @@ def torchplug_load_model_state(
 def torchplug_optimizer_state(
     engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any] | None:
-    """The optimizer's state keyed by parameter name (``{"state": ..., "param_groups": ...}``)."""
+    """The optimizer's state keyed by parameter name (``{"state": ..., "param_groups": ...}``).
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model whose parameters ``optimizer`` updates.
+        optimizer: An optimizer this Engine set up.
+    """
 
 
 @hookspec(firstresult=True)
@@ -518,7 +646,15 @@ def torchplug_optimizer_state(
 def torchplug_load_optimizer_state(
     engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> bool | None:
-    """Put ``state`` (as :func:`torchplug_optimizer_state` returns it) into ``optimizer``."""
+    """Put ``state`` (as [`torchplug_optimizer_state`][torchplug_optimizer_state] returns it) into
+    ``optimizer``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        model: The model whose parameters ``optimizer`` updates.
+        optimizer: An optimizer this Engine set up.
+        state: Its state, as [`torchplug_optimizer_state`][torchplug_optimizer_state] returns it.
+    """
 
 
 @hookspec(firstresult=True)
@@ -531,7 +667,12 @@ def torchplug_reads_in_place(engine: Engine, kind: str) -> bool | None:
     """Whether loading reads a ``kind`` (``"module"``/``"optimizer"``) entry straight into the
     tensors the state hook returns (resharding in place), or into fresh CPU tensors handed to the
     load hook. A backend whose tensors DCP cannot write (XLA), or whose optimizer holds only part
-    of the state (FairScale OSS), answers ``False``."""
+    of the state (FairScale OSS), answers ``False``.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        kind: ``"module"`` or ``"optimizer"``.
+    """
 
 
 @hookspec(firstresult=True)
@@ -548,11 +689,16 @@ def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] |
 
     The answer is ``{"model": {name: tensor}, "optimizer": {"state": {name: {...}},
     "param_groups": [{..., "params": [names]}]} or None, "step": int or None, "format": str}``,
-    the layout :func:`torchplug_model_state` and :func:`torchplug_optimizer_state` produce;
-    ``optimizer=False`` lets a reader skip the (slower) optimizer state. ``torchplug convert``
-    calls it on every installed plugin and writes the answer as a portable checkpoint or as
-    safetensors. The user chose to convert this directory, so the reader may use its library's
-    own loaders; import nothing heavy unless the directory is yours.
+    the layout [`torchplug_model_state`][torchplug_model_state] and
+    [`torchplug_optimizer_state`][torchplug_optimizer_state] produce; ``optimizer=False`` lets a
+    reader skip the (slower) optimizer state. ``torchplug convert`` calls it on every installed
+    plugin and writes the answer as a portable checkpoint or as safetensors. The user chose to
+    convert this directory, so the reader may use its library's own loaders; import nothing heavy
+    unless the directory is yours.
+
+    Args:
+        source: The directory ``torchplug convert`` was given.
+        optimizer: Whether the optimizer state is wanted too.
     """
 
 
@@ -570,6 +716,10 @@ def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] 
 
     Called on every installed plugin by ``torchplug convert``; import nothing heavy unless the
     directory is yours.
+
+    Args:
+        source: The directory ``torchplug convert`` was given.
+        destination: The directory to write ``model.safetensors`` into.
     """
 
 
@@ -593,6 +743,9 @@ def torchplug_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
     keys cannot take) and restored on load when the checkpoint holds it: a checkpoint saved
     without the plugin (another precision, an older torchplug) leaves the object as it is. Keep
     the state small, JSON values or tensors equal on every rank: rank 0's copy is written.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
     """
 
 
@@ -609,4 +762,7 @@ def torchplug_teardown(engine: Engine) -> None:
 
     Needed because one process may create several Engines one after another (tests, notebooks,
     sweeps); every plugin in the active set is called.
+
+    Args:
+        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
     """

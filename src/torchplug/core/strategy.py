@@ -1,8 +1,8 @@
 """A base class for backends: default answers to every strategy hook, for torch.distributed.
 
-A backend subclasses :class:`Strategy` and implements ``torchplug_setup`` (and whatever it does
-differently). The defaults here are marked ``trylast`` so that any other plugin in the active set
-that answers a hook takes precedence over them.
+A backend subclasses [`Strategy`][torchplug.Strategy] and implements ``torchplug_setup`` (and
+whatever it does differently). The defaults here are marked ``trylast`` so that any other plugin in
+the active set that answers a hook takes precedence over them.
 """
 
 from __future__ import annotations
@@ -48,10 +48,13 @@ class Strategy:
     def torchplug_wrap(
         self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        """The default answer to [`torchplug_wrap`][torchplug_wrap] (see the hook reference)."""
         return model.to(engine.device), optimizers
 
     @hookimpl(trylast=True)
     def torchplug_place_batch(self, engine: Engine, batch: Any) -> Any:
+        """The default answer to [`torchplug_place_batch`][torchplug_place_batch]
+        (see the hook reference)."""
         from torchplug.core.data import move_to_device
 
         return batch if engine.device.type == "cpu" else move_to_device(batch, engine.device)
@@ -60,6 +63,8 @@ class Strategy:
     def torchplug_backward(
         self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
     ) -> bool:
+        """The default answer to [`torchplug_backward`][torchplug_backward]
+        (see the hook reference)."""
         loss.backward()
         return True
 
@@ -70,6 +75,8 @@ class Strategy:
         optimizer: torch.optim.Optimizer,
         closure: Callable[[], Any] | None,
     ) -> bool:
+        """The default answer to [`torchplug_optimizer_step`][torchplug_optimizer_step]
+        (see the hook reference)."""
         optimizer.step(closure) if closure is not None else optimizer.step()
         return True
 
@@ -82,20 +89,27 @@ class Strategy:
         max_norm: float,
         norm_type: float,
     ) -> torch.Tensor:
+        """The default answer to [`torchplug_clip_grad_norm`][torchplug_clip_grad_norm]
+        (see the hook reference)."""
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
 
     @hookimpl(trylast=True)
     def torchplug_no_sync(
         self, engine: Engine, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
+        """The default answer to [`torchplug_no_sync`][torchplug_no_sync]
+        (see the hook reference)."""
         return contextlib.nullcontext()
 
     @hookimpl(trylast=True)
     def torchplug_autocast(self, engine: Engine) -> contextlib.AbstractContextManager[None]:
+        """The default answer to [`torchplug_autocast`][torchplug_autocast]
+        (see the hook reference)."""
         return contextlib.nullcontext()
 
     @hookimpl(trylast=True)
     def torchplug_reduce(self, engine: Engine, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """The default answer to [`torchplug_reduce`][torchplug_reduce] (see the hook reference)."""
         result = tensor.detach().clone()
         if op == "mean" and not result.is_floating_point():
             result = result.to(torch.get_default_dtype())
@@ -107,6 +121,7 @@ class Strategy:
 
     @hookimpl(trylast=True)
     def torchplug_gather(self, engine: Engine, tensor: torch.Tensor) -> torch.Tensor:
+        """The default answer to [`torchplug_gather`][torchplug_gather] (see the hook reference)."""
         tensor = tensor.detach().contiguous()
         if not _distributed(engine):
             return tensor.unsqueeze(0).clone()
@@ -116,6 +131,8 @@ class Strategy:
 
     @hookimpl(trylast=True)
     def torchplug_barrier(self, engine: Engine) -> bool:
+        """The default answer to [`torchplug_barrier`][torchplug_barrier]
+        (see the hook reference)."""
         if _distributed(engine):
             dist.barrier()
         return True
@@ -128,10 +145,14 @@ class Strategy:
 
     @hookimpl(trylast=True)
     def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+        """The default answer to [`torchplug_reads_in_place`][torchplug_reads_in_place]
+        (see the hook reference)."""
         return True
 
     @hookimpl(trylast=True)
     def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+        """The default answer to [`torchplug_model_state`][torchplug_model_state]
+        (see the hook reference)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(model)
@@ -140,6 +161,8 @@ class Strategy:
     def torchplug_load_model_state(
         self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
     ) -> bool:
+        """The default answer to [`torchplug_load_model_state`][torchplug_load_model_state]
+        (see the hook reference)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -152,6 +175,8 @@ class Strategy:
     def torchplug_optimizer_state(
         self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
+        """The default answer to [`torchplug_optimizer_state`][torchplug_optimizer_state]
+        (see the hook reference)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         with engine.real_optimizer_steps():  # it may take a zero step to create the state
@@ -165,6 +190,8 @@ class Strategy:
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
     ) -> bool:
+        """The default answer to [`torchplug_load_optimizer_state`][torchplug_load_optimizer_state]
+        (see the hook reference)."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         with engine.real_optimizer_steps():  # it may take a zero step to create the state
@@ -216,7 +243,8 @@ def _has_backend(name: str) -> bool:
 
 
 def distributed_options() -> tuple[Option, ...]:
-    """The options of every :class:`DistributedStrategy`, for its StrategyInfo."""
+    """The options of every [`DistributedStrategy`][torchplug.DistributedStrategy], for its
+    StrategyInfo."""
     from torchplug.core.registry import positive_number
 
     return (
@@ -238,7 +266,12 @@ def distributed_options() -> tuple[Option, ...]:
 
 
 class DistributedStrategy(Strategy):
-    """A backend on a torch.distributed process group: created here unless one exists."""
+    """A backend on a torch.distributed process group: created here unless one exists.
+
+    Args:
+        process_group_backend: The torch.distributed backend (``None``: nccl on CUDA, gloo on CPU).
+        timeout: Seconds before a collective gives up.
+    """
 
     def __init__(
         self, process_group_backend: str | None = None, timeout: float = DEFAULT_TIMEOUT
@@ -249,6 +282,7 @@ class DistributedStrategy(Strategy):
 
     @hookimpl
     def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+        """The default answer to [`torchplug_setup`][torchplug_setup] (see the hook reference)."""
         from torchplug.core.engine import Runtime
 
         device = default_device(cluster.local_rank)
@@ -288,6 +322,8 @@ class DistributedStrategy(Strategy):
 
     @hookimpl
     def torchplug_teardown(self, engine: Engine) -> None:
+        """The default answer to [`torchplug_teardown`][torchplug_teardown]
+        (see the hook reference)."""
         from torchplug.core import faults
 
         self._release(failing=engine.failing or faults.failing)

@@ -4,7 +4,7 @@ Data parallel gives each rank its own BatchNorm statistics, taken over its own s
 batch. With synchronised BatchNorm the statistics are those of the whole global batch, so two
 ranks of four samples train exactly like one process with eight. On GPUs (and XPU/HPU) that is
 torch's own ``nn.SyncBatchNorm``; torch's refuses CPU tensors, so on the CPU torchplug uses
-:class:`GlobalBatchNorm`, built from torch's own pieces: per-channel sums, sums of squares and
+`GlobalBatchNorm`, built from torch's own pieces: per-channel sums, sums of squares and
 counts summed over the ranks with ``torch.distributed.nn.functional.all_reduce``, which is
 differentiable (its backward sums the gradients over the ranks, as the statistics' dependence on
 every rank's input requires).
@@ -99,7 +99,7 @@ def _put_back(parent: torch.nn.Module, name: str, original: torch.nn.Module) -> 
 def convert(model: torch.nn.Module, device: torch.device) -> list[Callable[[], None]]:
     """Replace every BatchNorm of ``model`` (in place, sharing its tensors) by a synchronised
     one: torch's ``SyncBatchNorm`` where torch supports the device, else
-    :class:`GlobalBatchNorm`. Returns the undo steps; a model whose root is a BatchNorm is
+    `GlobalBatchNorm`. Returns the undo steps; a model whose root is a BatchNorm is
     refused (there is no parent to put the new module in)."""
     if isinstance(model, _BatchNorm):
         raise ConfigurationError(

@@ -56,7 +56,15 @@ def device_peak_flops(device: torch.device, precision: str) -> float | None:
 def measure_flops(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> int:
     """FLOPs of one ``step()`` (a forward returning the loss) and its backward, counted by torch's
     ``FlopCounterMode`` (matrix multiplications, convolutions, attention); the gradients it
-    makes are cleared again. Run it once, on a representative batch."""
+    makes are cleared again. Run it once, on a representative batch.
+
+    Args:
+        model: The model whose gradients are cleared afterwards.
+        step: A function of no arguments running the forward and returning the loss.
+
+    Returns:
+        The FLOPs counted.
+    """
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
@@ -68,7 +76,14 @@ def measure_flops(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> i
 
 
 class ThroughputMonitor:
-    """Samples/s, tokens/s, FLOP/s and MFU of the loop, on this rank and over all ranks."""
+    """Samples/s, tokens/s, FLOP/s and MFU of the loop, on this rank and over all ranks.
+
+    Args:
+        engine: The Engine whose loggers, ranks and device it uses.
+        window: How many of the latest updates the rates are measured over (at least 2).
+        peak_flops: The device's peak FLOP/s for MFU (``None``: looked up for known devices and
+            precisions).
+    """
 
     def __init__(
         self, engine: Engine, *, window: int = 100, peak_flops: float | None = None
@@ -98,7 +113,16 @@ class ThroughputMonitor:
         flops: float | None = None,
     ) -> None:
         """Record the totals so far on this rank: seconds since the start, batches, samples and
-        tokens processed, and the FLOPs of the step just done (added up here)."""
+        tokens processed, and the FLOPs of the step just done (added up here).
+
+        Args:
+            time: Seconds since the start (growing with every update).
+            batches: Batches processed so far.
+            samples: Samples processed so far.
+            tokens: Tokens processed so far, for ``tokens_per_s``.
+            flops: The FLOPs of the step just done ([`measure_flops`][torchplug.measure_flops]), for
+                ``flops_per_s`` and MFU.
+        """
         if self._points and time <= self._points[-1][0]:
             raise ConfigurationError(
                 f"ThroughputMonitor.update(time={time!r}): time must grow with every update "
@@ -135,7 +159,12 @@ class ThroughputMonitor:
         return result
 
     def compute_and_log(self, step: int | None = None) -> dict[str, Any]:
-        """:meth:`compute`, logged under ``throughput/…`` through the Engine's loggers."""
+        """[`compute`][torchplug.ThroughputMonitor.compute], logged under ``throughput/…`` through
+        the Engine's loggers.
+
+        Args:
+            step: The step to log at (``None``: the step after the last one logged).
+        """
         result = self.compute()
         if result:
             self.engine.log({f"throughput/{k}": v for k, v in result.items()}, step=step)

@@ -31,6 +31,18 @@ DDP_OPTIONS: tuple[Option, ...] = (
 
 
 class DDPStrategy(DistributedStrategy):
+    """The ``ddp`` backend: torch DistributedDataParallel (subclass it to build on DDP).
+
+    Args:
+        process_group_backend: The torch.distributed backend (``None``: nccl on CUDA, gloo on CPU).
+        timeout: Seconds before a collective gives up.
+        **ddp: DistributedDataParallel's options: ``find_unused_parameters``, ``static_graph``,
+            ``gradient_as_bucket_view``, ``broadcast_buffers``, ``bucket_cap_mb``.
+
+    Raises:
+        TypeError: An option DDP does not have.
+    """
+
     def __init__(
         self, process_group_backend: str | None = None, timeout: float = DEFAULT_TIMEOUT, **ddp: Any
     ) -> None:
@@ -49,6 +61,7 @@ class DDPStrategy(DistributedStrategy):
     def torchplug_wrap(
         self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        """The default answer to [`torchplug_wrap`][torchplug_wrap] (see the hook reference)."""
         from torch.nn.parallel import DistributedDataParallel
 
         model = model.to(engine.device)
@@ -59,6 +72,8 @@ class DDPStrategy(DistributedStrategy):
     def torchplug_no_sync(
         self, engine: Engine, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
+        """The default answer to [`torchplug_no_sync`][torchplug_no_sync]
+        (see the hook reference)."""
         no_sync = getattr(model, "no_sync", None)
         if no_sync is None:
             raise ConfigurationError(

@@ -90,7 +90,7 @@ def _norms_in_fp32(model: torch.nn.Module) -> list[torch.nn.Module]:
     crashed). Each such layer computes in fp32 instead, as torch's AMP runs it: its weight and
     bias cast up (differentiably) while its own forward runs, its output cast back to its
     input's dtype; the statistics stay fp32, as in every other strategy's checkpoints. Undone at
-    teardown (:func:`_restore_norms`)."""
+    teardown (`_restore_norms`)."""
     patched = []
     for module in model.modules():
         if not isinstance(module, torch.nn.modules.batchnorm._NormBase):  # noqa: SLF001

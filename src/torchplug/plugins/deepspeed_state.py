@@ -91,7 +91,7 @@ def _full_value(tensor: torch.Tensor, lowered: bool) -> torch.Tensor:
 
 
 def _full_dtype(tensor: torch.Tensor, lowered: bool) -> torch.dtype:
-    """The dtype :func:`_full_value` gives ``tensor``, known without gathering it."""
+    """The dtype `_full_value` gives ``tensor``, known without gathering it."""
     if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
         return torch.float32  # DeepSpeed's master weights
     if lowered and tensor.dtype.is_floating_point:
@@ -104,7 +104,7 @@ def model_state(module: torch.nn.Module, lowered: bool) -> dict[str, Any]:
     DeepSpeed's fp32 master weights. ``lowered``: DeepSpeed cast the module to bf16/fp16, so the
     other floating entries go back to fp32 (the dtype the model had before setup).
 
-    Inside a save (:func:`torchplug.checkpoint.deferred.wanted`) parameters are promised, not
+    Inside a save (`torchplug.checkpoint.deferred.wanted`) parameters are promised, not
     gathered: the save gathers each once it knows which rank writes it, so no rank holds the
     whole model. Buffers (never partitioned, each rank's own) are taken at once."""
     from torchplug.checkpoint import deferred

@@ -1,6 +1,6 @@
 """What the conformance kit runs on every rank: a tiny training run and collective checks.
 
-Module-level functions, so that :class:`~torchplug.testing.RankPool` workers can import them.
+Module-level functions, so that `RankPool` workers can import them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def make_dataset(n: int, seed: int = 1) -> TensorDataset:
 
 
 def kit_scale(strategy: str, precision: str | None) -> dict[str, Any]:
-    """The Engine arguments that start fp16 at :data:`FP16_SCALE` (none in other precisions,
+    """The Engine arguments that start fp16 at `FP16_SCALE` (none in other precisions,
     or where the strategy's own fp16 takes no ``init_scale``)."""
     if precision != "fp16" or strategy == "auto":
         return {}
@@ -123,7 +123,7 @@ def reference(
     inf_at_step: int | None = None,
     nan_at_step: int | None = None,
 ) -> dict[str, Any]:
-    """The same run as :func:`train` in plain PyTorch: one process, the combined batch, no
+    """The same run as `train` in plain PyTorch: one process, the combined batch, no
     torchplug at all (no Engine, no optimizer patch, no loader wrapper, no state gathering), so a
     bug shared by torchplug's code paths cannot hide in the comparison."""
     model = make_model()
@@ -208,7 +208,7 @@ def train(
     under no_sync, whether this rank's gradients equal every other rank's (they must not).
     ``with_accumulate``: the micro-batches go through ``engine.accumulate`` instead (the loop a
     user writes: step and zero_grad on every micro-batch, the Engine skips them in between).
-    ``precision_options`` default (None): fp16 starts at :data:`FP16_SCALE`; ``{}``: the
+    ``precision_options`` default (None): fp16 starts at `FP16_SCALE`; ``{}``: the
     precision plugin's own defaults. ``engine_args``: more Engine arguments (``compile``, ...).
     """
     register(plugins)
@@ -324,7 +324,7 @@ def barrier_waits(
         return Path(marker).exists()
 
 
-#: The learning rate :func:`hyperparameters_saved` sets by hand before saving.
+#: The learning rate `hyperparameters_saved` sets by hand before saving.
 SET_LR = 0.0123
 
 
@@ -337,7 +337,7 @@ def hyperparameters_saved(
     precision: str | None = None,
 ) -> dict[str, Any]:
     """Save (``load=False``): two SGD steps under a StepLR scheduler, then the learning rate set
-    by hand to :data:`SET_LR`, saved with the scheduler. Load: fresh objects loaded from it.
+    by hand to `SET_LR`, saved with the scheduler. Load: fresh objects loaded from it.
     Either way: the optimizer's lr and momentum, and the scheduler's state."""
     register(plugins)
     with tp.Engine(strategy, precision=precision, **(options or {})) as engine:

@@ -1,6 +1,6 @@
 """The conformance kit as pytest tests, for backend authors' own test suites.
 
-Subclass :class:`Conformance` in a test module; torchplug's pytest plugin (loaded automatically)
+Subclass `Conformance` in a test module; torchplug's pytest plugin (loaded automatically)
 provides the ranks::
 
     from torchplug.testing.conformance import Conformance
@@ -9,9 +9,9 @@ provides the ranks::
         strategy = "my-backend"        # options = {...}; plugins = ["my_module"]; nprocs = 2
         precision = "bf16"             # one class per precision the backend supports
 
-or let :func:`classes` make one class per precision.
+or let `classes` make one class per precision.
 
-Every property of :mod:`torchplug.testing.kit` becomes a test, run on real ranks started once per
+Every property of `torchplug.testing.kit` becomes a test, run on real ranks started once per
 session by torchrun (the ``torchplug_ranks`` fixture).
 """
 
@@ -142,7 +142,7 @@ class Conformance:
 def classes(
     strategy: str, precisions: Sequence[str] = ("32", "bf16", "fp16"), **attributes: Any
 ) -> dict[str, type[Conformance]]:
-    """One :class:`Conformance` test class per precision, named for pytest to collect::
+    """One `Conformance` test class per precision, named for pytest to collect::
 
     globals().update(classes("my-backend", ("32", "bf16"), plugins=["my_module"]))
     """

@@ -1,11 +1,11 @@
 """The conformance kit: the properties every strategy must have, each checked in real processes.
 
 Run it as ``torchplug check STRATEGY [-n 2]``, or in a test suite through
-:class:`torchplug.testing.Conformance`. Each property yields an :class:`Outcome` whose detail
+`torchplug.testing.Conformance`. Each property yields an `Outcome` whose detail
 holds the measured numbers, so a failure says which property broke and by how much.
 
 Strategies whose communication is lossy (gradient compression) declare ``tolerance`` in their
-:class:`~torchplug.StrategyInfo`; with ``tolerance=None`` parity is checked as convergence.
+`StrategyInfo`; with ``tolerance=None`` parity is checked as convergence.
 """
 
 from __future__ import annotations
@@ -725,7 +725,7 @@ class Kit:
 
     def real_model(self) -> Outcome:
         """A model with BatchNorm, a convolution, a random buffer and a tied embedding
-        (:class:`~torchplug.testing.real_model.KitNet`), built from a different seed on every
+        (`KitNet`), built from a different seed on every
         rank and trained with SGD + momentum on the ranks' shares, against plain PyTorch
         running each share's forward (its own batch statistics). Every rank's parameters equal
         the reference; each rank's BatchNorm statistics are its own shares' or, as DDP gives

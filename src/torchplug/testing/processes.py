@@ -1,7 +1,7 @@
 """Run a function in N real processes, started once by torchrun and reused.
 
 Starting torchrun costs two torch imports (seconds); a test suite that started it per test would
-spend its time there. :class:`RankPool` starts ``N`` workers through ``torch.distributed.run`` once,
+spend its time there. `RankPool` starts ``N`` workers through ``torch.distributed.run`` once,
 then runs one function per call on every rank. Each call gets a fresh rendezvous port (rank 0
 hosts the store), so a call's process group never meets the previous one's. A call that takes
 longer than its timeout, or a rank that dies, fails the call with every rank's error and stops the
@@ -64,7 +64,7 @@ class RankPool:
         self.start_timeout = start_timeout
         self.env = dict(env or {})
         #: What the ranks add to their sys.path: by default the caller's (see
-        #: :func:`default_sys_path`), so a function from the caller's own module (a test file,
+        #: `default_sys_path`), so a function from the caller's own module (a test file,
         #: a script's directory) imports on the ranks as it did here; ``()`` adds nothing.
         self.sys_path = default_sys_path() if sys_path is None else list(sys_path)
         self._process: subprocess.Popen[bytes] | None = None

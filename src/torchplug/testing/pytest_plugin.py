@@ -1,6 +1,6 @@
 """torchplug's pytest plugin, loaded automatically (``pytest11`` entry point) where torchplug is
 installed. It only provides the ``torchplug_ranks`` fixture and imports nothing heavy; the
-conformance suite lives in :mod:`torchplug.testing.conformance`.
+conformance suite lives in `torchplug.testing.conformance`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """The kit's real-model shape and what it runs with it: buffers, norms, a tied embedding.
 
-The small MLP of :mod:`torchplug.testing.bodies` keeps the numeric properties cheap, but it has
+The small MLP of `torchplug.testing.bodies` keeps the numeric properties cheap, but it has
 no buffers, no normalisation layer, no tied weight and no layer other than ``nn.Linear``, which
 is where real models broke backends silently (BatchNorm statistics mixed across ranks in
-checkpoints, ranks holding different buffers). :class:`KitNet` has all of them, and the
+checkpoints, ranks holding different buffers). `KitNet` has all of them, and the
 ``real_model`` and ``replicas`` properties train and compare it.
 
 What a data-parallel rank's BatchNorm statistics are: each rank normalises its own share of
 the batch, so its running statistics follow its share. A backend either leaves each rank its
 own (FSDP, DeepSpeed) or, as DDP does, gives every rank rank 0's before each forward. Either
 way rank 0's statistics are those of rank 0's shares alone, and that is what a checkpoint holds
-(``docs/checkpoints.md``). :func:`reference` computes all of them in plain PyTorch.
+(``docs/checkpoints.md``). `reference` computes all of them in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def train(
     precision: str | None = None,
     save_to: str | None = None,
 ) -> dict[str, Any]:
-    """:func:`reference`'s run as a user writes it, every rank building the model from its own
+    """`reference`'s run as a user writes it, every rank building the model from its own
     seed: this rank's losses, its full state after training (parameters and rank 0's
     buffers as the Engine gathers them), its own BatchNorm statistics, and its data-parallel
     rank. ``save_to``: the checkpoint written at the end."""
@@ -204,7 +204,7 @@ def train(
 
 
 def _named_stats(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """This rank's own BatchNorm buffers by their name in :class:`KitNet` (wrapper prefixes
+    """This rank's own BatchNorm buffers by their name in `KitNet` (wrapper prefixes
     such as DDP's ``module.`` left out)."""
     from torchplug.checkpoint.io import unwrapped
 
@@ -229,7 +229,7 @@ def replicas(
     precision: str | None = None,
     empty: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """:class:`KitNet` built from a different seed on every rank (as a script that seeds per
+    """`KitNet` built from a different seed on every rank (as a script that seeds per
     rank, or not at all, does), eagerly or on the meta device: its full parameters and buffers
     after setup, and whether the embedding and head are still one tensor. Every rank must hold
     rank 0's model (the caller compares them with an eager build from rank 0's seed)."""
@@ -254,12 +254,12 @@ def _find(model: torch.nn.Module, name: str) -> torch.nn.Module:
     raise LookupError(name)
 
 
-#: Rank r of :func:`replicas` seeds ``REPLICA_SEED + r``.
+#: Rank r of `replicas` seeds ``REPLICA_SEED + r``.
 REPLICA_SEED = 100
 
 
 def replica_reference() -> dict[str, torch.Tensor]:
-    """Rank 0's model of :func:`replicas`, built eagerly in this process."""
+    """Rank 0's model of `replicas`, built eagerly in this process."""
     torch.manual_seed(REPLICA_SEED)
     return {k: v.float() for k, v in KitNet().state_dict().items()}
 
@@ -271,7 +271,7 @@ def materialized(
     precision: str | None = None,
     empty: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """:class:`KitNet` after setup, built on the meta device (``empty``) or eagerly on the CPU,
+    """`KitNet` after setup, built on the meta device (``empty``) or eagerly on the CPU,
     after the same seed: its full parameters and buffers by name (the two must be equal, the
     tied embedding holding the embedding's initialisation in both)."""
     bodies.register(plugins)

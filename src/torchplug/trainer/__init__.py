@@ -1,5 +1,5 @@
-"""The Trainer: a small ready loop on the Engine (:mod:`.loop`), its callback hooks
-(:mod:`.hooks`) and its progress display (:mod:`.progress`)."""
+"""The Trainer: a small ready loop on the Engine (`loop`), its callback hooks
+(`hooks`) and its progress display (`progress`)."""
 
 from torchplug.trainer.loop import Trainer, accuracy
 

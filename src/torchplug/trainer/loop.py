@@ -5,7 +5,7 @@ what it does can be read and copied into a hand-written loop. It adds: gradient 
 and clipping, an LR scheduler stepped once per optimizer step, evaluation with metrics over the
 whole eval set (padding dropped, reduced over every rank), metrics to the Engine's loggers, a
 progress bar on rank 0, numbered checkpoints with automatic resume, and callbacks as pluggy
-hook implementations (:mod:`torchplug.trainer.hooks`).
+hook implementations ([`torchplug.trainer.hooks`][torchplug.trainer.hooks]).
 """
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ def _positive(name: str, value: Any, allow_none: bool = False) -> None:
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
-    """Fraction of rows whose highest output is the target class (a ready ``metrics`` entry)."""
+    """Fraction of rows whose highest output is the target class (a ready ``metrics`` entry).
+
+    Args:
+        outputs: Scores of shape ``(rows, classes)``.
+        targets: The class index of each row.
+    """
     return (outputs.argmax(-1) == targets).float().mean().item()
 
 
@@ -49,16 +54,77 @@ class Trainer:
     targets)`` batches), on any strategy; ``fit()`` runs it.
 
     ``loss_fn(model(inputs), targets)`` is the loss; for other batch layouts subclass and
-    override :meth:`training_step` (and :meth:`eval_outputs`). ``scheduler`` is an LR scheduler
-    made on ``optimizer`` (or a function ``optimizer -> scheduler``), stepped once per optimizer
-    step. ``metrics`` maps names to ``fn(outputs, targets)`` run on the whole gathered eval set
-    (:func:`accuracy` is one). With ``checkpoint_dir``, a checkpoint is written every
-    ``checkpoint_every`` steps and at the end, and ``resume="latest"`` continues from the newest
-    one: running the same command again after a crash carries on from its last checkpoint.
-    ``callbacks`` are objects with ``@torchplug.hookimpl`` functions named as in
-    :mod:`torchplug.trainer.hooks`. ``hparams`` (a dict) is logged once with every logger when
-    ``fit()`` starts (:meth:`Engine.log_hyperparams`). Further keyword arguments go to the
-    :class:`Engine` (or pass ``engine=`` one you made).
+    override [`training_step`][torchplug.Trainer.training_step] (and
+    [`eval_outputs`][torchplug.Trainer.eval_outputs]). Running the same command again after a crash
+    carries on from the last checkpoint (with ``checkpoint_dir``). ``with Trainer(...) as trainer:``
+    closes its Engine at the end.
+
+    Args:
+        model: The plain model (the Trainer sets it up with its Engine).
+        optimizer: An optimizer made on ``model``'s parameters.
+        loss_fn: ``loss_fn(outputs, targets)``, the loss of a batch; ``None`` only when a
+            subclass overrides [`training_step`][torchplug.Trainer.training_step] and
+            [`eval_outputs`][torchplug.Trainer.eval_outputs].
+        train_data: The training batches: a DataLoader of ``(inputs, targets)`` (each rank gets
+            its share). Required.
+        eval_data: Evaluation batches, run after each epoch (metrics over all ranks).
+        strategy: As [`Engine`][torchplug.Engine]'s ``strategy``.
+        precision: As [`Engine`][torchplug.Engine]'s ``precision``.
+        max_epochs: Passes over ``train_data``.
+        max_steps: Stop after this many optimizer steps (``None``: after ``max_epochs``).
+        grad_accum: Micro-batches per optimizer step
+            ([`Engine.accumulate`][torchplug.Engine.accumulate]).
+        clip_grad_norm: Clip gradients to this total norm before each optimizer step.
+        scheduler: An LR scheduler made on ``optimizer`` (or a function ``optimizer ->
+            scheduler``), stepped once per optimizer step that was not skipped.
+        checkpoint_dir: Where numbered checkpoints go: one every ``checkpoint_every`` steps and
+            one at the end.
+        checkpoint_every: Steps between checkpoints (needs ``checkpoint_dir``).
+        resume: ``"latest"``: continue from the newest complete checkpoint in
+            ``checkpoint_dir``; ``None``: start afresh.
+        keep_last: Keep only this many checkpoints (``None``: all).
+        loggers: As [`Engine`][torchplug.Engine]'s ``loggers``: ``train/loss``, ``train/lr``,
+            ``train/samples_per_s`` every ``log_every`` steps, and ``epoch/*`` (``train_loss``,
+            ``eval_*``) after each epoch.
+        log_dir: As [`Engine`][torchplug.Engine]'s ``log_dir``.
+        log_every: Steps between logged training metrics (the loss is averaged over them).
+        metrics: Names to functions ``fn(outputs, targets)`` run on the whole gathered eval set
+            ([`accuracy`][torchplug.accuracy] is one).
+        callbacks: Objects with ``@torchplug.hookimpl`` functions named as in
+            [`torchplug.trainer.hooks`][torchplug.trainer.hooks].
+        progress: Show a progress bar on rank 0 (tqdm, else rich); ``None``: when stderr is a
+            terminal.
+        hparams: Logged once with every logger when ``fit()`` starts
+            ([`Engine.log_hyperparams`][torchplug.Engine.log_hyperparams]).
+        engine: An Engine you made, used instead of one made from the arguments above.
+        **engine_options: Further keyword arguments of the [`Engine`][torchplug.Engine] it makes.
+
+    Raises:
+        ConfigurationError: An argument is invalid or missing (the message says the fix).
+
+    Attributes:
+        engine: The Engine it trains with.
+        model: The model as [`Engine.setup`][torchplug.Engine.setup] returned it.
+        optimizer: The optimizer as [`Engine.setup`][torchplug.Engine.setup] returned it.
+        scheduler: The LR scheduler, or ``None``.
+        train_loader: The training loader as
+            [`Engine.setup_dataloader`][torchplug.Engine.setup_dataloader] returned it.
+        eval_loader: The evaluation loader, or ``None``.
+        step: Optimizer steps done so far (the checkpoint's step after a resume).
+        epoch: The current epoch, from 0.
+        loss_fn: The ``loss_fn`` argument.
+        max_epochs: The ``max_epochs`` argument.
+        max_steps: The ``max_steps`` argument.
+        grad_accum: The ``grad_accum`` argument.
+        clip_grad_norm: The ``clip_grad_norm`` argument.
+        checkpoint_every: The ``checkpoint_every`` argument.
+        log_every: The ``log_every`` argument.
+        metrics: The ``metrics`` argument, as a dict.
+        hparams: The ``hparams`` argument, as a dict.
+        callbacks: The pluggy plugin manager holding the callbacks.
+        hook: The callbacks' hooks, called by name:
+            ``trainer.hook.on_train_start(trainer=trainer)``.
+        progress: The progress bar (a no-op when off).
     """
 
     def __init__(
@@ -152,13 +218,21 @@ class Trainer:
         )
 
     def training_step(self, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch (override for other batch layouts)."""
+        """The loss of one micro-batch (override for other batch layouts).
+
+        Args:
+            batch: One micro-batch from ``train_data``, on the device.
+        """
         inputs, targets = self._split(batch)
         assert self.loss_fn is not None
         return self.loss_fn(self.model(inputs), targets)
 
     def eval_outputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(outputs, targets)`` of one eval batch (override for other batch layouts)."""
+        """``(outputs, targets)`` of one eval batch (override for other batch layouts).
+
+        Args:
+            batch: One batch from ``eval_data``, on the device.
+        """
         inputs, targets = self._split(batch)
         return self.model(inputs), targets
 

@@ -39,7 +39,7 @@ class WandbLogger:
     The run starts on the first call that needs it (``log_metrics``, ``log_hyperparams`` or
     ``run``), so an object made on every rank opens a run only where it logs (rank 0). If a wandb
     run is already active in the process (the user's own ``wandb.init``), it is used and left
-    open on :meth:`close`.
+    open on `close`.
     """
 
     def __init__(self, log_dir: str | os.PathLike[str] | None = None, **init: Any) -> None:
