@@ -204,6 +204,13 @@ class StrategyInfo:
     #: so the launcher, ``check``, the kit and the Engine all give the same answer. Keep it
     #: cheap: it runs in ``torchplug plugins`` and the launcher, never importing the backend.
     precision_check: Callable[[str], str | None] | None = None
+    #: Per-rank bytes of parameters, gradients, optimizer state and fp32 masters for a model's
+    #: parameter shapes (``torchplug estimate-memory``): a function ``MemoryQuery ->
+    #: MemoryEstimate`` (ready ones in :mod:`torchplug.core.memory`, e.g. ``memory.fsdp2``),
+    #: raising ``NotEstimable`` where shapes alone cannot tell. ``None``: derived from
+    #: ``shards_parameters`` / ``shards_optimizer`` (even sharding) and marked as derived.
+    #: Added in plugin API 1.1.
+    memory: Callable[[Any], Any] | None = None
     #: The name of a registered strategy whose options, capabilities and defaults this one
     #: inherits: its own options are added to (or replace, by name) the parent's, and every
     #: field left at its default takes the parent's value. For a subclass of the parent's class.
@@ -283,6 +290,7 @@ class StrategyInfo:
             "precision_options",
             "check",
             "precision_check",
+            "memory",
         }
         for f in dataclasses.fields(self):
             if f.name in inherited and getattr(self, f.name) == f.default:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torchplug.core import capabilities
+from torchplug.core import capabilities, memory
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
@@ -40,6 +40,11 @@ from torchplug.plugins.fsdp import (
 )
 
 STYLES = ("colwise", "rowwise", "sequence")
+#: Why ``torchplug estimate-memory`` gives no numbers for ``tp`` / ``fsdp-tp``.
+PLAN_DEPENDS = (
+    "per-rank bytes depend on the tensor-parallel plan (which weights split colwise or rowwise, "
+    "which stay whole), which parameter shapes alone do not give"
+)
 
 #: Hugging Face's plan strings (``model._tp_plan``, ``config.base_model_tp_plan``) that map onto
 #: torch's own styles, with the layouts transformers gives them; "replicate" leaves a module whole.
@@ -349,6 +354,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("tensor-parallel",),
             factory=_factory(False),
             description="Tensor parallelism over every rank (torch parallelize_module).",
+            memory=memory.not_estimable(PLAN_DEPENDS),
             options=(*distributed_options(), plan),
             precisions=("32",),
             owns_precision=False,
@@ -363,6 +369,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("2d",),
             factory=_factory(True),
             description="2-D parallelism: FSDP2 over 'dp' × tensor parallelism over 'tp'.",
+            memory=memory.not_estimable(PLAN_DEPENDS),
             options=(
                 *distributed_options(),
                 plan,

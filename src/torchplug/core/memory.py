@@ -1,0 +1,480 @@
+"""Per-rank bytes of parameters, gradients and optimizer state: estimated from parameter shapes
+(``torchplug estimate-memory``) and counted from the live tensors (the benchmarks' memory section
+and the tests that check the estimates against it).
+
+An estimate needs no allocation: a model built on the meta device gives the shapes and dtypes,
+and each strategy's sharding rule turns them into the bytes its fullest rank holds. A strategy
+declares its rule as ``StrategyInfo(memory=...)`` (a function ``MemoryQuery -> MemoryEstimate``,
+the ready ones below); one registered without it (plugin API 1.0) gets a rule derived from its
+``shards_parameters`` / ``shards_optimizer`` flags, marked as derived.
+
+What is counted is the model state a training step keeps: parameters, gradients, optimizer state
+and (DeepSpeed) fp32 master copies. Activations, communication buckets and allocator caches are
+not; each rule says in its notes what else its backend allocates.
+
+This module imports torch only inside functions: plugins import it while registering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Optimizer state tensors per parameter element, by ``--optimizer`` name; every torch optimizer
+#: with state also keeps a ``step`` (a 4-byte float32 scalar tensor) per parameter it steps.
+OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+#: Bytes of the ``step`` scalar Adam and AdamW keep per parameter (SGD's momentum keeps none).
+STEP_BYTES = 4
+#: Bytes per element of the dtypes a precision keeps weights in (DeepSpeed's own precision).
+LOW_PRECISION_BYTES = {"bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as a rule sees it: its name, shape and bytes per element."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class MemoryQuery:
+    """What a strategy's memory rule is asked: the model's parameters (each once, tied ones
+    once), the world size, the precision (``"32"``, ``"bf16"``, ``"fp16"``), the optimizer
+    (a key of :data:`OPTIMIZER_STATES`) and the strategy's resolved options."""
+
+    params: tuple[ParamSpec, ...]
+    world_size: int
+    precision: str = "32"
+    optimizer: str = "adamw"
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def states(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    @property
+    def step_bytes(self) -> int:
+        """The ``step`` scalar per stepped parameter (Adam, AdamW)."""
+        return STEP_BYTES if self.optimizer in ("adam", "adamw") else 0
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the fullest rank; ``masters``: fp32 master copies kept beside low-precision (or,
+    for DeepSpeed ZeRO-1/2, any) weights; ``notes``: what the rule assumes or leaves out."""
+
+    params: int
+    grads: int
+    optimizer: int
+    masters: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.masters
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "masters": self.masters,
+            "total": self.total,
+            "notes": list(self.notes),
+        }
+
+
+MemoryRule = Callable[[MemoryQuery], MemoryEstimate]
+
+
+def param_specs(module: Any) -> tuple[ParamSpec, ...]:
+    """The trainable parameters of ``module`` (on any device, the meta device included), each
+    once (``parameters()`` skips tied duplicates)."""
+    return tuple(
+        ParamSpec(name, tuple(p.shape), p.element_size())
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    )
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _state_bytes(query: MemoryQuery, numels: Iterable[int], itemsize: int, tensors: int) -> int:
+    """Optimizer state over ``numels`` elements held as ``tensors`` stepped tensors."""
+    states = query.states
+    if not states:
+        return 0
+    return states * sum(numels) * itemsize + query.step_bytes * tensors
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+
+def replicated(query: MemoryQuery) -> MemoryEstimate:
+    """Every rank holds everything (DDP, single device): parameters, gradients and optimizer
+    state of the whole model, in the parameters' dtype (AMP autocasts; weights stay as built)."""
+    params = sum(p.numel * p.itemsize for p in query.params)
+    state = sum(query.states * p.numel * p.itemsize for p in query.params)
+    steps = query.step_bytes * len(query.params) if query.states else 0
+    return MemoryEstimate(params, params, state + steps)
+
+
+def ddp(query: MemoryQuery) -> MemoryEstimate:
+    """:func:`replicated`, plus DDP's gradient buckets (inside its C++ reducer, not counted)."""
+    estimate = replicated(query)
+    note = (
+        "DDP's reducer also keeps gradient buckets of the gradients' size (not counted; "
+        "gradient_as_bucket_view=True makes the gradients views into them)"
+    )
+    if query.options.get("gradient_as_bucket_view"):
+        note = "gradients are views into DDP's buckets (gradient_as_bucket_view=True)"
+    return MemoryEstimate(estimate.params, estimate.grads, estimate.optimizer, notes=(note,))
+
+
+def fsdp2_shard_numel(shape: tuple[int, ...], world_size: int) -> tuple[int, int]:
+    """FSDP2's dim-0 sharding of one parameter over ``world_size`` ranks: ``(padded, rank0)``
+    elements, where ``padded`` is each rank's storage (dim 0 padded up to a multiple of the
+    world size, so every rank's shard has ``ceil(dim0 / world_size)`` rows) and ``rank0`` the
+    elements rank 0, the fullest, holds (optimizer state is made the size of the unpadded
+    shard)."""
+    if not shape:
+        return 1, 1
+    rows = _ceil_div(shape[0], world_size)
+    rest = math.prod(shape[1:])
+    return rows * rest, min(rows, shape[0]) * rest
+
+
+def fsdp2(query: MemoryQuery) -> MemoryEstimate:
+    """torch FSDP2 (``fully_shard``): each parameter split on dim 0 over the ranks; parameters
+    and gradients stored padded, optimizer state the size of the rank's unpadded rows. Sharded
+    weights and gradients stay in the parameters' dtype under bf16 (FSDP computes in bf16 and
+    reduces in fp32); the gathered bf16 copies exist only around each unit's forward/backward."""
+    w = query.world_size
+    params = grads = state = 0
+    for p in query.params:
+        padded, rank0 = fsdp2_shard_numel(p.shape, w)
+        params += padded * p.itemsize
+        grads += padded * p.itemsize
+        state += query.states * rank0 * p.itemsize
+    steps = query.step_bytes * len(query.params) if query.states else 0
+    notes = ["each unit's parameters are all-gathered whole around its forward and backward"]
+    if query.options.get("cpu_offload"):
+        notes.append("cpu_offload: parameters, gradients and optimizer state are on the CPU")
+    return MemoryEstimate(params, grads, state + steps, notes=tuple(notes))
+
+
+def even_sharding(query: MemoryQuery) -> MemoryEstimate:
+    """Derived for a strategy that declares ``shards_parameters``: everything split evenly
+    (``ceil(numel / world_size)`` per parameter) over the ranks."""
+    w = query.world_size
+    params = sum(_ceil_div(p.numel, w) * p.itemsize for p in query.params)
+    state = query.states * params + (query.step_bytes * len(query.params) if query.states else 0)
+    return MemoryEstimate(params, params, state)
+
+
+def _owner_shares(query: MemoryQuery) -> list[list[ParamSpec]]:
+    """FairScale OSS's partition: each parameter, in order, to the rank holding the fewest
+    elements so far (whole parameters; ties to the lowest rank)."""
+    sizes = [0] * query.world_size
+    owned: list[list[ParamSpec]] = [[] for _ in range(query.world_size)]
+    for p in query.params:
+        rank = sizes.index(min(sizes))
+        sizes[rank] += p.numel
+        owned[rank].append(p)
+    return owned
+
+
+def sharded_optimizer(query: MemoryQuery) -> MemoryEstimate:
+    """FairScale OSS (ZeRO-1 style): whole parameters and gradients on every rank, each
+    parameter's optimizer state on one owner rank (the fullest owner counted)."""
+    full = replicated(query)
+    state = max(
+        _state_bytes(query, (p.numel for p in share), share[0].itemsize if share else 4, len(share))
+        for share in _owner_shares(query)
+    )
+    return MemoryEstimate(full.params, full.grads, state)
+
+
+def sharded_gradients(query: MemoryQuery) -> MemoryEstimate:
+    """FairScale ShardedDDP + OSS: whole parameters; after backward each rank keeps only the
+    gradients of the parameters it owns, and their optimizer state."""
+    full = replicated(query)
+    shares = _owner_shares(query)
+    fullest = max(shares, key=lambda share: sum(p.numel for p in share))
+    grads = sum(p.numel * p.itemsize for p in fullest)
+    state = max(
+        _state_bytes(query, (p.numel for p in share), share[0].itemsize if share else 4, len(share))
+        for share in shares
+    )
+    return MemoryEstimate(
+        full.params,
+        grads,
+        state,
+        notes=("gradients of parameters owned elsewhere are freed once reduced",),
+    )
+
+
+def _zero_dtype_bytes(query: MemoryQuery) -> int:
+    """DeepSpeed casts the model to bf16/fp16 under those precisions; fp32 stays as built."""
+    return LOW_PRECISION_BYTES.get(query.precision, 0)
+
+
+#: ``stage3_param_persistence_threshold``: ZeRO-3 keeps parameters of at most this many
+#: elements whole on every rank after their first all-gather (DeepSpeed's default).
+ZERO3_PERSISTENCE = 100_000
+#: ``sub_group_size``: ZeRO-3 steps its flat fp32 partition in sub-groups of this many elements.
+ZERO3_SUB_GROUP = 1_000_000_000
+#: ZeRO-1/2 pad each flat group to a multiple of this many elements times the world size.
+ZERO12_ALIGNMENT = 2
+
+
+def zero(stage: int, **fixed: Any) -> MemoryRule:
+    """DeepSpeed ZeRO stage ``stage`` (the ``deepspeed-zeroN`` names), with options the name
+    fixes (``offload_optimizer="cpu"``)."""
+
+    def rule(query: MemoryQuery) -> MemoryEstimate:
+        options = {**query.options, **fixed}
+        return _zero(stage, dataclasses.replace(query, options=options))
+
+    rule.__doc__ = f"DeepSpeed ZeRO-{stage}."
+    return rule
+
+
+def deepspeed(query: MemoryQuery) -> MemoryEstimate:
+    """DeepSpeed with the ``stage`` option (default 2, as the strategy's)."""
+    return _zero(int(query.options.get("stage", 2) or 2), query)
+
+
+def _zero(stage: int, query: MemoryQuery) -> MemoryEstimate:
+    w = query.world_size
+    low = _zero_dtype_bytes(query)
+    notes: list[str] = []
+    offload_opt = query.options.get("offload_optimizer", "none") not in (None, "none")
+    offload_par = query.options.get("offload_params", "none") not in (None, "none")
+    if stage == 3:
+        # each parameter partitioned on its own: ceil(numel / W) elements per rank
+        parts = [_ceil_div(p.numel, w) for p in query.params]
+        dtype = [low or p.itemsize for p in query.params]
+        partition = sum(n * b for n, b in zip(parts, dtype, strict=True))
+        persistent = sum(
+            p.numel * b
+            for p, b in zip(query.params, dtype, strict=True)
+            if p.numel <= ZERO3_PERSISTENCE
+        )
+        params = partition + persistent
+        grads = partition  # the flat gradient partition, in the model's dtype
+        elements = sum(parts)
+        # fp32 masters: a copy of the partition under bf16/fp16; in fp32 the partition itself
+        masters = 4 * elements if (low or offload_opt) else 0
+        groups = max(1, _ceil_div(elements, ZERO3_SUB_GROUP))
+        state = _state_bytes(query, [elements], 4, groups)
+        if persistent:
+            notes.append(
+                f"parameters of at most {ZERO3_PERSISTENCE:,} elements stay whole on every rank "
+                f"after the first forward (stage3_param_persistence_threshold)"
+            )
+        notes.append("plus DeepSpeed's reduce/prefetch buckets (reduce_bucket_size), not counted")
+        if offload_par:
+            notes.append("offload_params: the parameter partitions are on the CPU")
+    else:
+        numel = sum(p.numel for p in query.params)
+        padded = _ceil_div(numel, ZERO12_ALIGNMENT * w) * ZERO12_ALIGNMENT * w
+        elements = padded // w
+        itemsize = low or max((p.itemsize for p in query.params), default=4)
+        params = numel * itemsize
+        # ZeRO-1 reduces whole gradients at the step; ZeRO-2 keeps the rank's partition only
+        grads = params if stage == 1 else elements * itemsize
+        masters = 4 * elements  # the fp32 partition is a copy, whatever the precision
+        state = _state_bytes(query, [elements], 4, 1)
+        if stage == 2:
+            notes.append("gradients pass through DeepSpeed's reduce buckets (not counted)")
+    if offload_opt:
+        notes.append("offload_optimizer: fp32 masters, gradients' fp32 copy and state on the CPU")
+    return MemoryEstimate(params, grads, state, masters, notes=tuple(notes))
+
+
+def derived_rule(shards_parameters: bool, shards_optimizer: bool) -> MemoryRule:
+    """For a strategy registered without ``memory=``: from its capability flags (even sharding
+    assumed; marked as derived)."""
+
+    def rule(query: MemoryQuery) -> MemoryEstimate:
+        if shards_parameters:
+            estimate, how = even_sharding(query), "shards_parameters: all split evenly"
+        elif shards_optimizer:
+            full = replicated(query)
+            shard = even_sharding(query)
+            estimate = MemoryEstimate(full.params, full.grads, shard.optimizer)
+            how = "shards_optimizer: optimizer state split evenly"
+        else:
+            estimate, how = replicated(query), "full replicas"
+        note = f"derived from the strategy's flags ({how}); it declares no memory rule"
+        return MemoryEstimate(
+            estimate.params, estimate.grads, estimate.optimizer, estimate.masters, (note,)
+        )
+
+    return rule
+
+
+def rule_for(info: Any) -> MemoryRule:
+    """The memory rule of a registered strategy: its own, else one derived from its flags."""
+    return getattr(info, "memory", None) or derived_rule(
+        info.shards_parameters, info.shards_optimizer
+    )
+
+
+# -- counting the live tensors --------------------------------------------------------------------
+
+
+def _storage(t: Any) -> tuple[int, int] | None:
+    """``(address, bytes)`` of the storage behind ``t`` (a DTensor's local shard), if any."""
+    import torch
+
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            t = t.to_local()
+    if not isinstance(t, torch.Tensor):
+        return None
+    with contextlib.suppress(Exception):
+        s = t.untyped_storage()
+        if s.nbytes() and t.device.type != "meta":
+            return s.data_ptr(), s.nbytes()
+    return None
+
+
+def live_storages() -> dict[int, int]:
+    """Every storage a live tensor holds, by address (each counted once)."""
+    import torch
+
+    found: dict[int, int] = {}
+    for obj in gc.get_objects():
+        with contextlib.suppress(Exception):
+            if isinstance(obj, torch.Tensor):
+                s = _storage(obj)
+                if s is not None:
+                    found[s[0]] = s[1]
+    return found
+
+
+def _optimizers(opt: Any) -> list[Any]:
+    """``opt`` and what it wraps (``.optimizer`` as DeepSpeed's and torchplug's wrappers hold
+    it, ``.optim`` as FairScale's, ``._optimizer``)."""
+    found, seen, todo = [], set(), [opt]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        found.append(current)
+        todo += [getattr(current, name, None) for name in ("optimizer", "optim", "_optimizer")]
+    return found
+
+
+def _tensors(value: Any) -> Iterable[Any]:
+    """The tensors in ``value`` (a tensor, or lists, tuples and dicts of them)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif value is not None:
+        yield value
+
+
+def optimizer_states(opt: Any) -> dict[int, int]:
+    """Storages of the optimizer's state (Adam's moments and step), through wrappers."""
+    found: dict[int, int] = {}
+    for current in _optimizers(opt):
+        state = getattr(current, "state", None)
+        for per_param in state.values() if isinstance(state, dict) else ():
+            for value in per_param.values() if isinstance(per_param, dict) else ():
+                s = _storage(value)
+                if s is not None:
+                    found[s[0]] = s[1]
+    return found
+
+
+#: Where DeepSpeed's ZeRO optimizers keep gradient partitions and fp32 master partitions.
+_GRAD_ATTRIBUTES = ("grad_partitions_flat_buffer", "grads_in_partition", "averaged_gradients")
+_MASTER_ATTRIBUTES = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups")
+
+
+def _attribute_storages(opt: Any, names: tuple[str, ...]) -> dict[int, int]:
+    found: dict[int, int] = {}
+    for current in _optimizers(opt):
+        for name in names:
+            for tensor in _tensors(getattr(current, name, None)):
+                s = _storage(tensor)
+                if s is not None:
+                    found[s[0]] = s[1]
+    return found
+
+
+def count_live(model: Any, optimizer: Any, before: Mapping[int, int] | None = None) -> dict:
+    """Bytes this rank's live tensors hold, each storage once: ``params`` (what the model's
+    parameters hold, a DTensor's local shard, a ZeRO-3 ``ds_tensor`` partition), ``grads``
+    (their ``.grad``, DeepSpeed's gradient partitions), ``optimizer`` (the optimizer's state,
+    through wrappers), ``masters`` (DeepSpeed's fp32 master partitions that are not the
+    parameters themselves) and ``other``: every other storage not in ``before`` (from
+    :func:`live_storages` taken before setup), such as communication buffers."""
+    gc.collect()
+    params: dict[int, int] = {}
+    grads: dict[int, int] = {}
+    for p in model.parameters():
+        for t, into in ((getattr(p, "ds_tensor", None), params), (p, params), (p.grad, grads)):
+            s = _storage(t)
+            if s is not None and s[0] not in params and s[0] not in grads:
+                into[s[0]] = s[1]
+    for address, size in _attribute_storages(optimizer, _GRAD_ATTRIBUTES).items():
+        if address not in params:
+            grads.setdefault(address, size)
+    masters = {
+        k: v
+        for k, v in _attribute_storages(optimizer, _MASTER_ATTRIBUTES).items()
+        if k not in params and k not in grads
+    }
+    states = {
+        k: v
+        for k, v in optimizer_states(optimizer).items()
+        if k not in params and k not in grads and k not in masters
+    }
+    counted = params.keys() | grads.keys() | masters.keys() | states.keys()
+    rest = {
+        k: v
+        for k, v in live_storages().items()
+        if k not in counted and (before is None or k not in before)
+    }
+    return {
+        "params": sum(params.values()),
+        "grads": sum(grads.values()),
+        "optimizer": sum(states.values()),
+        "masters": sum(masters.values()),
+        "other": sum(rest.values()),
+    }
+
+
+class NotEstimable(Exception):
+    """Raised by a memory rule when parameter shapes alone cannot tell (the message says why)."""
+
+
+def not_estimable(reason: str) -> MemoryRule:
+    """A rule that says why a strategy's per-rank bytes cannot be told from shapes alone."""
+
+    def rule(query: MemoryQuery) -> MemoryEstimate:
+        raise NotEstimable(reason)
+
+    return rule
