@@ -32,8 +32,9 @@ def build() -> EmbeddingMLP:
 
 
 def measure(strategy: str, precision: str | None = None, **options) -> dict:
-    """One AdamW step under ``strategy``; this rank's live bytes (no zero_grad: the gradients
-    are part of what a step holds)."""
+    """This rank's live bytes at the fullest point of a step under ``strategy``: after one AdamW
+    step (its state made) and the next backward (the gradients made; DeepSpeed ZeRO-1/2 free
+    their gradient partitions in the step)."""
     torch.manual_seed(0)
     before = memory.live_storages()
     engine = tp.Engine(strategy, precision, timeout=120.0, **options)
@@ -41,10 +42,13 @@ def measure(strategy: str, precision: str | None = None, **options) -> dict:
     model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     tokens = torch.randint(0, 37, (8, 6), generator=torch.Generator().manual_seed(engine.rank))
     targets = torch.randint(0, 5, (8,))
-    with engine.autocast():
-        loss = torch.nn.functional.cross_entropy(model(tokens).float(), targets)
-    engine.backward(loss)
-    optimizer.step()
+    for step in range(2):
+        with engine.autocast():
+            loss = torch.nn.functional.cross_entropy(model(tokens).float(), targets)
+        engine.backward(loss)
+        if step == 0:
+            optimizer.step()
+            optimizer.zero_grad()
     del loss
     counted = memory.count_live(model, optimizer, before)
     engine.close()

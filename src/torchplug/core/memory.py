@@ -71,8 +71,9 @@ class MemoryQuery:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes on the fullest rank; ``masters``: fp32 master copies kept beside low-precision (or,
-    for DeepSpeed ZeRO-1/2, any) weights; ``notes``: what the rule assumes or leaves out."""
+    """Bytes on the fullest rank; ``masters``: the fp32 copies of the weights an optimizer steps
+    beside the model's own (DeepSpeed keeps its partition of them, in every precision);
+    ``notes``: what the rule assumes or leaves out."""
 
     params: int
     grads: int
@@ -277,8 +278,7 @@ def _zero(stage: int, query: MemoryQuery) -> MemoryEstimate:
         params = partition + persistent
         grads = partition  # the flat gradient partition, in the model's dtype
         elements = sum(parts)
-        # fp32 masters: a copy of the partition under bf16/fp16; in fp32 the partition itself
-        masters = 4 * elements if (low or offload_opt) else 0
+        masters = 4 * elements  # the fp32 partition the optimizer steps: a copy, in fp32 too
         groups = max(1, _ceil_div(elements, ZERO3_SUB_GROUP))
         state = _state_bytes(query, [elements], 4, groups)
         if persistent:
@@ -295,12 +295,17 @@ def _zero(stage: int, query: MemoryQuery) -> MemoryEstimate:
         elements = padded // w
         itemsize = low or max((p.itemsize for p in query.params), default=4)
         params = numel * itemsize
-        # ZeRO-1 reduces whole gradients at the step; ZeRO-2 keeps the rank's partition only
-        grads = params if stage == 1 else elements * itemsize
+        # Whole gradients at the end of backward: ZeRO-1 reduces them at the step; ZeRO-2 moves
+        # them into the rank's partition bucket by bucket, so only a model larger than one
+        # reduce bucket peaks lower (about the partition plus a bucket)
+        grads = params
         masters = 4 * elements  # the fp32 partition is a copy, whatever the precision
         state = _state_bytes(query, [elements], 4, 1)
         if stage == 2:
-            notes.append("gradients pass through DeepSpeed's reduce buckets (not counted)")
+            notes.append(
+                "gradients: whole while backward fills a reduce bucket (reduce_bucket_size, "
+                "5e8 elements by default); beyond that, the partition plus one bucket"
+            )
     if offload_opt:
         notes.append("offload_optimizer: fp32 masters, gradients' fp32 copy and state on the CPU")
     return MemoryEstimate(params, grads, state, masters, notes=tuple(notes))
@@ -413,9 +418,9 @@ _GRAD_ATTRIBUTES = ("grad_partitions_flat_buffer", "grads_in_partition", "averag
 _MASTER_ATTRIBUTES = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups")
 
 
-def _attribute_storages(opt: Any, names: tuple[str, ...]) -> dict[int, int]:
+def _attribute_storages(roots: Iterable[Any], names: tuple[str, ...]) -> dict[int, int]:
     found: dict[int, int] = {}
-    for current in _optimizers(opt):
+    for current in (o for root in roots for o in _optimizers(root)):
         for name in names:
             for tensor in _tensors(getattr(current, name, None)):
                 s = _storage(tensor)
@@ -439,12 +444,14 @@ def count_live(model: Any, optimizer: Any, before: Mapping[int, int] | None = No
             s = _storage(t)
             if s is not None and s[0] not in params and s[0] not in grads:
                 into[s[0]] = s[1]
-    for address, size in _attribute_storages(optimizer, _GRAD_ATTRIBUTES).items():
+    # DeepSpeed's ZeRO optimizer is reached from its engine (the set-up model's .optimizer)
+    holders = (optimizer, model)
+    for address, size in _attribute_storages(holders, _GRAD_ATTRIBUTES).items():
         if address not in params:
             grads.setdefault(address, size)
     masters = {
         k: v
-        for k, v in _attribute_storages(optimizer, _MASTER_ATTRIBUTES).items()
+        for k, v in _attribute_storages(holders, _MASTER_ATTRIBUTES).items()
         if k not in params and k not in grads
     }
     states = {
