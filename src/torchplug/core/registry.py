@@ -208,8 +208,8 @@ class StrategyInfo:
     #: parameter shapes (``torchplug estimate-memory``): a function ``MemoryQuery ->
     #: MemoryEstimate`` (ready ones in :mod:`torchplug.core.memory`, e.g. ``memory.fsdp2``),
     #: raising ``NotEstimable`` where shapes alone cannot tell. ``None``: derived from
-    #: ``shards_parameters`` / ``shards_optimizer`` (even sharding) and marked as derived.
-    #: Added in plugin API 1.1.
+    #: ``shards_parameters`` / ``shards_optimizer`` (even sharding) and marked as derived, so
+    #: plugins registered without it keep working.
     memory: Callable[[Any], Any] | None = None
     #: The name of a registered strategy whose options, capabilities and defaults this one
     #: inherits: its own options are added to (or replace, by name) the parent's, and every

@@ -53,7 +53,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 #: removes or changes them. A plugin declares the range it supports, e.g.
 #: ``TORCHPLUG_API = ">=1.0,<2"`` in its module (or ``StrategyInfo(api=...)``); one whose range
 #: excludes this version is not loaded, and ``torchplug plugins`` says why (docs/plugins.md).
-API_VERSION = "1.1"
+API_VERSION = "1.0"
 
 #: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
 #: the API version that removes it). An entry stays for one minor version, with a hookspec under
