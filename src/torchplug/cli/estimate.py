@@ -249,11 +249,14 @@ def estimate_memory(args: argparse.Namespace) -> int:
     fields = ("params", "grads", "optimizer", "masters", "total")
     body = [[r["strategy"], *(human(r[k]) for k in fields)] for r in rows]
     print(table(body, header) if body else "(no strategy estimated)")
-    notes = [(r["strategy"], note) for r in rows for note in r["notes"]]
+    notes: dict[str, list[str]] = {}  # each note once, with every strategy it is about
+    for r in rows:
+        for note in r["notes"]:
+            notes.setdefault(note, []).append(r["strategy"])
     if notes:
         print("\nnotes:")
-        for name, note in notes:
-            print(f"  {name}: {note}")
+        for note, names in notes.items():
+            print(f"  {', '.join(names)}: {note}")
     if skipped:
         print("\nnot estimated:")
         for s in skipped:

@@ -255,8 +255,22 @@ def zero(stage: int, **fixed: Any) -> MemoryRule:
 
 
 def deepspeed(query: MemoryQuery) -> MemoryEstimate:
-    """DeepSpeed with the ``stage`` option (default 2, as the strategy's)."""
-    return _zero(int(query.options.get("stage", 2) or 2), query)
+    """DeepSpeed with the ``stage`` option (default 2, as the strategy's), or the stage of the
+    DeepSpeed ``config`` given."""
+    stage = _ds_config(query).get("zero_optimization", {}).get("stage")
+    return _zero(int(stage if stage is not None else query.options.get("stage", 2) or 2), query)
+
+
+def _ds_config(query: MemoryQuery) -> dict[str, Any]:
+    """The user's DeepSpeed config (option ``config``: a dict or a JSON file), else ``{}``."""
+    import json
+    from pathlib import Path
+
+    config = query.options.get("config")
+    if isinstance(config, (str, Path)) and Path(config).is_file():
+        with contextlib.suppress(ValueError, OSError):
+            config = json.loads(Path(config).read_text())
+    return config if isinstance(config, dict) else {}
 
 
 def _zero(stage: int, query: MemoryQuery) -> MemoryEstimate:
@@ -270,10 +284,10 @@ def _zero(stage: int, query: MemoryQuery) -> MemoryEstimate:
         parts = [_ceil_div(p.numel, w) for p in query.params]
         dtype = [low or p.itemsize for p in query.params]
         partition = sum(n * b for n, b in zip(parts, dtype, strict=True))
+        zero_config = _ds_config(query).get("zero_optimization", {})
+        threshold = int(zero_config.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE))
         persistent = sum(
-            p.numel * b
-            for p, b in zip(query.params, dtype, strict=True)
-            if p.numel <= ZERO3_PERSISTENCE
+            p.numel * b for p, b in zip(query.params, dtype, strict=True) if p.numel <= threshold
         )
         params = partition + persistent
         grads = partition  # the flat gradient partition, in the model's dtype
@@ -283,7 +297,7 @@ def _zero(stage: int, query: MemoryQuery) -> MemoryEstimate:
         state = _state_bytes(query, [elements], 4, groups)
         if persistent:
             notes.append(
-                f"parameters of at most {ZERO3_PERSISTENCE:,} elements stay whole on every rank "
+                f"parameters of at most {threshold:,} elements stay whole on every rank "
                 f"after the first forward (stage3_param_persistence_threshold)"
             )
         notes.append("plus DeepSpeed's reduce/prefetch buckets (reduce_bucket_size), not counted")
