@@ -66,14 +66,11 @@ def load_model(text: str) -> tuple[Any, str]:
     if path.is_file():
         transformers = _transformers(text)
         try:
-            config = transformers.AutoConfig.from_pretrained(str(path.parent))
+            config = transformers.AutoConfig.from_pretrained(str(path))
         except Exception as exc:
-            if path.name != "config.json":
-                raise ConfigurationError(
-                    f"{text}: transformers reads a model's config from a file named config.json "
-                    f"(or its directory); rename it or pass the directory."
-                ) from None
-            raise ConfigurationError(f"{text}: not a transformers config: {exc}") from None
+            raise ConfigurationError(
+                f"{text}: not a transformers config (a config.json with a model_type): {exc}"
+            ) from None
         return _from_config(transformers, config, f"transformers config {path}")
     if ":" in text:
         module_name, _, attr = text.partition(":")
