@@ -21,10 +21,10 @@ HERE = Path(__file__).parent
 FIELDS = ("params", "grads", "optimizer", "masters")
 
 
-def estimate_for(strategy: str, precision: str = "32", world_size: int = 2) -> dict:
+def estimate_for(strategy: str, precision: str = "32", world_size: int = 2, **options) -> dict:
     with torch.device("meta"):
         model = memory_body.build()
-    rows, skipped = estimates(model, world_size, precision, "adamw", [strategy])
+    rows, skipped = estimates(model, world_size, precision, "adamw", [strategy], options)
     assert not skipped, skipped
     return rows[0]
 

@@ -210,22 +210,18 @@ def sharded_optimizer(query: MemoryQuery) -> MemoryEstimate:
 
 
 def sharded_gradients(query: MemoryQuery) -> MemoryEstimate:
-    """FairScale ShardedDDP + OSS: whole parameters; after backward each rank keeps only the
-    gradients of the parameters it owns, and their optimizer state."""
-    full = replicated(query)
+    """FairScale ShardedDDP + OSS: whole parameters, each parameter's optimizer state on its
+    owner. With ``reduce_buffer_size=0`` a rank frees the gradients it does not own once they
+    are reduced (keeping its share); with reduce buckets (the default) every gradient stays."""
+    estimate = sharded_optimizer(query)
+    if query.options.get("reduce_buffer_size", 1):
+        note = "gradients stay whole with reduce buckets (reduce_buffer_size=0: the owned share)"
+        return MemoryEstimate(estimate.params, estimate.grads, estimate.optimizer, notes=(note,))
     shares = _owner_shares(query)
     fullest = max(shares, key=lambda share: sum(p.numel for p in share))
     grads = sum(p.numel * p.itemsize for p in fullest)
-    state = max(
-        _state_bytes(query, (p.numel for p in share), share[0].itemsize if share else 4, len(share))
-        for share in shares
-    )
-    return MemoryEstimate(
-        full.params,
-        grads,
-        state,
-        notes=("gradients of parameters owned elsewhere are freed once reduced",),
-    )
+    note = "gradients of parameters owned elsewhere are freed once reduced"
+    return MemoryEstimate(estimate.params, grads, estimate.optimizer, notes=(note,))
 
 
 def _zero_dtype_bytes(query: MemoryQuery) -> int:
