@@ -51,6 +51,30 @@ def test_estimate_is_within_5_percent_of_the_live_bytes_of_a_step(ranks, strateg
         assert measured[1]["optimizer"] < measured[0]["optimizer"]  # state is the unpadded rows
 
 
+#: An uneven split (321 rows, 37 embedding rows on 2 ranks) of a Linear and an Embedding.
+TP_PLAN = {"fc2": "colwise_rep", "emb": "embedding_rowwise"}
+
+
+def test_tp_estimate_follows_the_plan_within_5_percent_of_the_live_bytes(ranks):
+    measured = ranks.run(memory_body.measure, "tp", tp_plan=TP_PLAN, timeout=180)
+    estimate = estimate_for("tp", tp_plan=TP_PLAN)
+    assert_within(estimate, measured)
+    assert estimate["params"] == max(m["params"] for m in measured)  # exact
+    assert estimate["params"] < estimate_for("ddp")["params"]
+
+
+def test_tp_without_a_plan_says_how_to_give_one():
+    with torch.device("meta"):
+        model = memory_body.build()
+    rows, skipped = estimates(model, 2, "32", "adamw", ["tp", "fsdp-tp"])
+    assert not rows
+    assert "no tensor-parallel plan" in skipped[0]["reason"]
+    assert "2-D sharding" in skipped[1]["reason"]
+    model.tp_plan = TP_PLAN  # the model's own plan, as the strategy takes it
+    rows, _ = estimates(model, 2, "32", "adamw", ["tp"])
+    assert rows[0]["params"] == estimate_for("tp", tp_plan=TP_PLAN)["params"]
+
+
 def test_rules_are_exact_where_the_rule_is_exact():
     specs = memory.param_specs(memory_body.build())
     numel = sum(p.numel for p in specs)
@@ -97,7 +121,7 @@ def test_cli_prints_a_table_and_json_for_a_factory():
     ]
     assert re.search(r"^ddp +463\.68 KiB +463\.68 KiB", run.stdout, re.M), run.stdout
     assert re.search(r"^fsdp +", run.stdout, re.M)
-    assert "not estimated:" in run.stdout and "tp: per-rank bytes depend" in run.stdout
+    assert "not estimated:" in run.stdout and "tp: no tensor-parallel plan" in run.stdout
     run = torchplug(
         "estimate-memory", "memory_body:build", "-n", "2", "--strategy", "ddp",
         "--strategy", "fsdp", "--optimizer", "sgd", "--json", cwd=HERE,

@@ -177,6 +177,7 @@ def estimates(
             precision,
             optimizer,
             info.resolve_options(options or {}),
+            memory.model_tp_plan(model),
         )
         try:
             estimate = memory.rule_for(info)(query)

@@ -36,11 +36,13 @@ LOW_PRECISION_BYTES = {"bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter as a rule sees it: its name, shape and bytes per element."""
+    """One parameter as a rule sees it: its name, shape, bytes per element, and the class name
+    of the module holding it (``"Linear"``, ``"Embedding"``: how tensor parallelism splits it)."""
 
     name: str
     shape: tuple[int, ...]
     itemsize: int
+    module: str = ""
 
     @property
     def numel(self) -> int:
@@ -58,6 +60,8 @@ class MemoryQuery:
     precision: str = "32"
     optimizer: str = "adamw"
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    #: The model's own ``tp_plan`` (or Hugging Face's ``_tp_plan``), when it carries one.
+    model_tp_plan: Mapping[str, Any] | None = field(default=None, hash=False)
 
     @property
     def states(self) -> int:
@@ -103,10 +107,21 @@ def param_specs(module: Any) -> tuple[ParamSpec, ...]:
     """The trainable parameters of ``module`` (on any device, the meta device included), each
     once (``parameters()`` skips tied duplicates)."""
     return tuple(
-        ParamSpec(name, tuple(p.shape), p.element_size())
+        ParamSpec(
+            name,
+            tuple(p.shape),
+            p.element_size(),
+            type(module.get_submodule(name.rpartition(".")[0])).__name__,
+        )
         for name, p in module.named_parameters()
         if p.requires_grad
     )
+
+
+def model_tp_plan(module: Any) -> Mapping[str, Any] | None:
+    """The tensor-parallel plan a model carries (``tp_plan``, Hugging Face's ``_tp_plan``)."""
+    plan = getattr(module, "tp_plan", None) or getattr(module, "_tp_plan", None)
+    return plan if isinstance(plan, Mapping) else None
 
 
 def _ceil_div(a: int, b: int) -> int:
