@@ -135,13 +135,23 @@ def test_cli_prints_a_table_and_json_for_a_factory():
     assert ddp["total"] == 2 * 4 * 118_703
 
 
-def test_cli_errors_name_the_fix(tmp_path):
-    run = torchplug("estimate-memory", "no_such_module:build", cwd=tmp_path)
-    assert run.returncode == 2 and "cannot import 'no_such_module'" in run.stderr
-    run = torchplug("estimate-memory", "no-such-model-type")
-    assert run.returncode == 2 and "no transformers model type" in run.stderr
-    run = torchplug("estimate-memory", "memory_body:build", "--strategy", "dpp", cwd=HERE)
-    assert run.returncode == 2 and "ddp" in run.stderr
+def test_cli_errors_name_the_fix(tmp_path, monkeypatch, capsys):
+    from torchplug.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        (["no_such_module:build"], "cannot import 'no_such_module'"),
+        (["memory_body:nothing_here"], "has no 'nothing_here'"),
+        (["no-such-model-type"], "no transformers model type"),
+        (["memory_body:build", "--strategy", "dpp"], "ddp"),
+        (["memory_body:build", "-n", "0"], "expected 1 or more ranks"),
+        (["memory_body:build", "--option", "stage=3"], "needs exactly one --strategy"),
+        (["memory_body:build", "--strategy", "ddp", "--option", "nope=1"], "Unknown option"),
+        (["memory_body:build", "--precision", "fp8"], "not supported"),
+    ]
+    for args, message in cases:
+        assert main(["estimate-memory", *args]) == 2, args
+        assert message in capsys.readouterr().err, args
 
 
 def test_a_transformers_config_is_estimated_exactly_for_ddp(tmp_path):

@@ -319,11 +319,11 @@ def _zero(stage: int, query: MemoryQuery) -> MemoryEstimate:
         padded = _ceil_div(numel, ZERO12_ALIGNMENT * w) * ZERO12_ALIGNMENT * w
         elements = padded // w
         itemsize = low or max((p.itemsize for p in query.params), default=4)
-        params = numel * itemsize
+        params = padded * itemsize  # the weights live in one flat, padded buffer
         # Whole gradients at the end of backward: ZeRO-1 reduces them at the step; ZeRO-2 moves
         # them into the rank's partition bucket by bucket, so only a model larger than one
         # reduce bucket peaks lower (about the partition plus a bucket)
-        grads = params
+        grads = numel * itemsize
         masters = 4 * elements  # the fp32 partition is a copy, whatever the precision
         state = _state_bytes(query, [elements], 4, 1)
         if stage == 2:
