@@ -26,9 +26,10 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model",
-        help="'package.module:factory' (a callable returning an nn.Module, called under "
-        "torch.device('meta'); or an nn.Module instance), a transformers config.json (or a "
-        "directory holding one), or a transformers model type such as gpt2 (its default config)",
+        help="'package.module:factory' (a callable taking no arguments and returning an "
+        "nn.Module, called under torch.device('meta'); or an nn.Module instance), a "
+        "transformers config.json (or a directory holding one), or a transformers model type "
+        "such as gpt2 (its default config)",
     )
     p.add_argument("-n", "--nprocs", "--world-size", dest="world_size", type=int, default=2,
                    metavar="N", help="ranks (data-parallel world size; default 2)")  # fmt: skip
@@ -93,8 +94,15 @@ def load_model(text: str) -> tuple[Any, str]:
                     f"{text}: '{attr}' is a {type(obj).__name__}; expected a callable returning "
                     f"an nn.Module (or an nn.Module)."
                 )
-            with torch.device("meta"):
-                obj = obj()
+            try:
+                with torch.device("meta"):
+                    obj = obj()
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"{text}: calling '{attr}()' on the meta device failed: "
+                    f"{type(exc).__name__}: {exc}. The factory must take no arguments and "
+                    f"build the model without reading or computing weights."
+                ) from None
         if type(obj).__name__.endswith("Config") and hasattr(obj, "model_type"):
             return _from_config(_transformers(text), obj, f"transformers config from {text}")
         if not isinstance(obj, torch.nn.Module):
