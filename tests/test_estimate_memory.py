@@ -100,6 +100,24 @@ def test_rules_are_exact_where_the_rule_is_exact():
     assert zero3.optimizer == 2 * 4 * parts + 4
 
 
+def test_a_broken_rule_costs_its_row_and_aliases_one_row():
+    import dataclasses
+
+    from torchplug.core.manager import get_registry
+
+    registry = get_registry()
+
+    def broken(query):
+        raise KeyError("oops")
+
+    registry.strategies["ddp"] = dataclasses.replace(registry.strategies["ddp"], memory=broken)
+    with torch.device("meta"):
+        model = memory_body.build()
+    rows, skipped = estimates(model, 2, "32", "adamw", ["ddp", "fsdp", "fully-sharded"])
+    assert [r["strategy"] for r in rows] == ["fsdp"]
+    assert skipped == [{"strategy": "ddp", "reason": "its memory rule failed: KeyError: 'oops'"}]
+
+
 def test_a_strategy_without_a_rule_gets_one_from_its_flags():
     from torchplug.core.registry import StrategyInfo
 

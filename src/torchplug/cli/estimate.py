@@ -165,10 +165,14 @@ def estimates(
     names = strategies or sorted(registry.strategies)
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
+    done: set[str] = set()
     for name in names:
         canonical = registry.canonical(name)
         if canonical is None:
             raise ConfigurationError(registry.unknown_strategy_message(name))
+        if canonical in done:  # a name and its alias: one row
+            continue
+        done.add(canonical)
         info = registry.strategies[canonical]
         why = info.unusable_reason()
         if why is None and precision not in info.precisions:
@@ -191,6 +195,10 @@ def estimates(
             estimate = memory.rule_for(info)(query)
         except memory.NotEstimable as exc:
             skipped.append({"strategy": info.name, "reason": str(exc)})
+            continue
+        except Exception as exc:  # a plugin's broken rule costs its row, not the table
+            reason = f"its memory rule failed: {type(exc).__name__}: {exc}"
+            skipped.append({"strategy": info.name, "reason": reason})
             continue
         rows.append({"strategy": info.name, **estimate.as_dict()})
     return rows, skipped
