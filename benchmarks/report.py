@@ -41,7 +41,8 @@ def memory_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
             rec["detail"] = (
                 f"params {row['params'] / 1e6:.1f} MB, grads {row['grads'] / 1e6:.1f} MB, "
-                f"optimizer state {row['optimizer'] / 1e6:.1f} MB, other buffers "
+                f"optimizer state {row['optimizer'] / 1e6:.1f} MB, fp32 masters "
+                f"{row.get('masters', 0) / 1e6:.1f} MB, other buffers "
                 f"{row['other'] / 1e6:.1f} MB, peak RSS {row['rss']:.0f} MiB"
             )
             records.append(rec)

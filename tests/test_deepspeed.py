@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import memory_body
 import torchplug as tp
 from checkpoint_attacks import no_unpickling
 from reference import make_dataset, make_model, train
@@ -824,3 +825,20 @@ def test_zero3_save_holds_its_share_of_the_state_not_the_whole_model(ranks, tmp_
     empty = {"model": None, "optimizer": None}
     state = tp.Engine("single").load(tmp_path / "ckpt", empty, strict=False)
     assert len(state["model"]) == 24 and len(state["optimizer"]["state"]) == 24
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    "strategy, precision",
+    [("deepspeed-zero3", "32"), ("deepspeed-zero3", "bf16"), ("deepspeed-zero1", "32")]
+    + [("deepspeed-zero2", "bf16")],
+)
+def test_estimate_memory_is_within_5_percent_of_the_live_bytes(ranks, strategy, precision):
+    """Issue 27 item 8: `torchplug estimate-memory` against the live tensors of a real step
+    (parameter partitions, persistent small parameters, gradient partitions, fp32 masters)."""
+    from test_estimate_memory import assert_within, estimate_for
+
+    measured = ranks.run(memory_body.measure, strategy, precision, timeout=300)
+    estimate = estimate_for(strategy, precision)
+    assert_within(estimate, measured)
+    assert estimate["masters"] > 0 and estimate["grads"] > 0

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import memory_body
 import torchplug as tp
 from reference import make_dataset, make_model, train
+from test_estimate_memory import assert_within, estimate_for
 from test_parity import assert_close_dicts
 from test_ported import check_strategy
 from test_resume import run
@@ -107,3 +109,14 @@ def test_hugging_face_models_train_in_low_precision_like_autocast(ranks, strateg
     import hf_models
 
     hf_models.check_low_precision(ranks, strategy, precision, make)
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [("fairscale-oss", {}), ("fairscale-sdp", {}), ("fairscale-sdp", {"reduce_buffer_size": 0})],
+)
+def test_estimate_memory_is_within_5_percent_of_the_live_bytes(ranks, strategy, options):
+    """Issue 27 item 8: OSS's owner-by-owner optimizer state (the fullest owner), and
+    ShardedDDP's gradients (whole with reduce buckets; the owned share without)."""
+    measured = ranks.run(memory_body.measure, strategy, **options, timeout=300)
+    assert_within(estimate_for(strategy, **options), measured)

@@ -143,3 +143,104 @@ def test_a_resumed_epochs_bar_starts_where_it_stopped_and_reaches_the_end(
     assert "100%" in err
     shown = [int(n) for n in re.findall(rf"(?<!\d)(\d+)/{steps}\b", err)]
     assert min(shown) == 3, shown  # no restart from zero
+
+
+def trainer_throughput(log_dir: str) -> dict:
+    """3 epochs of 96 items on 2 ranks (6 steps of 8 per rank each), logged every 6 steps."""
+    model, optimizer = trainer_body.model_and_optimizer()
+    with tp.Trainer(
+        model,
+        optimizer,
+        torch.nn.functional.cross_entropy,
+        torch.utils.data.DataLoader(trainer_body.data(), batch_size=8, shuffle=True),
+        strategy="ddp",
+        max_epochs=3,
+        loggers=["jsonl"],
+        log_dir=log_dir,
+        log_every=6,
+        timeout=60.0,
+    ) as trainer:
+        result = trainer.fit()
+        return {"result": result, "totals": trainer.throughput.totals}
+
+
+def test_trainer_measures_and_logs_throughput_on_every_rank(ranks, tmp_path):
+    """Issue 27 item 6: the Trainer's samples/s, counted by its ThroughputMonitor, logged
+    through the loggers: every sample of every epoch counted once, the rates the monitor's
+    samples over its seconds (no wall-clock budget: consistency only)."""
+    r0, r1 = ranks.run(trainer_throughput, str(tmp_path), timeout=180)
+    for rank in (r0, r1):
+        assert rank["result"]["samples"] == 96 * 3  # the data set x epochs, over both ranks
+        assert rank["totals"]["samples"] == 96 * 3 // 2 and rank["totals"]["batches"] == 18
+        assert rank["totals"]["time"] > 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r for r in records if "throughput/samples_per_s" in r}
+    assert sorted(logged) == [6, 12, 18]
+    last = logged[18]  # the window (100 steps) holds the whole run: total samples / seconds
+    assert last["throughput/samples_per_s"] == pytest.approx(144 / r0["totals"]["time"])
+    together = 144 / r0["totals"]["time"] + 144 / r1["totals"]["time"]
+    assert last["throughput/global/samples_per_s"] == pytest.approx(together)
+    assert last["train/samples_per_s"] == last["throughput/global/samples_per_s"]
+    assert last["throughput/batches_per_s"] == pytest.approx(18 / r0["totals"]["time"])
+    assert "throughput/tokens_per_s" not in last  # float features: no tokens to count
+    epochs = [r for r in records if "epoch/samples_per_s" in r]
+    assert len(epochs) == 3 and all(r["epoch/samples_per_s"] > 0 for r in epochs)
+    assert r0["result"]["samples_per_s"] == epochs[-1]["epoch/samples_per_s"]
+
+
+def test_trainer_counts_tokens_flops_and_mfu_with_its_engines_monitor(
+    tmp_path, capsys, monkeypatch
+):
+    from torchplug.trainer import progress
+
+    monkeypatch.setattr(progress, "BARS", ())  # the text bar: its line shows what it shows
+    tokens = torch.randint(0, 10, (32, 5), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(tokens, torch.randint(0, 3, (32,)))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(20, 3)
+    )
+    engine = tp.Engine("single", loggers=["jsonl"], log_dir=tmp_path)
+    monitor = tp.ThroughputMonitor(engine, peak_flops=1e9)
+    with tp.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.functional.cross_entropy,
+        torch.utils.data.DataLoader(data, batch_size=8),
+        engine=engine,
+        throughput=monitor,
+        flops_per_batch=1000.0,
+        log_every=4,
+        progress=True,
+    ) as trainer:
+        result = trainer.fit()
+    totals = monitor.totals
+    assert totals["samples"] == 32 and totals["tokens"] == 32 * 5 and totals["flops"] == 4000
+    assert result["samples"] == 32
+    record = next(
+        json.loads(line)
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if "throughput/tokens_per_s" in line
+    )
+    assert record["throughput/tokens_per_s"] == pytest.approx(160 / totals["time"])
+    assert record["throughput/flops_per_s"] == pytest.approx(4000 / totals["time"])
+    assert record["throughput/mfu"] == pytest.approx(4000 / totals["time"] / 1e9)
+    err = capsys.readouterr().err
+    assert "samples/s" in err and "tokens/s" in err and "MFU" in err, err[-400:]
+    assert "tokens_per_s" in result
+
+
+def test_trainer_throughput_off_and_wrong_arguments():
+    model, optimizer = trainer_body.model_and_optimizer()
+    data = torch.utils.data.DataLoader(trainer_body.data(), batch_size=8)
+    loss = torch.nn.functional.cross_entropy
+    with tp.Trainer(model, optimizer, loss, data, strategy="single", throughput=False) as trainer:
+        result = trainer.fit()
+    assert trainer.throughput is None and "samples" not in result
+    assert "samples_per_s" not in result
+    other = tp.Engine("single")
+    with pytest.raises(tp.ConfigurationError, match="made on another Engine"):
+        tp.Trainer(model, optimizer, loss, data, strategy="single",
+                   throughput=tp.ThroughputMonitor(other))  # fmt: skip
+    with pytest.raises(tp.ConfigurationError, match="flops_per_batch"):
+        tp.Trainer(model, optimizer, loss, data, strategy="single", flops_per_batch=-1.0)
+    other.close()

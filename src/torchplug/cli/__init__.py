@@ -1,4 +1,4 @@
-"""The ``torchplug`` command: launch, plugins, doctor, check, convert, config.
+"""The ``torchplug`` command: launch, plugins, doctor, check, convert, config, estimate-memory.
 
 The command line sits above the core (it may use the testing kit; nothing below imports it).
 Importing this package imports neither torch nor any plugin, so ``torchplug --help`` is instant;
@@ -116,6 +116,14 @@ def _parser() -> argparse.ArgumentParser:
     from torchplug.cli.config import add_arguments  # argparse only: no torch
 
     add_arguments(p)
+    p = sub.add_parser(
+        "estimate-memory",
+        help="per-rank bytes of parameters, gradients and optimizer state for a model under "
+        "each installed strategy, from its shapes on the meta device",
+    )
+    from torchplug.cli.estimate import add_arguments as add_estimate_arguments
+
+    add_estimate_arguments(p)
     return parser
 
 
@@ -150,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from torchplug.cli.config import config
 
         return config(args)
+    if args.command == "estimate-memory":
+        from torchplug.cli.estimate import estimate_memory
+
+        return estimate_memory(args)
     if args.command == "check":
         from torchplug.cli.check import check
 

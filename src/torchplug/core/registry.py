@@ -219,6 +219,12 @@ class StrategyInfo:
             `torchplug.core.capabilities.precision_unavailable`, so the launcher, ``check``, the kit
             and the Engine all give the same answer. Keep it cheap: it runs in ``torchplug plugins``
             and the launcher, never importing the backend.
+        memory: Per-rank bytes of parameters, gradients, optimizer state and fp32 masters
+            for a model's parameter shapes (``torchplug estimate-memory``): a function
+            ``MemoryQuery -> MemoryEstimate`` (ready ones in `torchplug.core.memory`, e.g.
+            ``memory.fsdp2``), raising ``NotEstimable`` where shapes alone cannot tell.
+            ``None``: derived from ``shards_parameters`` / ``shards_optimizer`` (even sharding)
+            and marked as derived, so plugins registered without it keep working.
         extends: The name of a registered strategy whose options, capabilities and defaults this one
             inherits: its own options are added to (or replace, by name) the parent's, and every
             field left at its default takes the parent's value. For a subclass of the parent's
@@ -256,6 +262,7 @@ class StrategyInfo:
     precision_options: tuple[Option, ...] = ()
     check: Callable[[], str | None] | None = None
     precision_check: Callable[[str], str | None] | None = None
+    memory: Callable[[Any], Any] | None = None
     extends: str = ""
     api: str = ""
     provider: str = ""
@@ -351,6 +358,7 @@ class StrategyInfo:
             "precision_options",
             "check",
             "precision_check",
+            "memory",
         }
         for f in dataclasses.fields(self):
             if f.name in inherited and getattr(self, f.name) == f.default:

@@ -131,10 +131,20 @@ class ThroughputMonitor:
         self._flops_total += flops or 0.0
         self._points.append((time, batches, samples, tokens or 0, self._flops_total))
 
-    def compute(self) -> dict[str, float]:
+    @property
+    def totals(self) -> dict[str, float]:
+        """The last update's totals on this rank: ``time``, ``batches``, ``samples``,
+        ``tokens`` and ``flops`` (added up); empty before the first update."""
+        if not self._points:
+            return {}
+        names = ("time", "batches", "samples", "tokens", "flops")
+        return dict(zip(names, self._points[-1], strict=True))
+
+    def compute(self, all_ranks: bool = True) -> dict[str, float]:
         """The rates over the window: ``batches_per_s``, ``samples_per_s``, ``tokens_per_s``,
         ``flops_per_s`` and ``mfu`` on this rank, and ``global/…`` summed over every rank (a
-        collective: call it on every rank). Empty until two updates."""
+        collective: call it on every rank; ``all_ranks=False``: this rank's only, no
+        collective). Empty until two updates."""
         if len(self._points) < 2:
             return {}
         (t0, *first), (t1, *last) = self._points[0], self._points[-1]
@@ -145,6 +155,10 @@ class ThroughputMonitor:
             rates.pop("tokens_per_s")
         if not self._flops_total:
             rates.pop("flops_per_s")
+        if not all_ranks:
+            if self.peak_flops and "flops_per_s" in rates:
+                rates["mfu"] = rates["flops_per_s"] / self.peak_flops
+            return rates
         together = self.engine.reduce(
             torch.tensor(list(rates.values()), dtype=torch.float64, device=self.engine.device),
             "sum",

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from torchplug.core import memory
 from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo, positive_number
@@ -92,5 +93,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=DDPStrategy,
             description="torch DistributedDataParallel: full replicas, gradients all-reduced.",
             options=(*distributed_options(), *DDP_OPTIONS),
+            memory=memory.ddp,
         )
     )

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from torchplug import checkpoint
-from torchplug.core import capabilities
+from torchplug.core import capabilities, memory
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import CheckpointError, ConfigurationError
@@ -732,6 +732,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=DeepSpeedStrategy,
             options=_options(True),
             description="DeepSpeed ZeRO (stage option 1/2/3, offload, your DeepSpeed config).",
+            memory=memory.deepspeed,
             **common,
         )
     )
@@ -743,6 +744,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 options=_options(False),
                 description=f"DeepSpeed ZeRO stage {stage}.",
                 shards_parameters=stage == 3,
+                memory=memory.zero(stage),
                 **common,
             )
         )
@@ -752,6 +754,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=_named(3, offload_optimizer="cpu", offload_params="cpu"),
             options=_options(False, with_offload=False),
             description="DeepSpeed ZeRO stage 3, optimizer and parameters offloaded to the CPU.",
+            memory=memory.zero(3, offload_optimizer="cpu", offload_params="cpu"),
             shards_parameters=True,
             **common,
         )

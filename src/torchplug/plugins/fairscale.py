@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from torchplug.core import memory
 from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
@@ -241,6 +242,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("oss",),
             factory=OSSStrategy,
             description="FairScale OSS optimizer-state sharding with torch DDP.",
+            memory=memory.sharded_optimizer,
             options=(*distributed_options(),),
             shards_optimizer=True,
             **common,
@@ -252,6 +254,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("sharded-ddp",),
             factory=SDPStrategy,
             description="FairScale OSS + ShardedDataParallel: gradients reduced to their owner.",
+            memory=memory.sharded_gradients,
             options=(
                 *distributed_options(),
                 Option("reduce_buffer_size", int, 2**23, "bucket size in elements; 0 = none"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchplug.core import capabilities
+from torchplug.core import capabilities, memory
 from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
@@ -271,5 +271,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             shards_parameters=True,
             shards_optimizer=True,
             takes_meta_modules=True,
+            memory=memory.fsdp2,
         )
     )

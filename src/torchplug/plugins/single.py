@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from torchplug.core import memory
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.registry import Option, StrategyInfo
@@ -65,5 +66,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 ),
             ),
             distributed=False,
+            memory=memory.replicated,
         )
     )

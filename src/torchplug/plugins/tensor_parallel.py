@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torchplug.core import capabilities
+from torchplug.core import capabilities, memory
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
@@ -40,6 +40,11 @@ from torchplug.plugins.fsdp import (
 )
 
 STYLES = ("colwise", "rowwise", "sequence")
+#: Why ``torchplug estimate-memory`` gives no numbers for ``fsdp-tp``.
+TWO_D_NOT_MODELLED = (
+    "2-D sharding (FSDP2 over the tensor-parallel shards) is not modelled; estimate 'tp' with "
+    "-n TP_SIZE and 'fsdp' with -n DP_SIZE, or measure with torchplug.core.memory.count_live"
+)
 
 #: Hugging Face's plan strings (``model._tp_plan``, ``config.base_model_tp_plan``) that map onto
 #: torch's own styles, with the layouts transformers gives them; "replicate" leaves a module whole.
@@ -327,6 +332,68 @@ def _check_plan(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, list[
     return matched
 
 
+def _split(style: Any) -> str | None:
+    """``"col"``, ``"row"`` or ``None`` (left whole) for a plan entry."""
+    if isinstance(style, str):
+        if style in ("colwise", "colwise_gather_output", "colwise_rep", "embedding_colwise"):
+            return "col"
+        if style in ("rowwise", "rowwise_split_input", "rowwise_rep", "embedding_rowwise"):
+            return "row"
+        return None  # sequence, replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        return "col"
+    if isinstance(style, RowwiseParallel):
+        return "row"
+    return None
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """A submodule name against a plan pattern (``*`` is one name), as `_check_plan`."""
+    import fnmatch
+
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(
+        fnmatch.fnmatchcase(a, b) for a, b in zip(parts, wanted, strict=True)
+    )
+
+
+def tp_memory(query: memory.MemoryQuery) -> memory.MemoryEstimate:
+    """``tp``'s per-rank bytes from the plan (``tp_plan`` option, else the model's own): torch's
+    colwise splits a Linear's weight and bias on dim 0 (an Embedding's weight on dim 1), rowwise
+    a Linear's weight on dim 1 (an Embedding's on dim 0) and leaves its bias whole; rank 0 holds
+    ``ceil(size / ranks)`` of a split dim. Everything else stays whole on every rank."""
+    plan = query.options.get("tp_plan") or query.model_tp_plan
+    if plan is None:
+        raise memory.NotEstimable(
+            'no tensor-parallel plan: pass --strategy tp --option \'tp_plan={"layers.*.up": '
+            '"colwise", ...}\', or give the model a tp_plan attribute'
+        )
+    if not isinstance(plan, dict):
+        raise memory.NotEstimable("a callable tp_plan: which weights it splits is its own")
+    w = query.world_size
+    params = state = 0
+    for p in query.params:
+        owner, _, leaf = p.name.rpartition(".")
+        style = next((v for pattern, v in plan.items() if _matches(owner, pattern)), None)
+        split = _split(style)
+        dim = None
+        if split is not None and p.module == "Embedding" and leaf == "weight":
+            dim = 1 if split == "col" else 0
+        elif split == "col":
+            dim = 0
+        elif split == "row" and leaf == "weight":
+            dim = 1
+        numel = p.numel
+        if dim is not None and dim < len(p.shape) and p.shape[dim]:
+            numel = numel // p.shape[dim] * -(-p.shape[dim] // w)
+        params += numel * p.itemsize
+        state += query.states * numel * p.itemsize
+    steps = query.step_bytes * len(query.params) if query.states else 0
+    return memory.MemoryEstimate(params, params, state + steps)
+
+
 def _factory(fsdp: bool) -> Callable[..., TensorParallelStrategy]:
     def factory(**options: Any) -> TensorParallelStrategy:
         return TensorParallelStrategy(fsdp=fsdp, **options)
@@ -349,6 +416,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("tensor-parallel",),
             factory=_factory(False),
             description="Tensor parallelism over every rank (torch parallelize_module).",
+            memory=tp_memory,
             options=(*distributed_options(), plan),
             precisions=("32",),
             owns_precision=False,
@@ -363,6 +431,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("2d",),
             factory=_factory(True),
             description="2-D parallelism: FSDP2 over 'dp' × tensor parallelism over 'tp'.",
+            memory=memory.not_estimable(TWO_D_NOT_MODELLED),
             options=(
                 *distributed_options(),
                 plan,

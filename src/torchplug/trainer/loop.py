@@ -10,9 +10,10 @@ hook implementations ([`torchplug.trainer.hooks`][torchplug.trainer.hooks]).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,13 @@ import torch
 from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.spec import PROJECT
+from torchplug.core.throughput import ThroughputMonitor
 from torchplug.trainer import hooks
 from torchplug.trainer.progress import Progress, wanted
 
 Metric = Callable[[torch.Tensor, torch.Tensor], Any]
+#: Optimizer steps the Trainer's own ThroughputMonitor rates over (a moving window).
+THROUGHPUT_WINDOW = 100
 
 
 def _positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -96,6 +100,14 @@ class Trainer:
             terminal.
         hparams: Logged once with every logger when ``fit()`` starts
             ([`Engine.log_hyperparams`][torchplug.Engine.log_hyperparams]).
+        throughput: Measure samples/s (tokens/s where
+            [`batch_tokens`][torchplug.Trainer.batch_tokens] can tell; FLOP/s and MFU with
+            ``flops_per_batch``) with a [`ThroughputMonitor`][torchplug.ThroughputMonitor]:
+            shown in the progress bar and the epoch line, logged under ``throughput/...``.
+            ``True`` (default): a monitor of its own; a monitor you made on the same Engine
+            (e.g. with ``peak_flops``); or ``False``.
+        flops_per_batch: The FLOPs of one batch's forward and backward on a rank (e.g. from
+            [`measure_flops`][torchplug.measure_flops]), for FLOP/s and MFU.
         engine: An Engine you made, used instead of one made from the arguments above.
         **engine_options: Further keyword arguments of the [`Engine`][torchplug.Engine] it makes.
 
@@ -153,6 +165,8 @@ class Trainer:
         callbacks: Iterable[object] = (),
         progress: bool | None = None,
         hparams: Mapping[str, Any] | None = None,
+        throughput: bool | ThroughputMonitor = True,
+        flops_per_batch: float | None = None,
         engine: Engine | None = None,
         **engine_options: Any,
     ) -> None:
@@ -204,7 +218,45 @@ class Trainer:
             self.callbacks.register(callback)
         self.hook = self.callbacks.hook
         self.hparams = dict(hparams or {})
+        self.throughput = self._monitor(throughput, flops_per_batch)
+        self.flops_per_batch = flops_per_batch
+        # this run's totals on this rank (batches, samples, tokens) and training seconds, with
+        # evaluation and checkpoints left out
+        self._seen = {"batches": 0, "samples": 0, "tokens": 0}
+        self._started: float | None = None
+        self._paused = 0.0
         self._warn_accelerate_schedule()
+
+    def _monitor(
+        self, throughput: bool | ThroughputMonitor, flops_per_batch: float | None
+    ) -> ThroughputMonitor | None:
+        if flops_per_batch is not None and (
+            isinstance(flops_per_batch, bool)
+            or not isinstance(flops_per_batch, (int, float))
+            or not flops_per_batch > 0
+        ):
+            raise ConfigurationError(
+                f"Trainer(flops_per_batch={flops_per_batch!r}): expected the FLOPs of one "
+                f"batch's forward and backward on a rank, a positive number (e.g. "
+                f"tp.measure_flops(model, lambda: loss_fn(model(x), y)))."
+            )
+        if isinstance(throughput, ThroughputMonitor):
+            if throughput.engine is not self.engine:
+                raise ConfigurationError(
+                    "Trainer(throughput=monitor): the monitor was made on another Engine. Make "
+                    "the Engine first and pass it to both: engine = tp.Engine(...); "
+                    "tp.Trainer(..., engine=engine, throughput=tp.ThroughputMonitor(engine, "
+                    "peak_flops=...))."
+                )
+            return throughput
+        if throughput is True:
+            return ThroughputMonitor(self.engine, window=THROUGHPUT_WINDOW)
+        if throughput is False or throughput is None:
+            return None
+        raise ConfigurationError(
+            f"Trainer(throughput={throughput!r}): expected True (the default), False, or a "
+            f"tp.ThroughputMonitor made on the Trainer's Engine."
+        )
 
     # -- overridable steps ------------------------------------------------------------------------
 
@@ -226,6 +278,26 @@ class Trainer:
         inputs, targets = self._split(batch)
         assert self.loss_fn is not None
         return self.loss_fn(self.model(inputs), targets)
+
+    def batch_tokens(self, batch: Any) -> int | None:
+        """Tokens in one batch, for tokens/s; ``None`` when it cannot tell. Counts a mapping's
+        ``attention_mask`` (else ``input_ids``), or integer inputs of 2 or more dimensions
+        (token ids, batch x sequence); override for other layouts."""
+        if isinstance(batch, Mapping):
+            mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+            if isinstance(mask, torch.Tensor):
+                return int(mask.sum().item())
+            return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
+        inputs = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+        if (
+            isinstance(inputs, torch.Tensor)
+            and inputs.dim() >= 2
+            and not inputs.is_floating_point()
+            and not inputs.is_complex()
+            and inputs.dtype != torch.bool
+        ):
+            return int(inputs.numel())
+        return None
 
     def eval_outputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(outputs, targets)`` of one eval batch (override for other batch layouts).
@@ -262,30 +334,40 @@ class Trainer:
         if self.hparams:
             engine.log_hyperparams(self.hparams)
         self.hook.on_train_start(trainer=self)
+        self._start_clock()
         result: dict[str, Any] = {}
         stop = self._done()
         last_saved = self.step if resumed is not None else None
         while not stop and self.train_loader.epoch < self.max_epochs:
             self.epoch = self.train_loader.epoch
             self.hook.on_epoch_start(trainer=self, epoch=self.epoch)
+            seen, began = dict(self._seen), self._elapsed()
             losses, stop, last_saved = self._train_epoch(state, last_saved)
             epoch_metrics: dict[str, float] = {}
             if losses:
                 mean = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
                 epoch_metrics["train_loss"] = engine.reduce(mean, "mean").item()
+            if self.throughput is not None:
+                epoch_metrics.update(self._epoch_rates(seen, self._elapsed() - began))
             if self.eval_loader is not None:
                 epoch_metrics.update(self.evaluate())
             if epoch_metrics:
                 engine.log({f"epoch/{k}": v for k, v in epoch_metrics.items()}, step=self.step)
                 engine.print(
                     f"epoch {self.epoch + 1}  step {self.step}  "
-                    + "  ".join(f"{k} {v:.4f}" for k, v in epoch_metrics.items())
+                    + "  ".join(
+                        f"{k} {v:,.1f}" if k.endswith("_per_s") else f"{k} {v:.4f}"
+                        for k, v in epoch_metrics.items()
+                    )
                 )
             self.hook.on_epoch_end(trainer=self, epoch=self.epoch, metrics=epoch_metrics)
             result.update(epoch_metrics)
         if engine.checkpoints.directory is not None and last_saved != self.step:
             self._checkpoint(state)
         result.update({"step": self.step, "epoch": self.train_loader.epoch})
+        if self.throughput is not None:  # this run's samples over every rank
+            total = torch.tensor(float(self._seen["samples"]), dtype=torch.float64)
+            result["samples"] = int(engine.reduce(total, "sum").item())
         self.hook.on_train_end(trainer=self, metrics=result)
         return result
 
@@ -308,7 +390,6 @@ class Trainer:
         losses: list[float] = []
         micro: list[torch.Tensor] = []
         window: list[float] = []
-        samples, started = 0, time.perf_counter()
         stop = False
         try:
             for batch in self.train_loader:
@@ -322,7 +403,7 @@ class Trainer:
                     optimizer.step()
                     optimizer.zero_grad()
                 micro.append(loss.detach().float())
-                samples += _batch_size(batch)
+                self._count(batch)
                 if not sync:
                     continue
                 self.step += 1
@@ -330,21 +411,22 @@ class Trainer:
                 if self.scheduler is not None and not optimizer.step_was_skipped:
                     self.scheduler.step()
                 step_loss = torch.stack(micro).mean().item()
+                self._record_step(len(micro))
                 micro = []
                 losses.append(step_loss)
                 window.append(step_loss)
-                rate = samples * engine.world_size / max(time.perf_counter() - started, 1e-9)
-                self.progress.update(step_loss, rate)
+                self.progress.update(step_loss, self._bar_rates())
                 if self.step % self.log_every == 0:
                     mean = torch.tensor(sum(window) / len(window), dtype=torch.float64)
-                    engine.log(
-                        {
-                            "train/loss": engine.reduce(mean, "mean").item(),
-                            "train/lr": float(optimizer.param_groups[0]["lr"]),
-                            "train/samples_per_s": rate,
-                        },
-                        step=self.step,
-                    )
+                    metrics = {
+                        "train/loss": engine.reduce(mean, "mean").item(),
+                        "train/lr": float(optimizer.param_groups[0]["lr"]),
+                    }
+                    rates = self.throughput.compute() if self.throughput is not None else {}
+                    if rates:  # a collective: every rank logs at the same steps
+                        metrics["train/samples_per_s"] = rates["global/samples_per_s"]
+                        metrics.update({f"throughput/{k}": v for k, v in rates.items()})
+                    engine.log(metrics, step=self.step)
                     window = []
                 if self.checkpoint_every and self.step % self.checkpoint_every == 0:
                     self._checkpoint(state)
@@ -377,14 +459,91 @@ class Trainer:
         return bool(self.engine.reduce(flag, "max").item() > 0)
 
     def _checkpoint(self, state: dict[str, Any]) -> None:
-        path = self.engine.save_checkpoint(state)
+        with self._pause():
+            path = self.engine.save_checkpoint(state)
         self.hook.on_checkpoint(trainer=self, path=path)
+
+    # -- throughput -------------------------------------------------------------------------------
+
+    def _start_clock(self) -> None:
+        """The training clock starts with the first fit() (a monitor's first point at 0)."""
+        if self._started is None:
+            self._started = time.perf_counter()
+            if self.throughput is not None and not self.throughput.totals:
+                self.throughput.update(time=0.0, batches=0, samples=0)
+
+    def _elapsed(self) -> float:
+        """Training seconds since the first fit(), evaluation and checkpoints left out."""
+        if self._started is None:
+            return 0.0
+        return time.perf_counter() - self._started - self._paused
+
+    @contextlib.contextmanager
+    def _pause(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - began
+
+    def _count(self, batch: Any) -> None:
+        self._seen["batches"] += 1
+        self._seen["samples"] += _batch_size(batch)
+        if self.throughput is not None:
+            self._seen["tokens"] += self.batch_tokens(batch) or 0
+
+    def _record_step(self, batches: int) -> None:
+        """One optimizer step done: this rank's totals to the monitor."""
+        if self.throughput is None:
+            return
+        last = self.throughput.totals.get("time", 0.0)
+        self.throughput.update(
+            time=max(self._elapsed(), last + 1e-9),  # strictly growing, as the monitor needs
+            batches=self._seen["batches"],
+            samples=self._seen["samples"],
+            tokens=self._seen["tokens"] or None,
+            flops=self.flops_per_batch * batches if self.flops_per_batch else None,
+        )
+
+    def _bar_rates(self) -> dict[str, float]:
+        """This rank's rates times the ranks (no collective: the bar is rank 0's alone)."""
+        if self.throughput is None:
+            return {}
+        local = self.throughput.compute(all_ranks=False)
+        world = self.engine.world_size
+        shown = {k: local[k] * world for k in ("samples_per_s", "tokens_per_s") if k in local}
+        if "mfu" in local:
+            shown["mfu"] = local["mfu"]
+        return shown
+
+    def _epoch_rates(self, seen: Mapping[str, int], seconds: float) -> dict[str, float]:
+        """Samples/s (and tokens/s) of the epoch over every rank: what they processed since
+        ``seen``, over the slowest rank's training seconds."""
+        counts = torch.tensor(
+            [
+                float(self._seen["samples"] - seen["samples"]),
+                float(self._seen["tokens"] - seen["tokens"]),
+            ],
+            dtype=torch.float64,
+        )
+        counts = self.engine.reduce(counts, "sum")
+        slowest = self.engine.reduce(torch.tensor(seconds, dtype=torch.float64), "max").item()
+        if not slowest > 0 or not counts[0].item():
+            return {}
+        rates = {"samples_per_s": counts[0].item() / slowest}
+        if counts[1].item():
+            rates["tokens_per_s"] = counts[1].item() / slowest
+        return rates
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Loss (and ``metrics``) over the whole eval set, the same on every rank."""
         if self.eval_loader is None:
             raise ConfigurationError("Trainer.evaluate() needs eval_data=... in the Trainer.")
+        with self._pause():  # not training time: left out of the throughput
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         engine = self.engine
         self.model.eval()
         outputs: list[torch.Tensor] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 #: The bar packages used when installed, in order of preference; else the plain text bar.
@@ -68,8 +69,18 @@ class Progress:
         elif self.kind == "text":
             self._text = _TextBar(epoch, total, initial)
 
-    def update(self, loss: float, samples_per_s: float) -> None:
-        info = f"loss {loss:.4f}  {samples_per_s:,.0f} samples/s"
+    def update(self, loss: float, rates: Mapping[str, float] | float | None = None) -> None:
+        """One step done: its loss and the rates to show (``samples_per_s``,
+        ``tokens_per_s``, ``mfu``; a number is samples/s)."""
+        if not isinstance(rates, Mapping):
+            rates = {} if rates is None else {"samples_per_s": float(rates)}
+        info = f"loss {loss:.4f}"
+        if "samples_per_s" in rates:
+            info += f"  {rates['samples_per_s']:,.0f} samples/s"
+        if "tokens_per_s" in rates:
+            info += f"  {rates['tokens_per_s']:,.0f} tokens/s"
+        if "mfu" in rates:
+            info += f"  MFU {100 * rates['mfu']:.1f}%"
         if self._bar is not None:
             self._bar.set_postfix_str(info, refresh=False)
             self._bar.update(1)
