@@ -290,3 +290,20 @@ def test_fsdp1_sharded_tensor_state_is_refused_naming_what_to_return(ranks):
     for message in ranks.run(encode_a_sharded_tensor, timeout=120):
         assert "ShardedTensor" in message and "DTensor" in message, message
         assert "_use_dtensor=True" in message
+
+
+def test_without_blake3_a_save_records_sha256_and_a_blake3_checkpoint_says_what_to_install(
+    saved, tmp_path, monkeypatch
+):
+    """blake3 is a dependency; where it cannot be imported a save falls back to sha256 (and
+    loads), and a checkpoint hashed with BLAKE3 is refused with the package to install."""
+    from torchplug.checkpoint import files
+
+    monkeypatch.setattr(files, "_blake3", lambda: None)
+    with pytest.raises(tp.CheckpointError, match=r"pip install blake3"):
+        load_and_snapshot(str(saved), "single")
+    path = tmp_path / "sha"
+    train("single", steps=1, save_to=str(path))
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert all("sha256" in info and "blake3" not in info for info in manifest["files"].values())
+    assert load_and_snapshot(str(path), "single")["step"] == 1
