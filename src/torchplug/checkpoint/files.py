@@ -114,7 +114,8 @@ def hasher(name: str) -> Any:
             "This checkpoint's files are hashed with BLAKE3 and the blake3 package is not "
             "installed; install it (python -m pip install blake3) and load again."
         )
-    return make(max_threads=1)  # one core per rank: the other ranks hash at the same time
+    # its threads take cores the ranks leave idle (waiting on an fsync, on the other ranks)
+    return make(max_threads=make.AUTO)
 
 
 def expected_digest(entry: Any) -> tuple[str, str]:
