@@ -142,9 +142,13 @@ class ThroughputMonitor:
 
     def compute(self, all_ranks: bool = True) -> dict[str, float]:
         """The rates over the window: ``batches_per_s``, ``samples_per_s``, ``tokens_per_s``,
-        ``flops_per_s`` and ``mfu`` on this rank, and ``global/…`` summed over every rank (a
-        collective: call it on every rank; ``all_ranks=False``: this rank's only, no
-        collective). Empty until two updates."""
+        ``flops_per_s`` and ``mfu`` on this rank, and ``global/…`` summed over every rank.
+        Empty until two updates.
+
+        Args:
+            all_ranks: Also the ``global/…`` sums, a collective: call it on every rank then.
+                ``False``: this rank's rates only, no collective.
+        """
         if len(self._points) < 2:
             return {}
         (t0, *first), (t1, *last) = self._points[0], self._points[-1]

@@ -282,7 +282,11 @@ class Trainer:
     def batch_tokens(self, batch: Any) -> int | None:
         """Tokens in one batch, for tokens/s; ``None`` when it cannot tell. Counts a mapping's
         ``attention_mask`` (else ``input_ids``), or integer inputs of 2 or more dimensions
-        (token ids, batch x sequence); override for other layouts."""
+        (token ids, batch x sequence); override for other layouts.
+
+        Args:
+            batch: One training batch, as the loader gives it.
+        """
         if isinstance(batch, Mapping):
             mask, ids = batch.get("attention_mask"), batch.get("input_ids")
             if isinstance(mask, torch.Tensor):
