@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,7 +136,8 @@ def test_a_resumed_epochs_bar_starts_where_it_stopped_and_reaches_the_end(
     steps = len(torch.utils.data.DataLoader(trainer_body.data(), batch_size=8))
     assert steps > 4
     _fit(tmp_path, max_steps=3, checkpoint_every=3)
-    capsys.readouterr()
+    stopped = capsys.readouterr().err  # max_steps ends the bar: 3/3, not 3 of the epoch's
+    assert "3/3" in stopped and f"/{steps}" not in stopped, stopped[-600:]
     result = _fit(tmp_path, checkpoint_every=100)
     assert result["step"] == steps
     err = capsys.readouterr().err
@@ -186,6 +188,55 @@ def test_trainer_measures_and_logs_throughput_on_every_rank(ranks, tmp_path):
     epochs = [r for r in records if "epoch/samples_per_s" in r]
     assert len(epochs) == 3 and all(r["epoch/samples_per_s"] > 0 for r in epochs)
     assert r0["result"]["samples_per_s"] == epochs[-1]["epoch/samples_per_s"]
+
+
+STALL = 3.0
+
+
+class SlowToStartLogger:
+    """Rank 0's logger takes STALL seconds for the hyperparameters and again for its first
+    metrics (wandb starts its run there)."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def log_hyperparams(self, params: dict) -> None:
+        time.sleep(STALL)
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        if not self.started:
+            self.started = True
+            time.sleep(STALL)
+
+    def close(self) -> None:
+        pass
+
+
+def trainer_with_a_slow_logger() -> dict:
+    model, optimizer = trainer_body.model_and_optimizer()
+    began = time.perf_counter()
+    with tp.Trainer(
+        model,
+        optimizer,
+        torch.nn.functional.cross_entropy,
+        torch.utils.data.DataLoader(trainer_body.data(), batch_size=8),
+        strategy="ddp",
+        max_epochs=1,
+        loggers=[SlowToStartLogger()],
+        log_every=2,
+        hparams={"lr": 0.1},
+        timeout=60.0,
+    ) as trainer:
+        trainer.fit()
+        return {"clock": trainer.throughput.totals["time"], "wall": time.perf_counter() - began}
+
+
+def test_the_throughput_clock_leaves_out_the_wait_for_rank_zeros_loggers(ranks):
+    """Every rank waits for rank 0's slow logger (hyperparameters, first metrics) outside its
+    training clock: neither stall counts as training on any rank (without that, the other
+    ranks waited in the next step's collective and their samples/s collapsed)."""
+    for rank in ranks.run(trainer_with_a_slow_logger, timeout=300):
+        assert rank["clock"] <= rank["wall"] - 1.8 * STALL, rank
 
 
 def test_trainer_counts_tokens_flops_and_mfu_with_its_engines_monitor(

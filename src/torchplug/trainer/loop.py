@@ -336,7 +336,8 @@ class Trainer:
         if resumed is not None:
             engine.print(f"resumed from step {resumed}")
         if self.hparams:
-            engine.log_hyperparams(self.hparams)
+            with self._logging():
+                engine.log_hyperparams(self.hparams)
         self.hook.on_train_start(trainer=self)
         self._start_clock()
         result: dict[str, Any] = {}
@@ -356,7 +357,8 @@ class Trainer:
             if self.eval_loader is not None:
                 epoch_metrics.update(self.evaluate())
             if epoch_metrics:
-                engine.log({f"epoch/{k}": v for k, v in epoch_metrics.items()}, step=self.step)
+                with self._logging():
+                    engine.log({f"epoch/{k}": v for k, v in epoch_metrics.items()}, step=self.step)
                 engine.print(
                     f"epoch {self.epoch + 1}  step {self.step}  "
                     + "  ".join(
@@ -389,6 +391,8 @@ class Trainer:
         )
         # a resumed epoch: the loader skips the batches the checkpoint's run consumed
         initial = getattr(self.train_loader, "resumes_at", 0) // self.grad_accum
+        if total is not None and self.max_steps is not None:  # max_steps ends it earlier
+            total = min(total, initial + max(self.max_steps - self.step, 0))
         self.progress.start(self.epoch, total, initial)
         model.train()
         losses: list[float] = []
@@ -430,7 +434,8 @@ class Trainer:
                     if rates:  # a collective: every rank logs at the same steps
                         metrics["train/samples_per_s"] = rates["global/samples_per_s"]
                         metrics.update({f"throughput/{k}": v for k, v in rates.items()})
-                    engine.log(metrics, step=self.step)
+                    with self._logging():
+                        engine.log(metrics, step=self.step)
                     window = []
                 if self.checkpoint_every and self.step % self.checkpoint_every == 0:
                     self._checkpoint(state)
@@ -489,6 +494,16 @@ class Trainer:
             yield
         finally:
             self._paused += time.perf_counter() - began
+
+    @contextlib.contextmanager
+    def _logging(self) -> Iterator[None]:
+        """Logging is not training time: rank 0 writes (a logger's first call may start a
+        service run, as wandb's does, for seconds) while the other ranks wait for it here,
+        together, instead of in the next step's collective, where their clocks would count it."""
+        with self._pause():
+            yield
+            if self.throughput is not None and self.engine.world_size > 1:
+                self.engine.barrier()
 
     def _count(self, batch: Any) -> None:
         self._seen["batches"] += 1
