@@ -1,10 +1,22 @@
-"""The Engine: the one object a training script talks to, whatever the backend."""
+"""The Engine: the one object a training script talks to, whatever the backend.
+
+A façade, split as Fabric splits Fabric: settings become a strategy, precision, options and
+active set in `torchplug.core.connector`; every change to a user's objects (optimizer steps,
+state-dict names, compile) is `torchplug.core.wrappers`, undone by ``close()``; collectives are
+`torchplug.core.collectives`; the Engine's side of checkpoints is
+`torchplug.core.checkpointing`. What remains here is the public surface and the per-Engine state.
+
+Why this module is over 500 lines: it is the public API. Each of the Engine's ~50 public
+methods and properties keeps its Google-style docstring here (docs/api.md renders them with
+mkdocstrings, which shows no inherited or delegated members), about 500 lines of
+documentation; the code around them is the delegation to the modules above, the active set's
+construction in ``__init__``, and ``setup``'s order of steps.
+"""
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 import os
 import types
 import weakref
@@ -16,7 +28,7 @@ from typing import Any
 import torch
 
 from torchplug.core import (
-    async_save,
+    checkpointing,
     collectives,
     config,
     connector,
@@ -31,7 +43,6 @@ from torchplug.core import (
 from torchplug.core import cluster as cluster_mod
 from torchplug.core.checkpoint_settings import key_from, timeout_from
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
-from torchplug.core.nested import map_tensors
 from torchplug.core.registry import (
     DEFAULT_TIMEOUT,
     StrategyInfo,
@@ -99,7 +110,7 @@ def _checked_callbacks(callbacks: Any) -> list[object]:
 
 
 #: Checkpoint entries of torchplug's own (plugins' state): user keys may not start with it.
-RESERVED_PREFIX = "torchplug."
+RESERVED_PREFIX = checkpointing.RESERVED_PREFIX
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -1021,16 +1032,7 @@ class Engine:
         Args:
             state: The state being saved.
         """
-        from torchplug.core.version import VERSION as __version__
-
-        step = state.get("step")
-        return {
-            "strategy": {"name": self.strategy, "options": self.options},
-            "precision": self.precision,
-            "world_size": self.world_size,
-            "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
-            "torchplug_version": __version__,
-        }
+        return checkpointing.header(self, state)
 
     def full_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -1046,27 +1048,7 @@ class Engine:
             model: The model [`setup`][torchplug.Engine.setup] returned.
             optimizer: Its optimizer, to include its state too.
         """
-        from torch.distributed.tensor import DTensor
-
-        def full(value: torch.Tensor) -> torch.Tensor:
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            return value.detach().cpu().clone()
-
-        with self.native_state_dicts():
-            result = {
-                "model": map_tensors(
-                    self.hook.torchplug_model_state(engine=self, model=model), full
-                )
-            }
-            if optimizer is not None:
-                result["optimizer"] = map_tensors(
-                    self.hook.torchplug_optimizer_state(
-                        engine=self, model=model, optimizer=optimizer
-                    ),
-                    full,
-                )
-        return result
+        return checkpointing.full_state(self, model, optimizer)
 
     def save(
         self,
@@ -1105,35 +1087,7 @@ class Engine:
             CheckpointError: The save failed on any rank (on every rank), or some rank did not call
                 it within ``checkpoint_timeout``.
         """
-        self.wait_for_save()
-        if not isinstance(state, dict):
-            raise TypeError(
-                f"engine.save expects a dict of what to save, e.g. {{'model': model, "
-                f"'optimizer': optimizer, 'step': step}}, got {type(state).__name__}."
-            )
-        metadata = dict(metadata or {})
-        try:
-            json.dumps(metadata, allow_nan=True)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(
-                f"Checkpoint metadata must be JSON values (numbers, strings, lists, dicts): {exc}"
-            ) from None
-        reserved = sorted(k for k in state if str(k).startswith(RESERVED_PREFIX))
-        if reserved:
-            raise CheckpointError(
-                f"State keys {reserved} start with {RESERVED_PREFIX!r}, which is torchplug's own "
-                f"namespace in checkpoints (plugins' state, such as the fp16 loss scale). Rename "
-                f"them."
-            )
-        state = {**state, **self._plugin_state()}
-        pending = async_save.PendingSave(str(path), self._staging) if async_ else None
-        handoff = async_save.handing_off(pending) if pending else contextlib.nullcontext()
-        with self.native_state_dicts(), handoff:
-            done = self.hook.torchplug_save(
-                engine=self, path=str(Path(path)), state=state, metadata=metadata
-            )
-        self._pending_save = pending
-        self._answer("torchplug_save", done)
+        checkpointing.save(self, path, state, metadata, async_)
 
     def wait_for_save(self) -> None:
         """Wait until an asynchronous save (``save(..., async_=True)``) has committed; raise its
@@ -1154,25 +1108,6 @@ class Engine:
             step()
         else:
             pending.then(step)
-
-    def _plugin_state(self) -> dict[str, Any]:
-        """What the active set's plugins keep in every checkpoint (``torchplug_checkpoint_state``),
-        under torchplug's reserved names."""
-        merged: dict[str, Any] = {}
-        for answer in self.hook.torchplug_checkpoint_state(engine=self):
-            self._answer("torchplug_checkpoint_state", answer)
-            for name, obj in answer.items():
-                if not (
-                    callable(getattr(obj, "state_dict", None))
-                    and callable(getattr(obj, "load_state_dict", None))
-                ):
-                    raise PluginError(
-                        f"torchplug_checkpoint_state answered {name!r}: {type(obj).__name__}, "
-                        f"which lacks state_dict()/load_state_dict(). Return objects that have "
-                        f"both (docs/hooks.md#torchplug_checkpoint_state)."
-                    )
-                merged[f"{RESERVED_PREFIX}{name}"] = obj
-        return merged
 
     def load(
         self,
@@ -1203,21 +1138,7 @@ class Engine:
             CheckpointError: The checkpoint is missing, incomplete, fails verification, or does not
                 fit ``state``.
         """
-        self.wait_for_save()
-        if state is not None and not isinstance(state, dict):
-            raise TypeError(
-                f"engine.load expects a dict of the objects to restore, e.g. {{'model': model, "
-                f"'optimizer': optimizer}}, got {type(state).__name__}."
-            )
-        merged = None if state is None else {**state, **self._plugin_state()}
-        with self.native_state_dicts():
-            result = self.hook.torchplug_load(
-                engine=self, path=str(Path(path)), state=merged, strict=strict
-            )
-        if state is not None and merged is not None:
-            state.update({k: merged[k] for k in state})  # plain values replaced, as documented
-        answer = self._answer("torchplug_load", result)
-        return {k: v for k, v in answer.items() if not str(k).startswith(RESERVED_PREFIX)}
+        return checkpointing.load(self, path, state, strict)
 
     def load_pretrained(
         self, model: torch.nn.Module, path: str | os.PathLike[str], *, strict: bool = True
