@@ -19,9 +19,12 @@ A plugin that fails to import is recorded by name with its error, and the rest k
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -74,29 +77,93 @@ def _is_own(ep: metadata.EntryPoint) -> bool:
     return dist.metadata["Name"].replace("_", "-").lower() == OWN_DISTRIBUTION
 
 
-def load_builtins(registry: Registry) -> None:
-    """torchplug's own plugins, from `BUILTIN_PLUGINS` (not from entry points, so a
-    source checkout without an installed distribution has them too); blocked ones are never
-    imported, and one that fails to import is recorded while the rest load."""
+@dataclass(frozen=True)
+class Candidate:
+    """A plugin discovery may load: one of torchplug's own (`BUILTIN_PLUGINS`) or an installed
+    entry point."""
+
+    name: str
+    #: The module or ``module:attr`` it is loaded from (named when it fails to import).
+    target: str
+    load: Callable[[], object]
+    builtin: bool
+    #: From torchplug's own distribution (an entry point that is never hidden).
+    own: bool = True
+    entry_point: metadata.EntryPoint | None = None
+
+    def origin(self) -> tuple[str, str]:
+        """(distribution, version) recorded for the plugin."""
+        if self.builtin:
+            from torchplug.core.version import VERSION as __version__
+
+            return (OWN_DISTRIBUTION, __version__)
+        dist = getattr(self.entry_point, "dist", None)
+        return (dist.metadata["Name"], dist.version) if dist is not None else ("", "")
+
+
+def candidates() -> list[Candidate]:
+    """torchplug's own plugins from `BUILTIN_PLUGINS` (not from entry points, so a source
+    checkout without an installed distribution has them too), then the installed entry points,
+    torchplug's own first (they own their names) and those `BUILTIN_PLUGINS` lists left out."""
     import importlib
 
-    from torchplug.core.version import VERSION as __version__
+    found = [
+        Candidate(name, module, functools.partial(importlib.import_module, module), builtin=True)
+        for name, module in BUILTIN_PLUGINS
+    ]
+    points = sorted(
+        metadata.entry_points(group=ENTRY_POINT_GROUP),
+        key=lambda ep: (not _is_own(ep), ep.name),  # built-ins first: they own their names
+    )
+    for ep in points:
+        own = _is_own(ep)
+        if own and ep.name in dict(BUILTIN_PLUGINS):
+            continue  # registered from BUILTIN_PLUGINS (or blocked)
+        found.append(Candidate(ep.name, ep.value, ep.load, False, own, ep))
+    return found
 
-    for name, module in BUILTIN_PLUGINS:
-        if name in registry.blocked or registry.pm.is_blocked(name) or registry.pm.has_plugin(name):
+
+def hidden(candidate: Candidate, registry: Registry) -> str | None:
+    """Why an installed entry point is not loaded here (blocked, autoload off, not in the
+    allow-list), or ``None``. A blocked built-in is skipped without a word."""
+    name = candidate.name
+    if name in registry.blocked or registry.pm.is_blocked(name):
+        return "blocked (TORCHPLUG_BLOCK_PLUGINS or torchplug.block)"
+    if not candidate.own and _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD"):
+        return "autoload is off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
+    allow = set(_env_list("TORCHPLUG_PLUGINS"))
+    if not candidate.own and allow and name not in allow:
+        return f"not in the allow-list TORCHPLUG_PLUGINS={','.join(sorted(allow))}"
+    return None
+
+
+def discover(registry: Registry) -> None:
+    """Load every plugin `candidates` lists, in one loop: a blocked one is never imported (an
+    entry point is recorded as hidden, with the reason); one that fails to import or to
+    register is recorded by name with its error and warned about, and the rest load."""
+    for candidate in candidates():
+        name = candidate.name
+        why = hidden(candidate, registry)
+        if why is not None:
+            if not candidate.builtin:
+                registry.hidden[name] = why
             continue
+        if registry.pm.has_plugin(name):
+            continue
+        origin = candidate.origin()
         try:
-            plugin = importlib.import_module(module)
+            plugin = candidate.load()
         except Exception as exc:
             registry.errors[name] = f"{type(exc).__name__}: {exc}"
+            what = "torchplug's built-in plugin" if candidate.builtin else "torchplug plugin"
             warnings.warn(
-                f"torchplug's built-in plugin '{name}' ({module}) failed to import and is "
+                f"{what} '{name}' ({candidate.target}) failed to import and is "
                 f"skipped: {type(exc).__name__}: {exc}",
                 stacklevel=2,
             )
             continue
         try:
-            registry.add(plugin, name=name, origin=(OWN_DISTRIBUTION, __version__), strict=False)
+            registry.add(plugin, name=name, origin=origin, strict=False)
         except PluginError as exc:
             registry.errors[name] = str(exc)
             warnings.warn(str(exc), stacklevel=2)
@@ -116,49 +183,6 @@ def check_pending(registry: Registry) -> None:
         warnings.warn(f"torchplug plugin '{label}' is skipped: {exc}", stacklevel=2)
         registry.remove(name)
         check_pending(registry)
-
-
-def load_entry_points(registry: Registry) -> None:
-    builtins_only = _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD")
-    allow = set(_env_list("TORCHPLUG_PLUGINS"))
-    points = sorted(
-        metadata.entry_points(group=ENTRY_POINT_GROUP),
-        key=lambda ep: (not _is_own(ep), ep.name),  # built-ins first: they own their names
-    )
-    for ep in points:
-        own = _is_own(ep)
-        if own and ep.name in dict(BUILTIN_PLUGINS):
-            continue  # registered from BUILTIN_PLUGINS already (or blocked)
-        if ep.name in registry.blocked or registry.pm.is_blocked(ep.name):
-            registry.hidden[ep.name] = "blocked (TORCHPLUG_BLOCK_PLUGINS or torchplug.block)"
-            continue
-        if not own and builtins_only:
-            registry.hidden[ep.name] = "autoload is off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
-            continue
-        if not own and allow and ep.name not in allow:
-            registry.hidden[ep.name] = (
-                f"not in the allow-list TORCHPLUG_PLUGINS={','.join(sorted(allow))}"
-            )
-            continue
-        if registry.pm.has_plugin(ep.name):
-            continue
-        dist = getattr(ep, "dist", None)
-        origin = (dist.metadata["Name"], dist.version) if dist is not None else ("", "")
-        try:
-            plugin = ep.load()
-        except Exception as exc:
-            registry.errors[ep.name] = f"{type(exc).__name__}: {exc}"
-            warnings.warn(
-                f"torchplug plugin '{ep.name}' ({ep.value}) failed to import and is "
-                f"skipped: {type(exc).__name__}: {exc}",
-                stacklevel=2,
-            )
-            continue
-        try:
-            registry.add(plugin, name=ep.name, origin=origin, strict=False)
-        except PluginError as exc:
-            registry.errors[ep.name] = str(exc)
-            warnings.warn(str(exc), stacklevel=2)
 
 
 def loading_state(registry: Registry) -> list[str]:

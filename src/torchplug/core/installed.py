@@ -233,18 +233,6 @@ class Registry:
 
     # -- discovery ------------------------------------------------------------------------------
 
-    def load_builtins(self) -> None:
-        """torchplug's own plugins (`torchplug.core.discovery.load_builtins`)."""
-        discovery.load_builtins(self)
-
-    def check_pending(self) -> None:
-        """pluggy's check of every hookimpl (`torchplug.core.discovery.check_pending`)."""
-        discovery.check_pending(self)
-
-    def load_entry_points(self) -> None:
-        """Third-party entry points (`torchplug.core.discovery.load_entry_points`)."""
-        discovery.load_entry_points(self)
-
     def loading_state(self) -> list[str]:
         """How plugins are loaded here (`torchplug.core.discovery.loading_state`)."""
         return discovery.loading_state(self)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pluggy
 
-from torchplug.core import spec
+from torchplug.core import discovery, spec
 from torchplug.core.discovery import (  # noqa: F401 - re-exported: imported from here
     BUILTIN_PLUGINS,
     ENTRY_POINT_GROUP,
@@ -133,9 +133,8 @@ def get_registry() -> Registry:
                 from torchplug.core import cluster
 
                 registry.add(cluster, name="torchplug.cluster", origin=(OWN_DISTRIBUTION, ""))
-                registry.load_builtins()
-                registry.load_entry_points()
-                registry.check_pending()
+                discovery.discover(registry)
+                discovery.check_pending(registry)
                 _registry = registry
                 _building = None
                 # An in-house module may call torchplug.register() on import (same thread:
