@@ -1,16 +1,17 @@
 """The Engine: the one object a training script talks to, whatever the backend.
 
 A façade, split as Fabric splits Fabric: settings become a strategy, precision, options and
-active set in `torchplug.core.connector`; every change to a user's objects (optimizer steps,
-state-dict names, compile) is `torchplug.core.wrappers`, undone by ``close()``; collectives are
+active set in `torchplug.core.connector`; ``setup`` and every change to a user's objects
+(optimizer steps, state-dict names, compile) are `torchplug.core.wrappers`, undone by
+``close()``; collectives are
 `torchplug.core.collectives`; the Engine's side of checkpoints is
 `torchplug.core.checkpointing`. What remains here is the public surface and the per-Engine state.
 
 Why this module is over 500 lines: it is the public API. Each of the Engine's ~50 public
 methods and properties keeps its Google-style docstring here (docs/api.md renders them with
 mkdocstrings, which shows no inherited or delegated members), about 500 lines of
-documentation; the code around them is the delegation to the modules above, the active set's
-construction in ``__init__``, and ``setup``'s order of steps.
+documentation; the code around them is the delegation to the modules above and the
+per-Engine state made in ``__init__``.
 """
 
 from __future__ import annotations
@@ -451,67 +452,7 @@ class Engine:
                 [`init_module`][torchplug.Engine.init_module]).
             *optimizers: Optimizers made on ``model``'s parameters.
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"Engine.setup expects an nn.Module first, got {type(model).__name__}. "
-                f"Call engine.setup(model, optimizer)."
-            )
-        for opt in optimizers:
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(
-                    f"Engine.setup expects optimizers after the model, got {type(opt).__name__}."
-                )
-        from torchplug.core import scaling
-
-        if self.activation_checkpointing:  # before the wrap, as FSDP2 wants it
-            scaling.checkpoint_activations(self, model, self.activation_checkpointing)
-        if self.sync_batchnorm and self.data_parallel_size > 1:
-            from torchplug.core import syncbn
-
-            self._undo += syncbn.convert(model, self.device)  # before the wrap sees the layers
-        meta = scaling.is_meta(model)
-        if not meta:
-            scaling.replicate_from_rank_zero(model, self.device)
-        if meta and not self.info.takes_meta_modules:
-            # replicated: the whole model, on the CPU as an eager build; the wrap moves it
-            self._materialize(model, optimizers, torch.device("cpu"))
-        result = self.hook.torchplug_wrap(engine=self, model=model, optimizers=list(optimizers))
-        self._answer("torchplug_wrap", result)
-        wrapped, wrapped_optimizers = result
-        self._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
-        if meta and scaling.is_meta(wrapped):
-            self._materialize(wrapped, wrapped_optimizers, self.device)  # sharded: its shards
-        if self.compile_options is not None:
-            compiled = self.hook.torchplug_compile(
-                engine=self, model=wrapped, options=self.compile_options
-            )
-            if compiled is None:
-                wrappers.compile_in_place(self, wrapped, self.compile_options)
-            else:
-                wrapped = self._answer("torchplug_compile", compiled)
-        self._originals[wrapped] = self.unwrap(model)
-        self._portable_state_dict(wrapped, self.unwrap(model))
-        for opt in wrapped_optimizers:
-            self._attach(opt)
-            self._optimizer_models[id(opt)] = weakref.ref(wrapped)
-        return (wrapped, *wrapped_optimizers) if optimizers else wrapped
-
-    def _materialize(
-        self,
-        model: torch.nn.Module,
-        optimizers: Iterable[torch.optim.Optimizer],
-        device: torch.device,
-    ) -> None:
-        """Allocate a meta-device model and run its initialisation; optimizers made on the
-        meta parameters are pointed at the real ones."""
-        from torchplug.core import scaling
-        from torchplug.core.strategy import rebind_optimizer
-
-        names = {id(p): name for name, p in model.named_parameters()}
-        scaling.materialize(model, device, self._meta_rng, self._meta_creators)
-        params = dict(model.named_parameters())
-        for optimizer in optimizers:
-            rebind_optimizer(optimizer, names, params, "materialising creates the parameters")
+        return wrappers.setup(self, model, optimizers)
 
     @contextlib.contextmanager
     def init_module(self, empty: bool = False) -> Iterator[None]:
@@ -555,11 +496,6 @@ class Engine:
             yield
         finally:
             self._native_state -= 1
-
-    def _attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Route ``optimizer.step()`` through the ``torchplug_optimizer_step`` hook."""
-        if wrappers.route_step(self, optimizer):
-            self._optimizers.append(optimizer)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

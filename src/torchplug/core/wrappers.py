@@ -1,8 +1,9 @@
 """Every change the Engine makes to a user's objects, and how `Engine.close` undoes it.
 
-What `Engine.setup` patches lives here, each patch an instance attribute
-recorded with `remember` first, so that ``close()`` puts the object back as it was (a model
-pickles again after close):
+`Engine.setup` runs here (`setup`: activation checkpointing and SyncBatchNorm before the
+wrap, rank 0's weights on every rank or a meta model materialised, the backend's wrap, compile),
+and what it patches lives here, each patch an instance attribute recorded with `remember` first,
+so that ``close()`` puts the object back as it was (a model pickles again after close):
 
 * ``optimizer.step`` routed through the ``torchplug_optimizer_step`` hook (`route_step`), with
   the two private names torch's LR schedulers read (``_wrapped_by_lr_sched`` on the step,
@@ -22,7 +23,7 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +51,77 @@ def compile_in_place(engine: Engine, model: torch.nn.Module, options: dict[str, 
     """``model.compile(**options)``, undone by close."""
     engine.restore_on_close(model, "_compiled_call_impl")
     model.compile(**options)
+
+
+def setup(
+    engine: Engine, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]
+) -> Any:
+    """What `Engine.setup` does, in its order: activation checkpointing and SyncBatchNorm
+    before the wrap, rank 0's model on every rank (or a meta model materialised), the backend's
+    wrap, compile, then the returned model's state-dict names and the optimizers' steps."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"Engine.setup expects an nn.Module first, got {type(model).__name__}. "
+            f"Call engine.setup(model, optimizer)."
+        )
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"Engine.setup expects optimizers after the model, got {type(opt).__name__}."
+            )
+    from torchplug.core import scaling
+
+    if engine.activation_checkpointing:  # before the wrap, as FSDP2 wants it
+        scaling.checkpoint_activations(engine, model, engine.activation_checkpointing)
+    if engine.sync_batchnorm and engine.data_parallel_size > 1:
+        from torchplug.core import syncbn
+
+        engine._undo += syncbn.convert(model, engine.device)  # before the wrap sees the layers
+    meta = scaling.is_meta(model)
+    if not meta:
+        scaling.replicate_from_rank_zero(model, engine.device)
+    if meta and not engine.info.takes_meta_modules:
+        # replicated: the whole model, on the CPU as an eager build; the wrap moves it
+        materialize(engine, model, optimizers, torch.device("cpu"))
+    result = engine.hook.torchplug_wrap(engine=engine, model=model, optimizers=list(optimizers))
+    engine._answer("torchplug_wrap", result)
+    wrapped, wrapped_optimizers = result
+    engine._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
+    if meta and scaling.is_meta(wrapped):
+        materialize(engine, wrapped, wrapped_optimizers, engine.device)  # sharded: its shards
+    if engine.compile_options is not None:
+        compiled = engine.hook.torchplug_compile(
+            engine=engine, model=wrapped, options=engine.compile_options
+        )
+        if compiled is None:
+            compile_in_place(engine, wrapped, engine.compile_options)
+        else:
+            wrapped = engine._answer("torchplug_compile", compiled)
+    engine._originals[wrapped] = engine.unwrap(model)
+    portable_state_dict(engine, wrapped, engine.unwrap(model))
+    for opt in wrapped_optimizers:
+        if route_step(engine, opt):
+            engine._optimizers.append(opt)
+        engine._optimizer_models[id(opt)] = weakref.ref(wrapped)
+    return (wrapped, *wrapped_optimizers) if optimizers else wrapped
+
+
+def materialize(
+    engine: Engine,
+    model: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    device: torch.device,
+) -> None:
+    """Allocate a meta-device model and run its initialisation; optimizers made on the
+    meta parameters are pointed at the real ones."""
+    from torchplug.core import scaling
+    from torchplug.core.strategy import rebind_optimizer
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    scaling.materialize(model, device, engine._meta_rng, engine._meta_creators)
+    params = dict(model.named_parameters())
+    for optimizer in optimizers:
+        rebind_optimizer(optimizer, names, params, "materialising creates the parameters")
 
 
 def portable_state_dict(engine: Engine, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
