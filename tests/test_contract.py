@@ -167,7 +167,7 @@ def test_the_private_scheduler_protocol_the_engine_relies_on_is_still_torchs():
     for name in ("_wrapped_by_lr_sched", "_opt_called"):
         assert name in source, (
             f"torch {torch.__version__}'s LR schedulers no longer use {name}: update "
-            f"Engine._attach's step wrapper to what they use now"
+            f"torchplug.core.wrappers.route_step to what they use now"
         )
     # and what the names are for, observed: the scheduler stepped after the optimizer's step,
     # in the right order, says nothing; stepped first, it warns (torch's own check still works)

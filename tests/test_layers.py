@@ -104,3 +104,54 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     found = imports(SRC / "torchplug" / "core" / "resume.py")
     assert "torchplug.checkpoint" in found  # `from torchplug.checkpoint import ...` in a function
     assert layer_of("torchplug.checkpoint.io") == 1 and layer_of("torchplug.core.spec") == 0
+
+
+#: Issue 26 item 5: how the Engine and the plugin manager are split, by job.
+SPLIT = {
+    "torchplug.core.connector": "settings -> strategy, precision, options, active set",
+    "torchplug.core.wrappers": "every change the Engine makes to a user's objects",
+    "torchplug.core.collectives": "reduce, gather, barrier and what is built on them",
+    "torchplug.core.discovery": "finding plugins (built-ins, entry points, in-house modules)",
+    "torchplug.core.validation": "checking a plugin against the hook specification",
+    "torchplug.core.installed": "the registry of installed plugins and their names",
+}
+
+#: Lines a module may have without saying at its top why it has more.
+LONG = 500
+
+
+def test_the_split_modules_are_core_modules():
+    modules = graph()
+    for module in SPLIT:
+        assert module in modules, f"{module} is gone: update SPLIT and docs/architecture.md"
+        assert layer_of(module) == 0
+
+
+def test_auto_is_decided_in_one_place():
+    """`strategy="auto"` becomes a strategy in `core.connector` only: the Engine, the launcher's
+    and doctor's checks ask it (three copies of the rule once could disagree)."""
+    holders = sorted(
+        module_name(path)
+        for path in (SRC / "torchplug").rglob("*.py")
+        if 'else "single"' in path.read_text()
+    )
+    assert holders == ["torchplug.core.connector"]
+
+
+def test_the_engine_patches_no_user_object_itself():
+    """What the Engine changes on a user's objects is in `core.wrappers` (undone by close)."""
+    source = (SRC / "torchplug" / "core" / "engine.py").read_text()
+    for patch in ("types.MethodType", "object.__setattr__", "_wrapped_by_lr_sched"):
+        assert patch not in source, f"engine.py patches user objects ({patch}): move it to wrappers"
+
+
+def test_long_modules_say_why():
+    """No module in src is over ~500 lines without a reason written at its top (issue 26)."""
+    silent = []
+    for path in sorted((SRC / "torchplug").rglob("*.py")):
+        if len(path.read_text().splitlines()) <= LONG:
+            continue
+        top = "\n".join(path.read_text().splitlines()[:60])  # the docstring, or a comment
+        if "over 500 lines" not in top:
+            silent.append(f"{module_name(path)} ({len(path.read_text().splitlines())} lines)")
+    assert not silent, f"say at the top why these are over {LONG} lines: {silent}"

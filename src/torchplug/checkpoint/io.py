@@ -12,6 +12,10 @@ in any phase on any rank raises a CheckpointError on every rank at the end of th
 Module and optimizer state goes through the strategy hooks ``torchplug_model_state`` /
 ``torchplug_optimizer_state`` and their ``load`` counterparts, so this module has no branch for any
 backend.
+
+Why this module is over 500 lines: it holds the save and load phases end to end, each phase ended by
+the ranks' agreement; keeping the phases and their failure handling together is what lets one read,
+in one place, that a failure in any phase on any rank reaches every rank.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ shape and dtype, each chunk's offsets, file and byte range) goes into the manife
 it is covered by the digest and the signature. Loading rebuilds DCP's metadata from that index and
 reads chunk data with ``torch.load(weights_only=True)`` only; every referenced file must be listed
 in the manifest and stay inside the checkpoint directory.
+
+Why this module is over 500 lines: it is the one adapter between torchplug's JSON chunk index and
+DCP's storage layer (the writer with its hashing stream, the planner, the reader that rebuilds DCP's
+metadata, raw-offset reads); those pieces share DCP's private layout of a chunk, which is kept in
+one place so that a torch upgrade is checked against one module.
 """
 
 from __future__ import annotations

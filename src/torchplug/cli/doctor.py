@@ -34,7 +34,7 @@ def doctor(plugins: list[str] | None = None) -> int:
     import torch
 
     import torchplug
-    from torchplug.core import cluster, config
+    from torchplug.core import cluster, config, connector
     from torchplug.core.errors import TorchplugError
     from torchplug.core.manager import get_registry, import_plugin_module
 
@@ -84,8 +84,8 @@ def doctor(plugins: list[str] | None = None) -> int:
     if settings is not None:
         shown_settings = settings
         named = str(settings.strategy.value).strip().lower()
-        if named == "auto":
-            named = "ddp" if env.world_size > 1 else "single"
+        if connector.is_auto(named):
+            named = connector.auto_strategy(env.world_size)
         chosen = registry.canonical(named)
         if chosen is not None:  # the options in effect for the strategy these settings pick
             shown_settings = dataclasses.replace(settings)
@@ -94,7 +94,7 @@ def doctor(plugins: list[str] | None = None) -> int:
         for name, value, source in shown_settings.rows():
             shown = value
             if name == "strategy" and value == "auto":
-                shown = f"auto -> {'ddp' if env.world_size > 1 else 'single'}"
+                shown = f"auto -> {connector.auto_strategy(env.world_size)}"
             rows.append([name, str(shown), source])
         print(_indented(rows))
         invalid += config.problems(settings, registry, env.world_size)

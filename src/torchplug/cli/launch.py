@@ -5,6 +5,11 @@ code 2: strategy and precision names and their compatibility, the options in the
 ``-n``, ``MASTER_PORT``, the script's existence. torchrun's own flags pass through; multi-node
 runs use its rendezvous and restarts its elastic agent (``--max-restarts``). When the job fails,
 the summary names the rank that failed first with its traceback, and every other rank in one line.
+
+Why this module is over 500 lines: ``torchplug launch`` checks everything that can be checked before
+a process starts (parser, process count, script, rendezvous, settings, loggers), then runs torchrun
+and summarises a failure; the checks and the summary are each short functions, kept with the command
+that runs them.
 """
 
 from __future__ import annotations

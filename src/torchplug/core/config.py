@@ -356,12 +356,14 @@ def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str
     other than the code named the strategy.
     """
 
+    from torchplug.core import connector  # it builds on this module: imported when used
+
     found: list[str] = checkpoint_problems()
     value = str(settings.strategy.value)
-    named = value.strip().lower() != "auto"
+    named = not connector.is_auto(value)
     info = None
     try:
-        info = registry.strategy(value if named else ("ddp" if world_size > 1 else "single"))
+        info = registry.strategy(value if named else connector.auto_strategy(world_size))
     except ConfigurationError as exc:
         found.append(f"strategy {value!r} (from {settings.strategy.source}): {exc}")
     if info is not None and world_size > 1 and not info.distributed:

@@ -1,11 +1,23 @@
-"""The Engine: the one object a training script talks to, whatever the backend."""
+"""The Engine: the one object a training script talks to, whatever the backend.
+
+A façade, split as Fabric splits Fabric: settings become a strategy, precision, options and
+active set in `torchplug.core.connector`; ``setup`` and every change to a user's objects
+(optimizer steps, state-dict names, compile) are `torchplug.core.wrappers`, undone by
+``close()``; collectives are
+`torchplug.core.collectives`; the Engine's side of checkpoints is
+`torchplug.core.checkpointing`. What remains here is the public surface and the per-Engine state.
+
+Why this module is over 500 lines: it is the public API. Each of the Engine's ~50 public
+methods and properties keeps its Google-style docstring here (docs/api.md renders them with
+mkdocstrings, which shows no inherited or delegated members), about 500 lines of
+documentation; the code around them is the delegation to the modules above and the
+per-Engine state made in ``__init__``.
+"""
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import functools
-import json
 import os
 import types
 import weakref
@@ -17,24 +29,25 @@ from typing import Any
 import torch
 
 from torchplug.core import (
-    async_save,
+    checkpointing,
+    collectives,
     config,
+    connector,
     dispatch,
     faults,
     manager,
     profiling,
     sharing,
     spec,
+    wrappers,
 )
 from torchplug.core import cluster as cluster_mod
 from torchplug.core.checkpoint_settings import key_from, timeout_from
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
-from torchplug.core.nested import map_tensors
 from torchplug.core.registry import (
     DEFAULT_TIMEOUT,
     StrategyInfo,
     normalize_precision,
-    resolve_options,
 )
 
 #: Hooks called on every training step: resolved once per Engine (see `dispatch`).
@@ -98,7 +111,7 @@ def _checked_callbacks(callbacks: Any) -> list[object]:
 
 
 #: Checkpoint entries of torchplug's own (plugins' state): user keys may not start with it.
-RESERVED_PREFIX = "torchplug."
+RESERVED_PREFIX = checkpointing.RESERVED_PREFIX
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -236,15 +249,10 @@ class Engine:
             canonical=lambda name: registry.canonical(name) or name.strip().lower(),
         )
         self.cluster = cluster_mod.detect()
-        self.info: StrategyInfo = self._select_strategy(registry)
+        self.info: StrategyInfo = connector.select_strategy(self.settings, registry, self.cluster)
         self.precision = normalize_precision(self.settings.precision.value)
-        self._check_precision()
-        typos = config.unknown_shared_options(self.settings, registry)
-        typos += config.unknown_strategy_tables(self.settings, registry)
-        if typos:
-            raise ConfigurationError(typos[0])
-        chosen = self.settings.for_strategy(self.info, registry.canonical)
-        self.options = self.info.resolve_options({name: s.value for name, s in chosen.items()})
+        connector.check_precision(self.info, self.precision, self.settings, registry)
+        self.options = connector.strategy_options(self.settings, registry, self.info)
         self.seed = _checked_seed(seed)
         from torchplug.core import scaling
 
@@ -258,7 +266,6 @@ class Engine:
         self.sync_batchnorm = syncbn.setting(sync_batchnorm)
         self._meta_rng: torch.Tensor | None = None
         self._meta_creators: dict[int, Any] = {}  # which module made each meta tensor
-        self.precision_options: dict[str, Any] = {}
         self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
             weakref.WeakKeyDictionary()
         )
@@ -285,48 +292,10 @@ class Engine:
         #: Optimizers (by id) whose real update is skipped right now (``skipping_updates``).
         self._skipped_updates: set[int] = set()
 
-        self.backend = self.info.factory(**self.options)
-        active: list[object] = [self.backend]
-        if self.precision != "32" and not self.info.owns_precision:
-            precision_info = registry.precisions.get(self.precision)
-            if precision_info is None:
-                raise ConfigurationError(
-                    f"No installed plugin provides precision '{self.precision}' for strategy "
-                    f"'{self.info.name}' (the 'amp' plugin normally does; is it blocked?). "
-                    f"Unblock it or use precision=None."
-                )
-            self.precision_options = resolve_options(
-                f"precision plugin '{precision_info.name}'",
-                precision_info.options,
-                precision_options or {},
-            )
-            active.append(precision_info.factory(self.precision, **self.precision_options))
-        elif self.info.owns_precision and self.info.precision_options:
-            self.precision_options = resolve_options(
-                f"strategy '{self.info.name}' (precision_options)",
-                self.info.precision_options,
-                precision_options or {},
-            )
-        elif precision_options:
-            raise ConfigurationError(
-                f"precision_options were given, but strategy '{self.info.name}' "
-                + (
-                    "owns precision: pass them as strategy options instead."
-                    if self.info.owns_precision
-                    else "runs in full precision, where no precision plugin is active: drop them "
-                    "or "
-                    "set precision='bf16'/'fp16'."
-                )
-            )
-        active += [p for p in registry.extensions() if p not in active]
-        for plugin in plugins:
-            if plugin is None or isinstance(plugin, (bool, int, float, bytes)):
-                raise ConfigurationError(
-                    f"plugins takes plugin objects or module names, got "
-                    f"{type(plugin).__name__} {plugin!r}. Pass e.g. plugins=['my_module'] or "
-                    f"plugins=[MyExtension()]."
-                )
-        active += [manager.load_extension(p) if isinstance(p, str) else p for p in plugins]
+        self.precision_options: dict[str, Any]
+        self.backend, active, self.precision_options = connector.active_set(
+            self.info, self.options, self.precision, precision_options, registry, plugins
+        )
         self._pm = manager.new_plugin_manager()
         # torchplug's default answers first: pluggy calls the later-registered first, so any
         # answer of the backend's or an extension's comes before them
@@ -360,37 +329,9 @@ class Engine:
         self.runtime = runtime
         if profile_settings is not None:
             self._profiler = profiling.StepProfiler(profile_settings, self.rank, self.device)
-        if faults.debug_enabled() and self.world_size > 1 and torch.distributed.is_initialized():
-            self._checker = faults.CollectiveChecker(
-                torch.distributed.distributed_c10d._get_default_store(),
-                self.rank,
-                self.world_size,
-                self.collective_timeout,
-            )
+        self._checker = collectives.debug_checker(self)
 
-    # -- selection --------------------------------------------------------------------------------
-
-    def _select_strategy(self, registry: manager.Registry) -> StrategyInfo:
-        setting = self.settings.strategy
-        name = str(setting.value)
-        if name.strip().lower() == "auto":
-            name = "ddp" if self.cluster.world_size > 1 else "single"
-            self.settings.strategy = config.Setting(
-                name, f"auto ({'world size ' + str(self.cluster.world_size)})"
-            )
-        try:
-            info = registry.strategy(name)
-        except ConfigurationError as exc:
-            if setting.source == "code argument":
-                raise
-            raise ConfigurationError(f"{exc} (The name came from {setting.source}.)") from None
-        if self.cluster.world_size > 1 and not info.distributed:
-            raise ConfigurationError(
-                f"Strategy '{info.name}' runs in one process, but this process is rank "
-                f"{self.cluster.rank} of {self.cluster.world_size} ({self.cluster.source}). "
-                f"Use a multi-process strategy such as 'ddp', or launch a single process."
-            )
-        return info
+    # -- the contract -----------------------------------------------------------------------------
 
     def _check_contract(self) -> None:
         """Refuse to start when an action hook has no answer in the active set (a backend that
@@ -435,33 +376,7 @@ class Engine:
             obj: The object a hook patches (a user's model or optimizer).
             name: The attribute about to be set (or added) on it.
         """
-        had = name in getattr(obj, "__dict__", {})
-        previous = obj.__dict__.get(name) if had else None
-
-        def undo() -> None:
-            if had:
-                setattr(obj, name, previous)
-            else:
-                obj.__dict__.pop(name, None)
-
-        self._undo.append(undo)
-
-    def _check_precision(self) -> None:
-        if self.precision not in self.info.precisions:
-            able = ", ".join(self.info.precisions)
-            raise ConfigurationError(
-                f"Strategy '{self.info.name}' cannot run precision '{self.precision}' "
-                f"(set by {self.settings.precision.source}); it supports {able}. Choose one of "
-                f"those, or a strategy that supports '{self.precision}'."
-            )
-        unavailable = manager.get_registry().precision_unavailable(self.info, self.precision)
-        if unavailable is not None:
-            raise ConfigurationError(
-                f"Strategy '{self.info.name}' cannot run precision '{self.precision}' (set by "
-                f"{self.settings.precision.source}) here: {unavailable}. Use another precision "
-                f"(`torchplug plugins --verbose` lists what this machine runs), or a machine "
-                f"that has it."
-            )
+        wrappers.remember(self._undo, obj, name)
 
     # -- identity ---------------------------------------------------------------------------------
 
@@ -537,68 +452,7 @@ class Engine:
                 [`init_module`][torchplug.Engine.init_module]).
             *optimizers: Optimizers made on ``model``'s parameters.
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"Engine.setup expects an nn.Module first, got {type(model).__name__}. "
-                f"Call engine.setup(model, optimizer)."
-            )
-        for opt in optimizers:
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(
-                    f"Engine.setup expects optimizers after the model, got {type(opt).__name__}."
-                )
-        from torchplug.core import scaling
-
-        if self.activation_checkpointing:  # before the wrap, as FSDP2 wants it
-            scaling.checkpoint_activations(self, model, self.activation_checkpointing)
-        if self.sync_batchnorm and self.data_parallel_size > 1:
-            from torchplug.core import syncbn
-
-            self._undo += syncbn.convert(model, self.device)  # before the wrap sees the layers
-        meta = scaling.is_meta(model)
-        if not meta:
-            scaling.replicate_from_rank_zero(model, self.device)
-        if meta and not self.info.takes_meta_modules:
-            # replicated: the whole model, on the CPU as an eager build; the wrap moves it
-            self._materialize(model, optimizers, torch.device("cpu"))
-        result = self.hook.torchplug_wrap(engine=self, model=model, optimizers=list(optimizers))
-        self._answer("torchplug_wrap", result)
-        wrapped, wrapped_optimizers = result
-        self._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
-        if meta and scaling.is_meta(wrapped):
-            self._materialize(wrapped, wrapped_optimizers, self.device)  # sharded: its shards
-        if self.compile_options is not None:
-            compiled = self.hook.torchplug_compile(
-                engine=self, model=wrapped, options=self.compile_options
-            )
-            if compiled is None:
-                self.restore_on_close(wrapped, "_compiled_call_impl")
-                wrapped.compile(**self.compile_options)
-            else:
-                wrapped = self._answer("torchplug_compile", compiled)
-        self._originals[wrapped] = self.unwrap(model)
-        self._portable_state_dict(wrapped, self.unwrap(model))
-        for opt in wrapped_optimizers:
-            self._attach(opt)
-            self._optimizer_models[id(opt)] = weakref.ref(wrapped)
-        return (wrapped, *wrapped_optimizers) if optimizers else wrapped
-
-    def _materialize(
-        self,
-        model: torch.nn.Module,
-        optimizers: Iterable[torch.optim.Optimizer],
-        device: torch.device,
-    ) -> None:
-        """Allocate a meta-device model and run its initialisation; optimizers made on the
-        meta parameters are pointed at the real ones."""
-        from torchplug.core import scaling
-        from torchplug.core.strategy import rebind_optimizer
-
-        names = {id(p): name for name, p in model.named_parameters()}
-        scaling.materialize(model, device, self._meta_rng, self._meta_creators)
-        params = dict(model.named_parameters())
-        for optimizer in optimizers:
-            rebind_optimizer(optimizer, names, params, "materialising creates the parameters")
+        return wrappers.setup(self, model, optimizers)
 
     @contextlib.contextmanager
     def init_module(self, empty: bool = False) -> Iterator[None]:
@@ -628,42 +482,9 @@ class Engine:
             yield
 
     def _portable_state_dict(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
-        """Make a wrapper's ``state_dict()`` / ``load_state_dict()`` those of the user's model.
-
-        DDP, FairScale and DeepSpeed hold the model as ``wrapper.module``, so their state dicts
-        name every entry ``module.<name>``; a user's ``torch.save(model.state_dict())`` would
-        then load under no other strategy. Like Fabric's module wrapper, the returned module
-        answers with the inner model's names instead. Only these two methods are replaced, on
-        the wrapper instance (no per-step cost, nothing on the forward path); torchplug's own
-        checkpoints use the state hooks, which see the wrapper's native methods (inside
-        [`native_state_dicts`][torchplug.Engine.native_state_dicts]). ``close()`` puts the originals
-        back.
-        """
-        if wrapped is model or getattr(wrapped, "module", None) is not model:
-            return  # not a `.module` wrapper of the user's model: its names are already plain
-        engine_ref = weakref.ref(self)
-        native_state_dict = wrapped.state_dict
-        native_load = wrapped.load_state_dict
-
-        def native() -> bool:
-            engine = engine_ref()
-            return engine is not None and engine._native_state > 0
-
-        @functools.wraps(native_state_dict)
-        def state_dict(*args: Any, **kwargs: Any) -> Any:
-            if native():
-                return native_state_dict(*args, **kwargs)
-            return model.state_dict(*args, **kwargs)
-
-        @functools.wraps(native_load)
-        def load_state_dict(*args: Any, **kwargs: Any) -> Any:
-            if native():
-                return native_load(*args, **kwargs)
-            return model.load_state_dict(*args, **kwargs)
-
-        for name, function in (("state_dict", state_dict), ("load_state_dict", load_state_dict)):
-            self.restore_on_close(wrapped, name)
-            object.__setattr__(wrapped, name, function)
+        """A ``.module`` wrapper answers ``state_dict()`` with the user's model's names
+        (`torchplug.core.wrappers.portable_state_dict`)."""
+        wrappers.portable_state_dict(self, wrapped, model)
 
     @contextlib.contextmanager
     def native_state_dicts(self) -> Iterator[None]:
@@ -675,52 +496,6 @@ class Engine:
             yield
         finally:
             self._native_state -= 1
-
-    def _attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Route ``optimizer.step()`` through the ``torchplug_optimizer_step`` hook."""
-        if getattr(optimizer, "_torchplug_engine", None) is self:
-            return
-        real_step = optimizer.step
-        inside = False
-        engine_ref = weakref.ref(self)
-
-        def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-            # Re-entered from inside the hook (a backend or GradScaler calling optimizer.step()):
-            # that call is the real step.
-            nonlocal inside
-            engine = engine_ref()
-            opt._opt_called = True  # what torch's LR schedulers look for (see below)
-            if inside and engine is not None and id(opt) in engine._skipped_updates:
-                return None  # a precision plugin found inf/NaN gradients: no update
-            if inside or engine is None or engine._raw_steps:
-                return real_step(closure) if closure is not None else real_step()
-            if engine._accumulating is not None and not engine._accumulating[1]:
-                opt.step_was_skipped = True  # an accumulation step: no update yet
-                return None
-            if engine._pending_save is not None:  # an async save still copying what we change
-                engine._pending_save.wait_staged()
-            inside = True
-            try:
-                stepped = engine._call.torchplug_optimizer_step(engine, opt, closure)
-            finally:
-                inside = False
-            if engine._profiler is not None:
-                engine._profiler.step()
-            if stepped is not True and stepped is not False:
-                engine._answer("torchplug_optimizer_step", stepped)
-            opt.step_was_skipped = stepped is False
-            return None
-
-        # LR schedulers wrap optimizer.step to notice a scheduler stepped before the optimizer;
-        # this step does their bookkeeping itself, for schedulers made before setup and after.
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        for name in ("step", "step_was_skipped", "_torchplug_engine"):
-            self.restore_on_close(optimizer, name)
-        # A bound method, as torch's LR schedulers expect to find on an optimizer.
-        optimizer.step = types.MethodType(step, optimizer)
-        optimizer.step_was_skipped = False
-        optimizer._torchplug_engine = self
-        self._optimizers.append(optimizer)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -797,16 +572,7 @@ class Engine:
             obj: A JSON-serialisable value (read on rank ``src`` only).
             src: The rank whose ``obj`` every rank receives.
         """
-        if self.world_size == 1 or not torch.distributed.is_initialized():
-            return obj
-        data = json.dumps(obj).encode() if self.rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        torch.distributed.broadcast(size, src=src)
-        payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
-        if self.rank == src:
-            payload.copy_(torch.tensor(list(data), dtype=torch.uint8))
-        torch.distributed.broadcast(payload, src=src)
-        return json.loads(bytes(payload.cpu().tolist()).decode())
+        return collectives.broadcast_object(self, obj, src)
 
     def unwrap(self, obj: Any) -> Any:
         """The user's original module behind a module this Engine returned (else ``obj``).
@@ -976,21 +742,7 @@ class Engine:
 
     def _attach_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.zero_grad()`` that does nothing on an accumulation step."""
-        if getattr(optimizer, "_torchplug_zero_grad", False):
-            return
-        real_zero_grad = optimizer.zero_grad
-        engine_ref = weakref.ref(self)
-
-        def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-            engine = engine_ref()
-            if engine is not None and engine._accumulating and not engine._accumulating[1]:
-                return
-            real_zero_grad(set_to_none=set_to_none)
-
-        for name in ("zero_grad", "_torchplug_zero_grad"):
-            self.restore_on_close(optimizer, name)
-        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
-        optimizer._torchplug_zero_grad = True
+        wrappers.skip_zero_grad(self, optimizer)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Apply the active precision to code outside the model's forward (e.g. the loss)."""
@@ -999,11 +751,6 @@ class Engine:
 
     # -- collectives ------------------------------------------------------------------------------
 
-    def _as_tensor(self, value: Any) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            return value.to(self.device)
-        return torch.tensor(value, device=self.device)
-
     def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result.
 
@@ -1011,16 +758,7 @@ class Engine:
             tensor: This rank's tensor (or number).
             op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
         """
-        from torchplug.core.strategy import REDUCE_OPS
-
-        if op not in REDUCE_OPS:
-            raise ConfigurationError(
-                f"Unknown reduce op {op!r}. Expected one of {', '.join(REDUCE_OPS)}."
-            )
-        tensor = self._as_tensor(tensor)
-        self._check_collective(f"reduce({op})", tensor)
-        result = self._guarded("reduce", lambda: self._call.torchplug_reduce(self, tensor, op))
-        return self._answer("torchplug_reduce", result)
+        return collectives.reduce(self, tensor, op)
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
         """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``.
@@ -1028,10 +766,7 @@ class Engine:
         Args:
             tensor: This rank's tensor (or number), the same shape on every rank.
         """
-        tensor = self._as_tensor(tensor)
-        self._check_collective("gather", tensor)
-        result = self._guarded("gather", lambda: self._call.torchplug_gather(self, tensor))
-        return self._answer("torchplug_gather", result)
+        return collectives.gather(self, tensor)
 
     @contextlib.contextmanager
     def split_between_processes(self, items: Any, apply_padding: bool = False) -> Iterator[Any]:
@@ -1063,13 +798,7 @@ class Engine:
             pad_index: The value padded with.
             pad_first: Pad before the data instead of after it.
         """
-        if not -tensor.dim() <= dim < tensor.dim():
-            raise ConfigurationError(
-                f"pad_across_processes(dim={dim}) on a tensor of {tensor.dim()} dimensions; "
-                f"expected a dim in [{-tensor.dim()}, {tensor.dim() - 1}]."
-            )
-        size = int(self.reduce(float(tensor.shape[dim]), "max").item())
-        return sharing.pad_to(tensor, size, dim % tensor.dim(), pad_index, pad_first)
+        return collectives.pad_across_processes(self, tensor, dim, pad_index, pad_first)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``hook_name(*args, **kwargs)`` on every object of ``Engine(callbacks=...)`` that
@@ -1105,7 +834,7 @@ class Engine:
         Args:
             flag: This rank's flag (a bool or a one-element tensor).
         """
-        return bool(self.reduce(float(bool(flag)), "max").item() > 0)
+        return collectives.agree(self, flag, "max")
 
     def all(self, flag: bool | torch.Tensor) -> bool:
         """True on every rank if ``flag`` is true on every rank.
@@ -1113,7 +842,7 @@ class Engine:
         Args:
             flag: This rank's flag (a bool or a one-element tensor).
         """
-        return bool(self.reduce(float(bool(flag)), "min").item() > 0)
+        return collectives.agree(self, flag, "min")
 
     def gather_for_metrics(self, data: Any, padding: int | None = None) -> Any:
         """Every rank's ``data`` joined along the first dimension, without the padding.
@@ -1133,78 +862,7 @@ class Engine:
             padding: How many of this rank's last rows are padding; ``None``: what the last loader's
                 sampler added.
         """
-        if padding is None:
-            loader = self._last_loader() if self._last_loader is not None else None
-            padding = int(getattr(loader, "batch_padding", 0) or 0)
-        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-            raise ConfigurationError(
-                f"gather_for_metrics: padding={padding!r} must be a whole number of 0 or more "
-                f"(rows at the end of this rank's data that are padding), or None."
-            )
-
-        def one(value: torch.Tensor) -> torch.Tensor:
-            if value.dim() == 0:
-                return self._gather_uneven(value.unsqueeze(0))
-            if padding:
-                value = value[: max(0, value.shape[0] - padding)]
-            return self._gather_uneven(value)
-
-        def prepare(value: Any) -> Any:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return torch.tensor(value)
-            if isinstance(value, dict):
-                return {key: prepare(item) for key, item in value.items()}
-            if isinstance(value, tuple) and hasattr(value, "_fields"):
-                return type(value)(*(prepare(v) for v in value))
-            if isinstance(value, (list, tuple)):
-                return type(value)(prepare(v) for v in value)
-            if isinstance(value, torch.Tensor):
-                return value
-            raise TypeError(
-                f"gather_for_metrics expects tensors or numbers (alone or in tuples, lists and "
-                f"dicts), got {type(value).__name__}."
-            )
-
-        from torchplug.core.nested import map_tensors
-
-        return map_tensors(prepare(data), one)
-
-    _MAX_DIMS = 8
-
-    def _gather_uneven(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate ``tensor`` from every rank along dim 0; first dimensions may differ."""
-        tensor = self._as_tensor(tensor)
-        if self.world_size == 1:
-            return tensor.detach().clone()
-        if tensor.dim() > self._MAX_DIMS:
-            raise ConfigurationError(
-                f"gather_for_metrics supports up to {self._MAX_DIMS} dimensions, got shape "
-                f"{tuple(tensor.shape)}. Flatten the trailing dimensions first."
-            )
-        shape = torch.full((self._MAX_DIMS + 2,), -1, dtype=torch.int64)
-        shape[0] = tensor.dim()
-        shape[1 : tensor.dim() + 1] = torch.tensor(tensor.shape, dtype=torch.int64)
-        shape[-1] = self.data_parallel_rank  # ranks of one data-parallel replica hold one copy
-        shapes = self.gather(shape).cpu()
-        if not bool((shapes[:, 0] == shapes[0, 0]).all()) or not bool(
-            (shapes[:, 2:-1] == shapes[0, 2:-1]).all()
-        ):
-            seen = [tuple(int(d) for d in row[1 : int(row[0]) + 1]) for row in shapes]
-            raise ConfigurationError(
-                f"gather_for_metrics: the ranks' shapes differ beyond the first dimension: "
-                f"{seen} (rank 0 first). Only the first dimension (the batch) may differ; make "
-                f"the other dimensions equal (pad sequences to one length) before gathering."
-            )
-        longest = int(shapes[:, 1].max())
-        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
-        padded[: tensor.shape[0]] = tensor.detach()
-        stacked = self.gather(padded)
-        first_of_replica: dict[int, int] = {}
-        for r in range(self.world_size):
-            first_of_replica.setdefault(int(shapes[r, -1]), r)
-        return torch.cat(
-            [stacked[r, : int(shapes[r, 1])] for _, r in sorted(first_of_replica.items())]
-        )
+        return collectives.gather_for_metrics(self, data, padding)
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Send ``metrics`` (name -> number or one-element tensor) to the loggers at ``step``.
@@ -1268,19 +926,7 @@ class Engine:
 
     def barrier(self) -> None:
         """Wait until every rank arrives here."""
-        self._check_collective("barrier", None)
-        done = self._guarded("barrier", lambda: self._call.torchplug_barrier(self))
-        self._answer("torchplug_barrier", done)
-
-    def _check_collective(self, op: str, tensor: torch.Tensor | None) -> None:
-        """Debug mode: every rank must call the same collective with the same shape/dtype."""
-        if self._checker is not None:
-            if tensor is None:
-                self._checker.check(op)
-            else:
-                self._checker.check(
-                    op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
-                )
+        collectives.barrier(self)
 
     @property
     def collective_timeout(self) -> float:
@@ -1294,10 +940,6 @@ class Engine:
         """Inside ``engine.accumulate(model, steps)``: ``(steps, whether this micro-batch
         synchronizes)``; ``None`` outside it. For backends whose step depends on it."""
         return self._accumulating
-
-    def _guarded(self, op: str, call: Callable[[], Any]) -> Any:
-        timeout = self.options.get("timeout")
-        return faults.guarded(op, self.rank, timeout, call)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only.
@@ -1326,16 +968,7 @@ class Engine:
         Args:
             state: The state being saved.
         """
-        from torchplug.core.version import VERSION as __version__
-
-        step = state.get("step")
-        return {
-            "strategy": {"name": self.strategy, "options": self.options},
-            "precision": self.precision,
-            "world_size": self.world_size,
-            "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
-            "torchplug_version": __version__,
-        }
+        return checkpointing.header(self, state)
 
     def full_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -1351,27 +984,7 @@ class Engine:
             model: The model [`setup`][torchplug.Engine.setup] returned.
             optimizer: Its optimizer, to include its state too.
         """
-        from torch.distributed.tensor import DTensor
-
-        def full(value: torch.Tensor) -> torch.Tensor:
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            return value.detach().cpu().clone()
-
-        with self.native_state_dicts():
-            result = {
-                "model": map_tensors(
-                    self.hook.torchplug_model_state(engine=self, model=model), full
-                )
-            }
-            if optimizer is not None:
-                result["optimizer"] = map_tensors(
-                    self.hook.torchplug_optimizer_state(
-                        engine=self, model=model, optimizer=optimizer
-                    ),
-                    full,
-                )
-        return result
+        return checkpointing.full_state(self, model, optimizer)
 
     def save(
         self,
@@ -1410,35 +1023,7 @@ class Engine:
             CheckpointError: The save failed on any rank (on every rank), or some rank did not call
                 it within ``checkpoint_timeout``.
         """
-        self.wait_for_save()
-        if not isinstance(state, dict):
-            raise TypeError(
-                f"engine.save expects a dict of what to save, e.g. {{'model': model, "
-                f"'optimizer': optimizer, 'step': step}}, got {type(state).__name__}."
-            )
-        metadata = dict(metadata or {})
-        try:
-            json.dumps(metadata, allow_nan=True)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(
-                f"Checkpoint metadata must be JSON values (numbers, strings, lists, dicts): {exc}"
-            ) from None
-        reserved = sorted(k for k in state if str(k).startswith(RESERVED_PREFIX))
-        if reserved:
-            raise CheckpointError(
-                f"State keys {reserved} start with {RESERVED_PREFIX!r}, which is torchplug's own "
-                f"namespace in checkpoints (plugins' state, such as the fp16 loss scale). Rename "
-                f"them."
-            )
-        state = {**state, **self._plugin_state()}
-        pending = async_save.PendingSave(str(path), self._staging) if async_ else None
-        handoff = async_save.handing_off(pending) if pending else contextlib.nullcontext()
-        with self.native_state_dicts(), handoff:
-            done = self.hook.torchplug_save(
-                engine=self, path=str(Path(path)), state=state, metadata=metadata
-            )
-        self._pending_save = pending
-        self._answer("torchplug_save", done)
+        checkpointing.save(self, path, state, metadata, async_)
 
     def wait_for_save(self) -> None:
         """Wait until an asynchronous save (``save(..., async_=True)``) has committed; raise its
@@ -1459,25 +1044,6 @@ class Engine:
             step()
         else:
             pending.then(step)
-
-    def _plugin_state(self) -> dict[str, Any]:
-        """What the active set's plugins keep in every checkpoint (``torchplug_checkpoint_state``),
-        under torchplug's reserved names."""
-        merged: dict[str, Any] = {}
-        for answer in self.hook.torchplug_checkpoint_state(engine=self):
-            self._answer("torchplug_checkpoint_state", answer)
-            for name, obj in answer.items():
-                if not (
-                    callable(getattr(obj, "state_dict", None))
-                    and callable(getattr(obj, "load_state_dict", None))
-                ):
-                    raise PluginError(
-                        f"torchplug_checkpoint_state answered {name!r}: {type(obj).__name__}, "
-                        f"which lacks state_dict()/load_state_dict(). Return objects that have "
-                        f"both (docs/hooks.md#torchplug_checkpoint_state)."
-                    )
-                merged[f"{RESERVED_PREFIX}{name}"] = obj
-        return merged
 
     def load(
         self,
@@ -1508,21 +1074,7 @@ class Engine:
             CheckpointError: The checkpoint is missing, incomplete, fails verification, or does not
                 fit ``state``.
         """
-        self.wait_for_save()
-        if state is not None and not isinstance(state, dict):
-            raise TypeError(
-                f"engine.load expects a dict of the objects to restore, e.g. {{'model': model, "
-                f"'optimizer': optimizer}}, got {type(state).__name__}."
-            )
-        merged = None if state is None else {**state, **self._plugin_state()}
-        with self.native_state_dicts():
-            result = self.hook.torchplug_load(
-                engine=self, path=str(Path(path)), state=merged, strict=strict
-            )
-        if state is not None and merged is not None:
-            state.update({k: merged[k] for k in state})  # plain values replaced, as documented
-        answer = self._answer("torchplug_load", result)
-        return {k: v for k, v in answer.items() if not str(k).startswith(RESERVED_PREFIX)}
+        return checkpointing.load(self, path, state, strict)
 
     def load_pretrained(
         self, model: torch.nn.Module, path: str | os.PathLike[str], *, strict: bool = True

@@ -24,6 +24,11 @@ the Engine raises a clear error when no plugin in the active set answers a hook.
 Hook names carry the ``torchplug_`` prefix so that a plugin can also hold other code.
 """
 
+# Why this module is over 500 lines: it is the whole contract, one documented hook specification per
+# extension point (about 30) with its ``@contract`` declaration; docs/hooks.md is generated from it,
+# and keeping every hook in one module is the design (like pytest's ``hookspec.py``).
+# (A comment, not the docstring: docs/api.md renders this module's docstring.)
+
 from __future__ import annotations
 
 import contextlib

@@ -11,6 +11,11 @@ when one of these strategies is selected.
 * Checkpoints hold DeepSpeed's native checkpoint (exact resume on the same stage and world size)
   and, consolidated with DeepSpeed's zero_to_fp32, the model in the portable format, so any
   strategy can load the model.
+
+Why this module is over 500 lines: it is one backend plugin, as DESIGN.md asks (one module each),
+and DeepSpeed needs more than the others: its own precision, optimizer step, state hooks for ZeRO
+partitions, native checkpoints and their conversion; the ZeRO layout itself is already apart in
+``deepspeed_state.py``.
 """
 
 from __future__ import annotations

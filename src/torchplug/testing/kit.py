@@ -6,6 +6,11 @@ holds the measured numbers, so a failure says which property broke and by how mu
 
 Strategies whose communication is lossy (gradient compression) declare ``tolerance`` in their
 `StrategyInfo`; with ``tolerance=None`` parity is checked as convergence.
+
+Why this module is over 500 lines: the `Kit` holds every property of the conformance kit (parity,
+checkpoints across strategies and world sizes, collectives, accumulation, ...), each a short method
+with its measured numbers; they share the kit's processes and reference runs, so they stay one
+class.
 """
 
 from __future__ import annotations
