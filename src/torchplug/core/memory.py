@@ -13,6 +13,11 @@ and (DeepSpeed) fp32 master copies. Activations, communication buckets and alloc
 not; each rule says in its notes what else its backend allocates.
 
 This module imports torch only inside functions: plugins import it while registering.
+
+Why this module is over 500 lines: every built-in strategy's rule (ddp, fsdp's padded dim-0
+shards, ZeRO-1/2/3 with their flat buffers and fp32 masters, FairScale, tp) is here beside the
+shared query and estimate types and the live-tensor counter that checks them; split, each rule
+would be a few dozen lines away from the types it fills.
 """
 
 from __future__ import annotations

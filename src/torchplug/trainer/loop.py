@@ -1,11 +1,15 @@
 """``torchplug.Trainer``: a small ready loop on the Engine, for those who do not want to write one.
 
-The Engine stays the primary API; the Trainer is about 200 lines of ordinary Engine calls, so
+The Engine stays the primary API; the Trainer is ordinary Engine calls (about 300 lines of code), so
 what it does can be read and copied into a hand-written loop. It adds: gradient accumulation
 and clipping, an LR scheduler stepped once per optimizer step, evaluation with metrics over the
 whole eval set (padding dropped, reduced over every rank), metrics to the Engine's loggers, a
 progress bar on rank 0, numbered checkpoints with automatic resume, and callbacks as pluggy
 hook implementations ([`torchplug.trainer.hooks`][torchplug.trainer.hooks]).
+
+Why this module is over 500 lines: the Trainer is one class on purpose, read top to bottom as
+the loop it runs (fit, the epoch, evaluation, checkpoints, throughput), and about half of it is
+the argument and attribute documentation the API reference renders.
 """
 
 from __future__ import annotations
