@@ -286,6 +286,20 @@ def test_a_deprecated_hook_warns_naming_its_replacement():
     assert pm.hook.torchplug_old_name(engine=None) == [1]  # it still works meanwhile
 
 
+def test_a_plugin_implementing_the_retired_conversion_hook_warns_at_registration():
+    assert spec.RETIRED_HOOKS["torchplug_convert_checkpoint"][0] == "torchplug_read_checkpoint"
+    assert "Deprecated since API 1.0" in spec.torchplug_convert_checkpoint.__doc__
+
+    class OldConverter:
+        @tp.hookimpl
+        def torchplug_convert_checkpoint(self, source, destination):
+            return None
+
+    with pytest.warns(DeprecationWarning, match="implement torchplug_read_checkpoint instead"):
+        name = tp.register(OldConverter())
+    tp.unregister(name)
+
+
 # -- registration housekeeping ---------------------------------------------------------------------
 
 

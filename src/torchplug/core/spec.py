@@ -60,7 +60,9 @@ excludes this version is not loaded, and ``torchplug plugins`` says why (docs/pl
 #: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
 #: the API version that removes it). An entry stays for one minor version, with a hookspec under
 #: the old name made by `deprecated_hookspec`, before the old hook is removed.
-RETIRED_HOOKS: dict[str, tuple[str, str]] = {}
+RETIRED_HOOKS: dict[str, tuple[str, str]] = {
+    "torchplug_convert_checkpoint": ("torchplug_read_checkpoint", "2.0"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +125,7 @@ def hooks_where(**wanted: Any) -> frozenset[str]:
     )
 
 
-def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], Any]:
+def deprecated_hookspec(replacement: str, removed_in: str, **options: Any) -> Callable[[Any], Any]:
     """A hookspec marker for a hook being renamed or retired: implementing it still works for
     one minor version, with a DeprecationWarning at registration (pluggy's ``warn_on_impl``)
     naming the replacement, so plugin authors learn of it before the hook is removed.
@@ -131,13 +133,15 @@ def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], An
     Args:
         replacement: The hook to implement instead (``""``: none).
         removed_in: The plugin API version that removes the old hook.
+        **options: pluggy's other hookspec options (``firstresult=True``, ...).
     """
     instead = f"implement {replacement} instead" if replacement else "it has no replacement"
     return hookspec(
         warn_on_impl=DeprecationWarning(
             f"this torchplug hook is deprecated and is removed in plugin API {removed_in}; "
             f"{instead} (see docs/hooks.md)"
-        )
+        ),
+        **options,
     )
 
 
@@ -702,7 +706,7 @@ def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] |
     """
 
 
-@hookspec(firstresult=True)
+@deprecated_hookspec("torchplug_read_checkpoint", removed_in="2.0", firstresult=True)
 @contract(
     kind="installed plugins",
     called=(
@@ -711,7 +715,12 @@ def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] |
     ),
 )
 def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] | None:
-    """Convert a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) to
+    """Deprecated since API 1.0: implement
+    [`torchplug_read_checkpoint`][torchplug_read_checkpoint] instead (it returns the state, and
+    ``torchplug convert`` writes it in either format); this hook is removed in API 2.0, and a
+    plugin implementing it gets a ``DeprecationWarning`` when it is registered.
+
+    Convert a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) to
     ``destination/model.safetensors``; return the files written, or ``None`` if it is not yours.
 
     Called on every installed plugin by ``torchplug convert``; import nothing heavy unless the
