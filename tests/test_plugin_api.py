@@ -165,10 +165,18 @@ def test_extends_inherits_the_parents_options_capabilities_and_defaults():
         tp.Engine("logged-ddp", find_unused=True)
 
 
-def test_options_of_gives_a_parents_options_and_bases_are_public():
-    assert tp.options_of("ddp") == manager.get_registry().strategies["ddp"].options
-    assert "find_unused_parameters" in {o.name for o in tp.options_of("distributed-data-parallel")}
-    with pytest.raises(tp.PluginError, match="options_of\\('dpp'\\).*Did you mean 'ddp'"):
+def test_options_of_still_gives_a_parents_options_with_a_deprecation_warning():
+    manager.get_registry()  # built first: only the call itself is under watch
+    with pytest.warns(DeprecationWarning, match=r"StrategyInfo\(extends='ddp'\)") as caught:
+        assert tp.options_of("ddp") == manager.get_registry().strategies["ddp"].options
+    assert [w.filename for w in caught] == [__file__]  # points at the caller
+    with pytest.warns(DeprecationWarning):
+        names = {o.name for o in tp.options_of("distributed-data-parallel")}
+    assert "find_unused_parameters" in names
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(tp.PluginError, match="options_of\\('dpp'\\).*Did you mean 'ddp'"),
+    ):
         tp.options_of("dpp")
     from torchplug.core.strategy import DistributedStrategy, Strategy
     from torchplug.plugins.ddp import DDPStrategy
@@ -298,6 +306,30 @@ def test_a_plugin_implementing_the_retired_conversion_hook_warns_at_registration
     with pytest.warns(DeprecationWarning, match="implement torchplug_read_checkpoint instead"):
         name = tp.register(OldConverter())
     tp.unregister(name)
+
+
+def test_distributed_options_warns_and_extends_is_the_one_way_to_inherit_options():
+    from torchplug.core.strategy import _distributed_options
+
+    manager.get_registry()  # built first: only the call itself is under watch
+    with pytest.warns(DeprecationWarning, match=r"extends=DistributedStrategy") as caught:
+        names = [o.name for o in tp.distributed_options()]
+    assert names == [o.name for o in _distributed_options()] == ["process_group_backend", "timeout"]
+    assert [w.filename for w in caught] == [__file__]
+    own = Option("every", int, 1, "x")
+    # a backend of its own on a process group: the base class's options, then its own
+    info = tp.StrategyInfo(
+        name="x", factory=tp.DistributedStrategy, description="x",
+        extends=tp.DistributedStrategy, options=(own,),
+    )  # fmt: skip
+    assert [o.name for o in info.options] == ["process_group_backend", "timeout", "every"]
+    with pytest.raises(TypeError, match="extends= takes the name of a registered strategy"):
+        tp.StrategyInfo(name="x", factory=object, description="x", extends=object)
+    # a third party extending "ddp" gets the distributed options through DDP's
+    ddp = manager.get_registry().strategies["ddp"]
+    child = tp.StrategyInfo(name="y", factory=tp.DDPStrategy, description="y", extends="ddp")
+    names = [o.name for o in child.inheriting(ddp).options]
+    assert names[:2] == ["process_group_backend", "timeout"] and "static_graph" in names
 
 
 # -- registration housekeeping ---------------------------------------------------------------------

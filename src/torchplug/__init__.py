@@ -33,7 +33,7 @@ _EXPORTS = {
     "DistributedStrategy": "torchplug.core.strategy",
     "DDPStrategy": "torchplug.plugins.ddp",
     "distributed_options": "torchplug.core.strategy",
-    "options_of": "torchplug.core.manager",
+    "options_of": "torchplug._deprecated",
     "API_VERSION": "torchplug.core.spec",
     "ClusterInfo": "torchplug.core.cluster",
     "register": "torchplug.core.manager",
@@ -48,6 +48,7 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from torchplug._deprecated import options_of
     from torchplug.core.batchsize import find_executable_batch_size
     from torchplug.core.cluster import ClusterInfo
     from torchplug.core.engine import Engine, Runtime
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
         TorchplugError,
     )
     from torchplug.core.launcher import RankFailedError, launch
-    from torchplug.core.manager import block, options_of, register, unregister
+    from torchplug.core.manager import block, register, unregister
     from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
     from torchplug.core.seeding import seed_everything, seed_worker
     from torchplug.core.spec import API_VERSION, hookimpl

@@ -30,7 +30,7 @@ from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, distributed_options
+from torchplug.core.strategy import DEFAULT_TIMEOUT, _distributed_options
 from torchplug.plugins.fsdp import (
     FSDPStrategy,
     finish_wrap,
@@ -349,7 +349,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("tensor-parallel",),
             factory=_factory(False),
             description="Tensor parallelism over every rank (torch parallelize_module).",
-            options=(*distributed_options(), plan),
+            options=(*_distributed_options(), plan),
             precisions=("32",),
             owns_precision=False,
             shards_parameters=True,
@@ -364,7 +364,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=_factory(True),
             description="2-D parallelism: FSDP2 over 'dp' × tensor parallelism over 'tp'.",
             options=(
-                *distributed_options(),
+                *_distributed_options(),
                 plan,
                 Option("tp_size", (int, type(None)), None, "ranks per tensor-parallel group"),
                 Option("dp_size", (int, type(None)), None, "data-parallel (FSDP) replicas"),
