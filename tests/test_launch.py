@@ -151,12 +151,12 @@ def test_master_port_is_honoured_and_flags_after_the_script_warn(tmp_path, scrip
 
 INHOUSE = textwrap.dedent(
     """
-    import torchplug as tp
+    import torchplug.plugin as tpp
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_register_strategies(register):
-        register(tp.StrategyInfo(name="my-inhouse", factory=tp.DDPStrategy, description="ours",
-                                 extends=tp.DistributedStrategy))
+        register(tpp.StrategyInfo(name="my-inhouse", factory=tpp.DDPStrategy, description="ours",
+                                  extends=tpp.DistributedStrategy))
     """
 )
 

@@ -223,7 +223,7 @@ class StrategyInfo:
             inherits: its own options are added to (or replace, by name) the parent's, and every
             field left at its default takes the parent's value. For a subclass of the parent's
             class. For a backend of its own on a process group (a subclass of
-            [`DistributedStrategy`][torchplug.DistributedStrategy] that extends no
+            [`DistributedStrategy`][torchplug.plugin.DistributedStrategy] that extends no
             registered strategy), the base class itself: ``extends=DistributedStrategy`` inherits
             its options (``process_group_backend``, ``timeout``). The one way to inherit options.
         api: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see

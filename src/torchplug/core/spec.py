@@ -2,7 +2,7 @@
 
 Every extension point of torchplug is a pluggy hook defined in this module; a plugin is any module,
 class or object with functions named like these hooks and marked with
-[`hookimpl`][torchplug.hookimpl].
+[`hookimpl`][torchplug.plugin.hookimpl].
 
 There are two kinds of hooks.
 
@@ -162,14 +162,14 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
     """Announce the strategies (backends) this plugin provides.
 
     Call ``register(StrategyInfo(...))`` once per strategy. The
-    [`StrategyInfo`][torchplug.StrategyInfo] names the strategy and its aliases, describes it in one
-    line, lists the packages it needs, its options with types and defaults, and its capabilities
-    (shards parameters? owns precision? supports CPU? needs its own launcher?). Its ``factory`` is
-    called only when a user selects the strategy, so the backend's heavy package is imported there,
-    never here.
+    [`StrategyInfo`][torchplug.plugin.StrategyInfo] names the strategy and its aliases, describes it
+    in one line, lists the packages it needs, its options with types and defaults, and its
+    capabilities (shards parameters? owns precision? supports CPU? needs its own launcher?). Its
+    ``factory`` is called only when a user selects the strategy, so the backend's heavy package is
+    imported there, never here.
 
     Args:
-        register: Call it with one [`StrategyInfo`][torchplug.StrategyInfo] per strategy.
+        register: Call it with one [`StrategyInfo`][torchplug.plugin.StrategyInfo] per strategy.
     """
 
 
@@ -188,7 +188,8 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
     ``"fp16"``).
 
     Args:
-        register: Call it with one [`PrecisionInfo`][torchplug.PrecisionInfo] per precision plugin.
+        register: Call it with one [`PrecisionInfo`][torchplug.plugin.PrecisionInfo] per precision
+            plugin.
     """
 
 
@@ -210,7 +211,7 @@ def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
     of an installed package, or ``torchplug.register`` in your own code.
 
     Args:
-        register: Call it with one [`LoggerInfo`][torchplug.LoggerInfo] per logger.
+        register: Call it with one [`LoggerInfo`][torchplug.plugin.LoggerInfo] per logger.
     """
 
 
@@ -250,7 +251,7 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
 def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
     """Start the backend: create the process group if needed and choose this process's device.
 
-    The backend returns a [`Runtime`][torchplug.Runtime] (rank, local rank, world size,
+    The backend returns a [`Runtime`][torchplug.plugin.Runtime] (rank, local rank, world size,
     device). A precision plugin wraps this hook to learn the device it will run on.
 
     Args:

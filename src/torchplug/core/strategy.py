@@ -1,6 +1,6 @@
 """A base class for backends: default answers to every strategy hook, for torch.distributed.
 
-A backend subclasses [`Strategy`][torchplug.Strategy] and implements ``torchplug_setup`` (and
+A backend subclasses [`Strategy`][torchplug.plugin.Strategy] and implements ``torchplug_setup`` (and
 whatever it does differently). The defaults here are marked ``trylast`` so that any other plugin in
 the active set that answers a hook takes precedence over them.
 """
@@ -245,11 +245,11 @@ def _has_backend(name: str) -> bool:
 
 def distributed_options() -> tuple[Option, ...]:
     """Deprecated since API 1.0: declare ``StrategyInfo(extends="ddp")`` (a subclass of
-    [`DDPStrategy`][torchplug.DDPStrategy]) or ``StrategyInfo(extends=DistributedStrategy)``
+    [`DDPStrategy`][torchplug.plugin.DDPStrategy]) or ``StrategyInfo(extends=DistributedStrategy)``
     (a backend of its own on a process group) instead, which inherit these options; this keeps
     working through API 1.x with a ``DeprecationWarning``.
 
-    The options of every [`DistributedStrategy`][torchplug.DistributedStrategy], for its
+    The options of every [`DistributedStrategy`][torchplug.plugin.DistributedStrategy], for its
     StrategyInfo."""
     warnings.warn(
         'distributed_options() is deprecated: declare StrategyInfo(extends="ddp") or '
