@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import torchplug as tp
+import torchplug.plugin as tpp
 from benchmarks.common import interleaved, mlp, record, time_steps, write_records
 
 F = torch.nn.functional
@@ -230,24 +231,24 @@ class CountingExtension:
     def __init__(self) -> None:
         self.calls = 0
 
-    @tp.hookimpl(wrapper=True)
+    @tpp.hookimpl(wrapper=True)
     def torchplug_backward(self, engine: Any, loss: Any, model: Any) -> Generator[None, Any, Any]:
         self.calls += 1
         return (yield)
 
-    @tp.hookimpl(wrapper=True)
+    @tpp.hookimpl(wrapper=True)
     def torchplug_optimizer_step(
         self, engine: Any, optimizer: Any, closure: Any
     ) -> Generator[None, Any, Any]:
         self.calls += 1
         return (yield)
 
-    @tp.hookimpl(wrapper=True)
+    @tpp.hookimpl(wrapper=True)
     def torchplug_reduce(self, engine: Any, tensor: Any, op: str) -> Generator[None, Any, Any]:
         self.calls += 1
         return (yield)
 
-    @tp.hookimpl(wrapper=True)
+    @tpp.hookimpl(wrapper=True)
     def torchplug_place_batch(self, engine: Any, batch: Any) -> Generator[None, Any, Any]:
         self.calls += 1
         return (yield)

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
+from torchplug.plugin import hookimpl
 
 
 class NaNGuard:
@@ -26,14 +27,14 @@ class NaNGuard:
         self.skipped = 0
         self._bad = False
 
-    @tp.hookimpl(wrapper=True)
+    @hookimpl(wrapper=True)
     def torchplug_backward(self, engine, loss, model):
         bad = not bool(torch.isfinite(loss.detach()).all())
         # A collective: every rank learns whether any rank's loss was bad, and skips with it.
         self._bad = engine.reduce(torch.tensor(float(bad)), "max").item() > 0
         return (yield)  # the backend's own backward runs here
 
-    @tp.hookimpl(wrapper=True)
+    @hookimpl(wrapper=True)
     def torchplug_optimizer_step(self, engine, optimizer, closure):
         with engine.skipping_updates(optimizer, self._bad):
             stepped = yield  # the backend's own step runs here, updating nothing if bad

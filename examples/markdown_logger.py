@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torchplug as tp
+from torchplug.plugin import LoggerInfo, hookimpl
 
 
 class MarkdownLogger:
@@ -34,6 +34,6 @@ class MarkdownLogger:
         pass
 
 
-@tp.hookimpl
+@hookimpl
 def torchplug_register_loggers(register):
-    register(tp.LoggerInfo("markdown", MarkdownLogger, "a Markdown table of the metrics"))
+    register(LoggerInfo("markdown", MarkdownLogger, "a Markdown table of the metrics"))

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import torchplug as tp
+import torchplug.plugin as tpp
 from torchplug.core.strategy import DistributedStrategy
 from torchplug.plugins.ddp import DDPStrategy
 
@@ -16,7 +17,7 @@ from torchplug.plugins.ddp import DDPStrategy
 class NoAverage(DistributedStrategy):
     """Sums gradients across ranks but forgets to divide by the world size."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
         self.model = model.to(engine.device)
         with torch.no_grad():
@@ -24,7 +25,7 @@ class NoAverage(DistributedStrategy):
                 dist.broadcast(p, 0)
         return self.model, optimizers
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_backward(self, engine, loss, model):
         loss.backward()
         for p in self.model.parameters():  # the model from wrap: this code really runs
@@ -37,7 +38,7 @@ class LocalClip(DDPStrategy):
     """Clips by the norm of this rank's share of the parameters only (a sharded backend that
     forgets to all-reduce the norm)."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
         params = list(model.parameters())[engine.rank :: engine.world_size]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
@@ -46,7 +47,7 @@ class LocalClip(DDPStrategy):
 class IgnoresNoSync(DDPStrategy):
     """Synchronizes gradients inside engine.no_sync() anyway."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_no_sync(self, engine, model):
         return contextlib.nullcontext()
 
@@ -54,7 +55,7 @@ class IgnoresNoSync(DDPStrategy):
 class IgnoresSkip(DDPStrategy):
     """Steps the optimizer's class directly, around what torchplug asked (a skipped step)."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_optimizer_step(self, engine, optimizer, closure):
         type(optimizer).step(optimizer)
         return True
@@ -63,7 +64,7 @@ class IgnoresSkip(DDPStrategy):
 class DropsScheduler(DDPStrategy):
     """Re-creates the optimizer in setup: a scheduler made before setup drives the old one."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
         wrapped, _ = super().torchplug_wrap(engine, model, optimizers)
         fresh = [type(o)([dict(g) for g in o.param_groups]) for o in optimizers]
@@ -74,7 +75,7 @@ class ReinitialisesPerRank(DDPStrategy):
     """Re-initialises the model in wrap from a per-rank seed (a backend that builds its own copy
     of the model on each rank without taking rank 0's)."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
         wrapped, optimizers = super().torchplug_wrap(engine, model, optimizers)
         torch.manual_seed(1000 + engine.rank)  # after DDP's own broadcast: the bug
@@ -89,7 +90,7 @@ class KeepsItsLr(DDPStrategy):
     """Loads the optimizer's state but keeps the learning rates it had (a backend that rebuilds
     its param groups from the setup-time optimizer)."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_load_optimizer_state(self, engine, model, optimizer, state):
         kept = [group["lr"] for group in optimizer.param_groups]
         super().torchplug_load_optimizer_state(engine, model, optimizer, state)
@@ -101,7 +102,7 @@ class KeepsItsLr(DDPStrategy):
 class NoBarrier(DDPStrategy):
     """Answers engine.barrier() without waiting for the other ranks."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_barrier(self, engine):
         return True
 
@@ -115,7 +116,7 @@ class RefusesClipping(DDPStrategy):
     """Refuses clip_grad_norm_ with a clear ConfigurationError but never declares it: a backend
     must not pass the kit by refusing what it does not implement."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
         raise tp.ConfigurationError("refuses-clipping cannot clip gradients.")
 
@@ -124,12 +125,12 @@ class AveragesBuffers(DDPStrategy):
     """Averages the floating-point buffers (BatchNorm's running statistics) over the ranks
     after every step: statistics no rank computed, neither DDP's rule nor SyncBatchNorm's."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
         self.model = model
         return super().torchplug_wrap(engine, model, optimizers)
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_optimizer_step(self, engine, optimizer, closure):
         stepped = super().torchplug_optimizer_step(engine, optimizer, closure)
         with torch.no_grad():
@@ -144,7 +145,7 @@ class PerRankBuffers(DDPStrategy):
     """Re-creates the buffers of parameter-free modules from each rank's own RNG in wrap (a
     backend that rebuilds buffers when it moves the model), after rank 0's were broadcast."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
         wrapped, optimizers = super().torchplug_wrap(engine, model, optimizers)
         torch.manual_seed(2000 + engine.rank)
@@ -181,11 +182,11 @@ DECLARES_DEVIATION = "declares-local-clipping"
 MISNAMED_DEVIATION = "misnamed-deviation"
 
 
-@tp.hookimpl
+@tpp.hookimpl
 def torchplug_register_strategies(register):
     for name, (factory, _) in BROKEN.items():
         register(
-            tp.StrategyInfo(
+            tpp.StrategyInfo(
                 name=name,
                 factory=factory,
                 description="broken on purpose",
@@ -194,7 +195,7 @@ def torchplug_register_strategies(register):
             )
         )
     register(
-        tp.StrategyInfo(
+        tpp.StrategyInfo(
             name=DECLARES_REFUSAL,
             factory=RefusesClipping,
             description="refuses clipping, as its registration says",
@@ -202,7 +203,7 @@ def torchplug_register_strategies(register):
         )
     )
     register(
-        tp.StrategyInfo(
+        tpp.StrategyInfo(
             name=DECLARES_DEVIATION,
             factory=LocalClip,
             description="clips each rank's gradients, by design",
@@ -210,7 +211,7 @@ def torchplug_register_strategies(register):
         )
     )
     register(
-        tp.StrategyInfo(
+        tpp.StrategyInfo(
             name=MISNAMED_DEVIATION,
             factory=LocalClip,
             description="declares a deviation for a property that does not exist",

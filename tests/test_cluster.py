@@ -255,14 +255,14 @@ def test_mpirun_style_plugin_from_the_docs_works_under_torchplug_launch(tmp_path
     (tmp_path / "my_mpi_env.py").write_text(
         textwrap.dedent(
             """
-            import torchplug as tp
+            import torchplug.plugin as tpp
 
-            @tp.hookimpl
+            @tpp.hookimpl
             def torchplug_cluster_environment(env):
                 if "OMPI_COMM_WORLD_RANK" not in env:
                     return None
                 size = int(env["OMPI_COMM_WORLD_SIZE"])
-                return tp.ClusterInfo(
+                return tpp.ClusterInfo(
                     rank=int(env["OMPI_COMM_WORLD_RANK"]), world_size=size,
                     local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
                     local_world_size=int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torchplug as tp
+import torchplug.plugin as tpp
 from torchplug.core.engine import Runtime
 from torchplug.core.strategy import Strategy
 
@@ -18,24 +19,26 @@ from torchplug.core.strategy import Strategy
 class OnlyThree:
     """What a third party might write: setup, wrap and backward, nothing else."""
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_setup(self, engine, cluster):
         return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
         return model, optimizers
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_backward(self, engine, loss, model):
         loss.backward()
         return True
 
 
 def register(name, factory):
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_register_strategies(register):
-        register(tp.StrategyInfo(name=name, factory=factory, description="test", distributed=False))
+        register(
+            tpp.StrategyInfo(name=name, factory=factory, description="test", distributed=False)
+        )
 
     class Provider:
         pass
@@ -55,7 +58,7 @@ def test_a_backend_with_unanswered_hooks_refuses_to_start_naming_them():
     # save and load are answered by the built-in checkpoint plugin, whatever the backend
     named = set(re.findall(r"torchplug_\w+", message))
     assert "torchplug_save" not in named and "torchplug_load" not in named, named
-    assert "subclass torchplug.Strategy" in message
+    assert "subclass torchplug.plugin.Strategy" in message
 
 
 def test_the_checkpoint_defaults_are_a_plugin_that_can_be_blocked(monkeypatch):
@@ -86,22 +89,22 @@ def test_a_plain_object_answering_every_hook_works():
     defaults = Strategy()
     for name in dir(Strategy):  # borrow every default, as a hand-written backend would write them
         if name.startswith("torchplug_") and not hasattr(OnlyThree, name):
-            setattr(Everything, name, tp.hookimpl(staticmethod(getattr(defaults, name))))
+            setattr(Everything, name, tpp.hookimpl(staticmethod(getattr(defaults, name))))
     register("everything", Everything)
     with tp.Engine("everything") as engine:
         assert engine.reduce(torch.tensor(2.0), "sum").item() == 2.0
 
 
 class WrongAnswers(Strategy):
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_setup(self, engine, cluster):
         return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_reduce(self, engine, tensor, op):
         return tensor.item()  # a float, not a tensor
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_optimizer_step(self, engine, optimizer, closure):
         optimizer.step()
         return "done"
@@ -181,11 +184,11 @@ def test_the_private_scheduler_protocol_the_engine_relies_on_is_still_torchs():
 
 def test_no_sync_answer_must_be_a_context_manager():
     class BadNoSync(WrongAnswers):
-        @tp.hookimpl
+        @tpp.hookimpl
         def torchplug_reduce(self, engine, tensor, op):
             return tensor
 
-        @tp.hookimpl
+        @tpp.hookimpl
         def torchplug_no_sync(self, engine, model):
             return 42
 
@@ -203,11 +206,11 @@ class RecordingStep(Strategy):
 
     calls = 0
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_setup(self, engine, cluster):
         return Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_optimizer_step(self, engine, optimizer, closure):
         RecordingStep.calls += 1
         optimizer.step()

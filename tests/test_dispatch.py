@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-import torchplug as tp
+import torchplug.plugin as tpp
 from torchplug.core import dispatch, manager
 
 HOOK = "torchplug_reduce"  # (engine, tensor, op), firstresult
@@ -16,7 +16,7 @@ HOOK = "torchplug_reduce"  # (engine, tensor, op), firstresult
 
 def impl(log: list, name: str, value: Any = None, raises: BaseException | None = None, **opts):
     class Impl:
-        @tp.hookimpl(**opts)
+        @tpp.hookimpl(**opts)
         def torchplug_reduce(self, engine: Any, tensor: Any, op: str) -> Any:
             log.append(f"{name}({tensor},{op})")
             if raises is not None:
@@ -28,7 +28,7 @@ def impl(log: list, name: str, value: Any = None, raises: BaseException | None =
 
 def subset_impl(log: list, value: Any) -> object:
     class Subset:
-        @tp.hookimpl
+        @tpp.hookimpl
         def torchplug_reduce(self, op: str) -> Any:  # a subset of the arguments, reordered
             log.append(f"subset({op})")
             return value
@@ -38,7 +38,7 @@ def subset_impl(log: list, value: Any) -> object:
 
 def wrapper(log: list, name: str, mode: str = "pass", **opts: Any) -> object:
     class Wrapper:
-        @tp.hookimpl(wrapper=True, **opts)
+        @tpp.hookimpl(wrapper=True, **opts)
         def torchplug_reduce(self, engine: Any, tensor: Any, op: str) -> Any:
             log.append(f"{name} before")
             if mode == "no-yield":
@@ -62,7 +62,7 @@ def wrapper(log: list, name: str, mode: str = "pass", **opts: Any) -> object:
 
 def old_style(log: list) -> object:
     class Old:
-        @tp.hookimpl(hookwrapper=True)
+        @tpp.hookimpl(hookwrapper=True)
         def torchplug_reduce(self, engine: Any, tensor: Any, op: str) -> Any:
             log.append("old before")
             outcome = yield

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
+import torchplug.plugin as tpp
 
 
 def eval_gather(batch_size: int) -> dict:
@@ -161,9 +162,9 @@ class ListLogger:
         ListLogger.seen.append("closed")
 
 
-@tp.hookimpl
+@tpp.hookimpl
 def torchplug_register_loggers(register):
-    register(tp.LoggerInfo("list", ListLogger, "collects metrics in a list"))
+    register(tpp.LoggerInfo("list", ListLogger, "collects metrics in a list"))
 
 
 def test_a_logger_plugin_is_selected_by_name_like_a_strategy(tmp_path, monkeypatch):
@@ -531,7 +532,7 @@ class _StepCounter:
     def __init__(self) -> None:
         self.steps: list[int] = []
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def on_step_end(self, trainer, step, loss):
         self.steps.append(step)
 

@@ -151,14 +151,12 @@ def test_master_port_is_honoured_and_flags_after_the_script_warn(tmp_path, scrip
 
 INHOUSE = textwrap.dedent(
     """
-    import torchplug as tp
-    from torchplug.core.strategy import distributed_options
-    from torchplug.plugins.ddp import DDPStrategy
+    import torchplug.plugin as tpp
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_register_strategies(register):
-        register(tp.StrategyInfo(name="my-inhouse", factory=DDPStrategy, description="ours",
-                                 options=distributed_options()))
+        register(tpp.StrategyInfo(name="my-inhouse", factory=tpp.DDPStrategy, description="ours",
+                                  extends=tpp.DistributedStrategy))
     """
 )
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import torchplug as tp
+import torchplug.plugin as tpp
 from torchplug.core import apiversion, hookdoc, manager, spec
 from torchplug.core.registry import Option
 
@@ -75,8 +76,8 @@ def test_retired_hooks_are_listed_with_their_replacement(monkeypatch):
 # -- errors that name and show --------------------------------------------------------------------
 
 
-class WrongArgument(tp.Strategy):
-    @tp.hookimpl
+class WrongArgument(tpp.Strategy):
+    @tpp.hookimpl
     def torchplug_wrap(self, engine, model, optimizer):
         return model, [optimizer]
 
@@ -91,16 +92,16 @@ def test_a_wrong_argument_name_names_the_plugin_and_shows_the_signature():
     assert "docs/hooks.md#torchplug_wrap" in message
 
 
-class MisspelledBackend(tp.DDPStrategy):
-    @tp.hookimpl
+class MisspelledBackend(tpp.DDPStrategy):
+    @tpp.hookimpl
     def torchplug_warp(self, engine, model, optimizers):
         return model, optimizers
 
 
 class AnnouncesMisspelled:
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_register_strategies(self, register):
-        register(tp.StrategyInfo(name="misspelled", factory=MisspelledBackend, description="x"))
+        register(tpp.StrategyInfo(name="misspelled", factory=MisspelledBackend, description="x"))
 
 
 def test_a_misspelled_hook_on_a_strategy_class_is_refused_at_register():
@@ -127,7 +128,7 @@ def test_at_discovery_a_broken_strategy_is_listed_as_broken_never_usable():
 # -- inherited options and public bases ------------------------------------------------------------
 
 
-class LoggedDDP(tp.DDPStrategy):
+class LoggedDDP(tpp.DDPStrategy):
     """The documented way to extend a backend: subclass it, inherit its options."""
 
     def __init__(self, every: int = 1, **ddp):
@@ -136,10 +137,10 @@ class LoggedDDP(tp.DDPStrategy):
 
 
 class AnnouncesLogged:
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_register_strategies(self, register):
         register(
-            tp.StrategyInfo(
+            tpp.StrategyInfo(
                 name="logged-ddp",
                 factory=LoggedDDP,
                 description="DDP that logs",
@@ -165,15 +166,23 @@ def test_extends_inherits_the_parents_options_capabilities_and_defaults():
         tp.Engine("logged-ddp", find_unused=True)
 
 
-def test_options_of_gives_a_parents_options_and_bases_are_public():
-    assert tp.options_of("ddp") == manager.get_registry().strategies["ddp"].options
-    assert "find_unused_parameters" in {o.name for o in tp.options_of("distributed-data-parallel")}
-    with pytest.raises(tp.PluginError, match="options_of\\('dpp'\\).*Did you mean 'ddp'"):
+def test_options_of_still_gives_a_parents_options_with_a_deprecation_warning():
+    manager.get_registry()  # built first: only the call itself is under watch
+    with pytest.warns(DeprecationWarning, match=r"StrategyInfo\(extends='ddp'\)") as caught:
+        assert tp.options_of("ddp") == manager.get_registry().strategies["ddp"].options
+    assert [w.filename for w in caught] == [__file__]  # points at the caller
+    with pytest.warns(DeprecationWarning):
+        names = {o.name for o in tp.options_of("distributed-data-parallel")}
+    assert "find_unused_parameters" in names
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(tp.PluginError, match="options_of\\('dpp'\\).*Did you mean 'ddp'"),
+    ):
         tp.options_of("dpp")
     from torchplug.core.strategy import DistributedStrategy, Strategy
     from torchplug.plugins.ddp import DDPStrategy
 
-    assert (tp.Strategy, tp.DistributedStrategy, tp.DDPStrategy) == (
+    assert (tpp.Strategy, tpp.DistributedStrategy, tpp.DDPStrategy) == (
         Strategy,
         DistributedStrategy,
         DDPStrategy,
@@ -182,9 +191,9 @@ def test_options_of_gives_a_parents_options_and_bases_are_public():
 
 def test_extending_an_unknown_strategy_says_which_exist():
     class Bad:
-        @tp.hookimpl
+        @tpp.hookimpl
         def torchplug_register_strategies(self, register):
-            register(tp.StrategyInfo(name="x", factory=object, description="x", extends="dpp"))
+            register(tpp.StrategyInfo(name="x", factory=object, description="x", extends="dpp"))
 
     with pytest.raises(tp.PluginError, match="extends 'dpp', which is not registered.*'ddp'"):
         tp.register(Bad())
@@ -218,9 +227,9 @@ def test_a_plugin_for_another_api_is_not_loaded_and_says_why():
     future = types.ModuleType("future_plugin")
     future.TORCHPLUG_API = ">=2.0"
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_register_strategies(register):
-        register(tp.StrategyInfo(name="future", factory=object, description="x"))
+        register(tpp.StrategyInfo(name="future", factory=object, description="x"))
 
     future.torchplug_register_strategies = torchplug_register_strategies
     registry = manager.get_registry()
@@ -234,9 +243,9 @@ def test_a_plugin_for_another_api_is_not_loaded_and_says_why():
 
 def test_a_strategy_declaring_an_incompatible_api_is_not_registered():
     class Old:
-        @tp.hookimpl
+        @tpp.hookimpl
         def torchplug_register_strategies(self, register):
-            register(tp.StrategyInfo(name="old", factory=object, description="x", api="<1"))
+            register(tpp.StrategyInfo(name="old", factory=object, description="x", api="<1"))
 
     registry = manager.get_registry()
     with pytest.warns(UserWarning, match="Strategy 'old' supports torchplug plugin API '<1'"):
@@ -270,7 +279,7 @@ def test_a_deprecated_hook_warns_naming_its_replacement():
     pm.add_hookspecs(Spec)
 
     class Plugin:
-        @tp.hookimpl
+        @tpp.hookimpl
         def torchplug_old_name(self, engine):
             return 1
 
@@ -290,7 +299,7 @@ def test_a_deprecated_hook_warns_naming_its_replacement():
 
 
 class Guard:
-    @tp.hookimpl(wrapper=True)
+    @tpp.hookimpl(wrapper=True)
     def torchplug_backward(self, engine, loss, model):
         return (yield)
 
@@ -320,7 +329,7 @@ def test_a_class_registered_twice_is_one_plugin():
 
 def test_trace_shows_the_final_result_after_wrappers(monkeypatch, capfd):
     class SkipAll:
-        @tp.hookimpl(wrapper=True)
+        @tpp.hookimpl(wrapper=True)
         def torchplug_optimizer_step(self, engine, optimizer, closure):
             with engine.skipping_updates(optimizer, True):
                 yield
@@ -358,12 +367,12 @@ def installed_plugin(tmp_path, monkeypatch):
     (tmp_path / "hiddenplug_mod.py").write_text(
         textwrap.dedent(
             """
-            import torchplug as tp
+            import torchplug.plugin as tpp
             from torchplug.plugins.single import SingleDevice
 
-            @tp.hookimpl
+            @tpp.hookimpl
             def torchplug_register_strategies(register):
-                register(tp.StrategyInfo(name="hidden-one", factory=SingleDevice,
+                register(tpp.StrategyInfo(name="hidden-one", factory=SingleDevice,
                                          description="x", distributed=False))
             """
         )
@@ -425,12 +434,13 @@ def test_launch_accepts_a_strategy_the_script_registers_in_code(tmp_path):
             import os
 
             import torchplug as tp
+            import torchplug.plugin as tpp
             from torchplug.core.registry import StrategyInfo
 
             class Announce:
-                @tp.hookimpl
+                @tpp.hookimpl
                 def torchplug_register_strategies(self, register):
-                    register(StrategyInfo(name="logged-ddp", factory=tp.DDPStrategy,
+                    register(StrategyInfo(name="logged-ddp", factory=tpp.DDPStrategy,
                                           description="x", extends="ddp"))
 
             tp.register(Announce())
@@ -481,9 +491,9 @@ def test_a_third_party_ddp_subclass_installed_with_pip_passes_check_and_launches
 
 def test_engine_plugins_accepts_module_names(tmp_path, monkeypatch):
     (tmp_path / "loss_counter.py").write_text(
-        "import torchplug as tp\n"
+        "import torchplug.plugin as tpp\n"
         "calls = []\n\n"
-        "@tp.hookimpl(wrapper=True)\n"
+        "@tpp.hookimpl(wrapper=True)\n"
         "def torchplug_backward(engine, loss, model):\n"
         "    calls.append(loss.item())\n"
         "    return (yield)\n"
@@ -499,14 +509,14 @@ def test_engine_plugins_accepts_module_names(tmp_path, monkeypatch):
 
 def test_specname_implements_the_named_hook_and_is_checked_against_it():
     class Named:
-        @tp.hookimpl(specname="torchplug_backward", wrapper=True)
+        @tpp.hookimpl(specname="torchplug_backward", wrapper=True)
         def watch(self, engine, loss, model):
             return (yield)
 
     tp.unregister(tp.register(Named()))
 
     class Wrong:
-        @tp.hookimpl(specname="torchplug_backward", wrapper=True)
+        @tpp.hookimpl(specname="torchplug_backward", wrapper=True)
         def watch(self, engine, losses):
             return (yield)
 
@@ -535,24 +545,153 @@ def test_a_re_run_cell_registering_a_new_object_is_told_how_to_replace_the_old_o
 
 
 def test_the_authors_face_holds_every_author_name_and_imports_no_torch():
-    """Issue 26 item 7: ``torchplug.plugin`` is the plugin authors' face; the same names under
+    """Issue 26 item 7: ``torchplug.plugin`` is the plugin authors' face; the author names under
     ``torchplug`` are the same objects (they keep working through API 1.x)."""
-    import subprocess
-    import sys
-
     import torchplug
-    import torchplug.plugin as face
 
-    for name in face.__all__:
-        value = getattr(face, name)
-        if name in torchplug.__all__:
-            assert getattr(torchplug, name) is value, name
+    assert set(torchplug.AUTHOR_NAMES) <= set(tpp.__all__)
+    assert not set(torchplug.AUTHOR_NAMES) & set(torchplug.__all__)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in torchplug.AUTHOR_NAMES:
+            assert getattr(torchplug, name) is getattr(tpp, name), name
+    for name in set(tpp.__all__) & set(torchplug.__all__):  # register, errors: on both faces
+        assert getattr(torchplug, name) is getattr(tpp, name), name
     assert {"hookimpl", "StrategyInfo", "DistributedStrategy", "Deferred", "API_VERSION"} <= set(
-        face.__all__
+        tpp.__all__
     )
     code = "import sys, torchplug.plugin; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", sorted(tp.AUTHOR_NAMES))
+def test_an_author_name_under_torchplug_warns_once_saying_what_to_import(name):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = getattr(tp, name)
+    assert value is getattr(tpp, name)
+    assert [(w.category, w.filename) for w in caught] == [(DeprecationWarning, __file__)]
+    assert str(caught[0].message) == (
+        f"tp.{name} is an author name: import it from torchplug.plugin "
+        f"(from torchplug.plugin import {name}); tp.{name} keeps working through API 1.x"
+    )
+    with warnings.catch_warnings(record=True) as again:  # every use warns (not only the first)
+        warnings.simplefilter("always")
+        getattr(tp, name)
+    assert len(again) == 1
+
+
+def test_from_torchplug_import_an_author_name_warns_once_at_the_import_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from torchplug import StrategyInfo, hookimpl
+    assert (StrategyInfo, hookimpl) == (tpp.StrategyInfo, tpp.hookimpl)
+    assert sorted(str(w.message).split(" ")[0] for w in caught) == [
+        "tp.StrategyInfo",
+        "tp.hookimpl",
+    ]
+    assert {w.filename for w in caught} == {__file__}
+
+
+def test_the_faces_own_names_do_not_warn_and_dir_lists_users_names_only():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in tpp.__all__:
+            getattr(tpp, name)
+        for name in tp.__all__:
+            getattr(tp, name)
+        listed = dir(tp)
+    assert "Engine" in listed and "register" in listed
+    assert not set(tp.AUTHOR_NAMES) & set(listed)
+    assert set(tpp.__all__) <= set(dir(tpp))
+
+
+def test_distributed_options_warns_and_extends_is_the_one_way_to_inherit_options():
+    from torchplug.core.strategy import _distributed_options
+
+    manager.get_registry()  # built first: only the call itself is under watch
+    with pytest.warns(DeprecationWarning, match=r"extends=DistributedStrategy") as caught:
+        names = [o.name for o in tpp.distributed_options()]
+    assert names == [o.name for o in _distributed_options()] == ["process_group_backend", "timeout"]
+    assert [w.filename for w in caught] == [__file__]
+    own = Option("every", int, 1, "x")
+    # a backend of its own on a process group: the base class's options, then its own
+    info = tpp.StrategyInfo(
+        name="x", factory=tpp.DistributedStrategy, description="x",
+        extends=tpp.DistributedStrategy, options=(own,),
+    )  # fmt: skip
+    assert [o.name for o in info.options] == ["process_group_backend", "timeout", "every"]
+    with pytest.raises(TypeError, match="extends= takes the name of a registered strategy"):
+        tpp.StrategyInfo(name="x", factory=object, description="x", extends=object)
+    # a third party extending "ddp" gets the distributed options through DDP's
+    ddp = manager.get_registry().strategies["ddp"]
+    child = tpp.StrategyInfo(name="y", factory=tpp.DDPStrategy, description="y", extends="ddp")
+    names = [o.name for o in child.inheriting(ddp).options]
+    assert names[:2] == ["process_group_backend", "timeout"] and "static_graph" in names
+
+
+def test_a_plugin_implementing_the_retired_conversion_hook_warns_at_registration():
+    assert spec.RETIRED_HOOKS["torchplug_convert_checkpoint"][0] == "torchplug_read_checkpoint"
+    assert "Deprecated since API 1.0" in spec.torchplug_convert_checkpoint.__doc__
+
+    class OldConverter:
+        @tpp.hookimpl
+        def torchplug_convert_checkpoint(self, source, destination):
+            return None
+
+    with pytest.warns(DeprecationWarning, match="implement torchplug_read_checkpoint instead"):
+        name = tp.register(OldConverter())
+    tp.unregister(name)
+
+
+#: Our own modules that author plugins: importing them must not use a deprecated spelling.
+OWN_PLUGIN_MODULES = [
+    "torchplug_powersgd",
+    "torchplug_sagemaker",
+    "torchplug_mlflow",
+    "torchplug_wandb",
+    "torchplug_bf16comm",
+    "markdown_logger",
+    "inhouse_plugin",
+    "logger_plugin",
+    "torchplug.testing.bodies",
+    "torchplug.testing.kit",
+    "torchplug.testing.real_model",
+    "torchplug.core.hookdoc",
+]
+
+
+def test_none_of_our_own_plugins_uses_a_deprecated_spelling():
+    """tox runs with PYTHONWARNINGS=ignore::DeprecationWarning; here torchplug's deprecation
+    warnings are errors while every built-in, contrib and example plugin is imported and
+    registered, and the hook reference is rendered."""
+    code = textwrap.dedent(
+        f"""
+        import importlib, sys, warnings
+        warnings.filterwarnings(
+            "error", category=DeprecationWarning,
+            message=r"(tp\\.\\w+ is an author name|options_of\\(|distributed_options\\(|"
+                    r"this torchplug hook is deprecated)",
+        )
+        sys.path[:0] = [{str(ROOT / "examples")!r}, {str(BF16COMM)!r}]
+        for name in {OWN_PLUGIN_MODULES!r}:
+            importlib.import_module(name)
+        from torchplug.core import hookdoc, manager
+        registry = manager.get_registry()
+        for name in {OWN_PLUGIN_MODULES[:6]!r}:
+            if name not in ("torchplug_mlflow", "torchplug_wandb"):  # their packages may be absent
+                manager.register(importlib.import_module(name))
+        hookdoc.render()
+        print("strategies", len(registry.strategies))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPLUG_")}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "strategies" in run.stdout
 
 
 def test_a_backend_written_with_the_authors_face_alone_runs():

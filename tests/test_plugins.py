@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torchplug as tp
+import torchplug.plugin as tpp
 from installing import installed
 from torchplug.core import manager
 from torchplug.plugins.single import SingleDevice
@@ -33,9 +34,9 @@ def provider(**info) -> object:
     """A plugin object announcing one strategy (the single-device backend under another name)."""
 
     class Provider:
-        @tp.hookimpl
+        @tpp.hookimpl
         def torchplug_register_strategies(self, register):
-            register(tp.StrategyInfo(factory=SingleDevice, description="test", **info))
+            register(tpp.StrategyInfo(factory=SingleDevice, description="test", **info))
 
     return Provider()
 
@@ -119,7 +120,7 @@ def test_single_process_strategy_under_a_multi_process_launcher_is_an_error(monk
 # -- in-house plugins ------------------------------------------------------------------------------
 
 
-class Counting(tp.Strategy):
+class Counting(tpp.Strategy):
     """An in-house backend: the single-device strategy, counting its hook calls."""
 
     calls: list[str] = []
@@ -127,26 +128,26 @@ class Counting(tp.Strategy):
     def __init__(self, label: str = "x") -> None:
         self.label = label
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_setup(self, engine, cluster):
         Counting.calls.append(f"setup:{self.label}")
-        return tp.Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        return tpp.Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_backward(self, engine, loss, model):
         Counting.calls.append("backward")
         loss.backward()
         return True
 
     @staticmethod
-    @tp.hookimpl
+    @tpp.hookimpl
     def torchplug_register_strategies(register):
         register(
-            tp.StrategyInfo(
+            tpp.StrategyInfo(
                 name="counting",
                 factory=Counting,
                 description="counts hook calls",
-                options=(tp.Option("label", str, "x"),),
+                options=(tpp.Option("label", str, "x"),),
                 distributed=False,
             )
         )
@@ -158,7 +159,7 @@ class LossRecorder:
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    @tp.hookimpl(wrapper=True)
+    @tpp.hookimpl(wrapper=True)
     def torchplug_backward(self, engine, loss, model):
         self.losses.append(loss.item())
         return (yield)
@@ -200,7 +201,7 @@ def test_globally_registered_extension_joins_every_engine():
 
 def test_wrong_hook_signature_is_rejected_naming_plugin_and_hook():
     class Broken:
-        @tp.hookimpl
+        @tpp.hookimpl
         def torchplug_backward(self, engine, los):
             return True
 
@@ -237,12 +238,12 @@ def fake_distribution(tmp_path, monkeypatch) -> Path:
         textwrap.dedent(
             f"""
             open({str(marker)!r}, "a").write("fakeplug\\n")
-            import torchplug as tp
+            import torchplug.plugin as tpp
             from torchplug.plugins.single import SingleDevice
 
-            @tp.hookimpl
+            @tpp.hookimpl
             def torchplug_register_strategies(register):
-                register(tp.StrategyInfo(name="fake", factory=SingleDevice,
+                register(tpp.StrategyInfo(name="fake", factory=SingleDevice,
                                          description="from an installed package",
                                          distributed=False))
             """
@@ -336,19 +337,19 @@ def test_plugin_package_installed_with_pip_is_selectable_and_listed(tmp_path):
     (package / "tmp_backend" / "__init__.py").write_text(
         textwrap.dedent(
             """
-            import torchplug as tp
+            import torchplug.plugin as tpp
             from torchplug.plugins.single import SingleDevice
 
             class Backend(SingleDevice):
-                @tp.hookimpl
+                @tpp.hookimpl
                 def torchplug_backward(self, engine, loss, model):
                     print("tmp-backend backward")
                     loss.backward()
                     return True
 
-            @tp.hookimpl
+            @tpp.hookimpl
             def torchplug_register_strategies(register):
-                register(tp.StrategyInfo(name="tmp-backend", factory=Backend,
+                register(tpp.StrategyInfo(name="tmp-backend", factory=Backend,
                                          description="installed by a test", distributed=False))
             """
         )

@@ -10,6 +10,7 @@ from importlib import metadata
 import pytest
 
 import torchplug as tp
+import torchplug.plugin as tpp
 from test_plugins import provider
 from torchplug.core import manager
 from torchplug.core.registry import PrecisionInfo
@@ -31,7 +32,7 @@ def test_registration_hooks_are_called_through_the_plugin_manager():
 
 def test_a_precision_registered_twice_raises_like_a_strategy():
     class SecondAmp:
-        @tp.hookimpl
+        @tpp.hookimpl
         def torchplug_register_precisions(self, register):
             register(PrecisionInfo(name="amp2", factory=object, precisions=("bf16",)))
 
@@ -53,7 +54,7 @@ def test_tracing_leaves_the_hook_functions_alone(monkeypatch, capfd):
 
 def test_a_marked_function_under_no_hook_name_is_refused():
     class Typo:
-        @tp.hookimpl
+        @tpp.hookimpl
         def setup(self, engine):
             pass
 

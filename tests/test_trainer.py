@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import torchplug as tp
+import torchplug.plugin as tpp
 import trainer_body
 
 HERE = Path(__file__).parent
@@ -66,7 +67,7 @@ def test_trainer_resumes_after_a_kill_from_the_checkpoint_step(ranks, tmp_path):
 
 def test_trainer_logs_and_stops_on_request(tmp_path):
     class StopAtFour:
-        @tp.hookimpl
+        @tpp.hookimpl
         def on_step_end(self, trainer, step, loss):
             return step == 4
 

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
+import torchplug.plugin as tpp
 
 
 def data(n: int = 96, seed: int = 0) -> TensorDataset:
@@ -38,17 +39,17 @@ class Recorder:
         self.evals: list[dict] = []
         self.steps = 0
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def on_train_start(self, trainer):
         self.started_at = trainer.step
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def on_step_end(self, trainer, step, loss):
         self.steps += 1
         if self.kill_at is not None and step == self.kill_at and trainer.engine.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # a hard crash, after the checkpoint at step 6
 
-    @tp.hookimpl
+    @tpp.hookimpl
     def on_eval_end(self, trainer, metrics):
         self.evals.append(dict(metrics))
 

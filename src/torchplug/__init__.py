@@ -13,41 +13,47 @@ from torchplug.core.version import VERSION as __version__
 
 _EXPORTS = {
     "Engine": "torchplug.core.engine",
-    "Runtime": "torchplug.core.engine",
-    "hookimpl": "torchplug.core.spec",
-    "StrategyInfo": "torchplug.core.registry",
-    "PrecisionInfo": "torchplug.core.registry",
-    "Option": "torchplug.core.registry",
-    "LoggerInfo": "torchplug.core.registry",
     "seed_everything": "torchplug.core.seeding",
+    "seed_worker": "torchplug.core.seeding",
     "find_executable_batch_size": "torchplug.core.batchsize",
     "ThroughputMonitor": "torchplug.core.throughput",
     "measure_flops": "torchplug.core.throughput",
-    "seed_worker": "torchplug.core.seeding",
     "Logger": "torchplug.loggers",
     "Trainer": "torchplug.trainer.loop",
+    "accuracy": "torchplug.trainer.loop",
     "launch": "torchplug.core.launcher",
     "RankFailedError": "torchplug.core.launcher",
-    "accuracy": "torchplug.trainer.loop",
-    "Strategy": "torchplug.core.strategy",
-    "DistributedStrategy": "torchplug.core.strategy",
-    "DDPStrategy": "torchplug.plugins.ddp",
-    "distributed_options": "torchplug.core.strategy",
-    "options_of": "torchplug.core.manager",
-    "API_VERSION": "torchplug.core.spec",
-    "ClusterInfo": "torchplug.core.cluster",
     "register": "torchplug.core.manager",
     "unregister": "torchplug.core.manager",
     "block": "torchplug.core.manager",
+    "options_of": "torchplug._deprecated",
     "TorchplugError": "torchplug.core.errors",
     "ConfigurationError": "torchplug.core.errors",
     "PluginError": "torchplug.core.errors",
     "CheckpointError": "torchplug.core.errors",
 }
 
+#: Author names: they belong to ``torchplug.plugin``. ``tp.NAME`` keeps working through plugin
+#: API 1.x with a DeprecationWarning saying where to import it from, and is not in ``dir()``.
+AUTHOR_NAMES = {
+    "hookimpl": "torchplug.core.spec",
+    "API_VERSION": "torchplug.core.spec",
+    "StrategyInfo": "torchplug.core.registry",
+    "PrecisionInfo": "torchplug.core.registry",
+    "Option": "torchplug.core.registry",
+    "LoggerInfo": "torchplug.core.registry",
+    "ClusterInfo": "torchplug.core.cluster",
+    "Strategy": "torchplug.core.strategy",
+    "DistributedStrategy": "torchplug.core.strategy",
+    "DDPStrategy": "torchplug.plugins.ddp",
+    "distributed_options": "torchplug.core.strategy",
+    "Runtime": "torchplug.core.engine",
+}
+
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from torchplug._deprecated import options_of
     from torchplug.core.batchsize import find_executable_batch_size
     from torchplug.core.cluster import ClusterInfo
     from torchplug.core.engine import Engine, Runtime
@@ -58,7 +64,7 @@ if TYPE_CHECKING:
         TorchplugError,
     )
     from torchplug.core.launcher import RankFailedError, launch
-    from torchplug.core.manager import block, options_of, register, unregister
+    from torchplug.core.manager import block, register, unregister
     from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
     from torchplug.core.seeding import seed_everything, seed_worker
     from torchplug.core.spec import API_VERSION, hookimpl
@@ -69,4 +75,10 @@ if TYPE_CHECKING:
     from torchplug.trainer.loop import Trainer, accuracy
 
 
-__getattr__, __dir__ = _lazy.exports("torchplug", _EXPORTS, globals())
+__getattr__, __dir__ = _lazy.exports(
+    "torchplug",
+    {**_EXPORTS, **AUTHOR_NAMES},
+    globals(),
+    moved=AUTHOR_NAMES,
+    moved_to="torchplug.plugin",
+)

@@ -9,7 +9,8 @@ written with, in one place (``torchplug`` itself is the users' face: Engine, Tra
 
 Names are imported on first use, as in ``torchplug`` itself: a plugin module that imports this
 at its top stays cheap to import when ``torchplug plugins`` announces it (no torch until a name
-that needs it is used). The same names under ``torchplug`` keep working through plugin API 1.x.
+that needs it is used). The author names among them used through ``torchplug`` (``tp.hookimpl``,
+``tp.StrategyInfo``, ...) keep working through plugin API 1.x, with a DeprecationWarning.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _EXPORTS = {
     "Strategy": "torchplug.core.strategy",
     "DistributedStrategy": "torchplug.core.strategy",
     "distributed_options": "torchplug.core.strategy",
+    "DDPStrategy": "torchplug.plugins.ddp",
     "Runtime": "torchplug.core.engine",
     # the state protocol: tensors a save gathers one at a time (ZeRO-3-style backends)
     "Deferred": "torchplug.checkpoint.deferred",
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
     from torchplug.core.spec import API_VERSION, Contract, hookimpl
     from torchplug.core.strategy import DistributedStrategy, Strategy, distributed_options
+    from torchplug.plugins.ddp import DDPStrategy
 
 
 __getattr__, __dir__ = _lazy.exports("torchplug.plugin", _EXPORTS, globals())

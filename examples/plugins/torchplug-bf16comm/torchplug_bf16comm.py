@@ -2,7 +2,7 @@
 
 import torch
 
-import torchplug as tp
+from torchplug.plugin import DDPStrategy, StrategyInfo, hookimpl
 
 TORCHPLUG_API = ">=1.0,<2"  # the plugin API versions this module is written for
 
@@ -15,16 +15,16 @@ def bf16_allreduce(group, bucket):
     return done.then(lambda fut: grads.copy_(fut.value()[0]))
 
 
-class BF16CommDDP(tp.DDPStrategy):
-    @tp.hookimpl
+class BF16CommDDP(DDPStrategy):
+    @hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
         model, optimizers = super().torchplug_wrap(engine, model, optimizers)
         model.register_comm_hook(None, bf16_allreduce)
         return model, optimizers
 
 
-@tp.hookimpl
+@hookimpl
 def torchplug_register_strategies(register):
     about = "DDP, gradients all-reduced in bf16"
     info = dict(name="ddp-bf16comm", factory=BF16CommDDP, extends="ddp", description=about)
-    register(tp.StrategyInfo(**info, tolerance=1e-2))
+    register(StrategyInfo(**info, tolerance=1e-2))

@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchplug.checkpoint.files import describe_os_error
+from torchplug.core import torchprivate
 from torchplug.core.errors import CheckpointError
 
 #: The number of saves and loads begun in this process: the same on every rank as long as every
@@ -68,7 +69,7 @@ class Coordinator:
                     f"and none is initialized. A strategy that runs several processes must "
                     f"initialize one in torchplug_setup."
                 )
-            self.store = dist.distributed_c10d._get_default_store()
+            self.store = torchprivate.default_store()
         _SEQUENCE[0] += 1
         self.sequence = _SEQUENCE[0]
         self.prefix = f"torchplug/checkpoint/{self.sequence}/"

@@ -4,7 +4,7 @@ A built-in plugin registered like any other (``manager.BUILTIN_PLUGINS``, entry 
 ``checkpoint``): it joins every Engine's active set, registered before the backend and marked
 ``trylast``, so a backend that has a format of its own answers first (DeepSpeed's native
 checkpoint) and every other backend needs nothing, whether or not it subclasses
-``torchplug.Strategy``. Blocking it (``TORCHPLUG_BLOCK_PLUGINS=checkpoint``) leaves the two
+``torchplug.plugin.Strategy``. Blocking it (``TORCHPLUG_BLOCK_PLUGINS=checkpoint``) leaves the two
 hooks for the backend to answer; an Engine whose active set then answers neither refuses to
 start, naming them.
 """

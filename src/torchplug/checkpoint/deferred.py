@@ -31,7 +31,13 @@ _DEFERRING: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 class Deferred:
     """A full tensor of known shape and dtype that ``produce()`` makes (a collective: every
-    rank calls it for the same tensors, in the same order)."""
+    rank calls it for the same tensors, in the same order).
+
+    Args:
+        shape: The full tensor's shape.
+        dtype: Its dtype.
+        produce: Makes the full tensor; called by the save on every rank, one tensor at a time.
+    """
 
     __slots__ = ("dtype", "produce", "shape")
 

@@ -349,7 +349,7 @@ class Engine:
                 f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
                 f"{manager.qualified_name(self.backend)}) leaves {len(unanswered)} hook(s) "
                 f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer "
-                f"(docs/hooks.md): subclass torchplug.Strategy (or torchplug.DistributedStrategy) "
+                f"(docs/hooks.md): subclass torchplug.plugin.Strategy (or DistributedStrategy) "
                 f"to inherit the defaults, or implement them."
             )
 

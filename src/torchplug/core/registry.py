@@ -228,7 +228,10 @@ class StrategyInfo:
         extends: The name of a registered strategy whose options, capabilities and defaults this one
             inherits: its own options are added to (or replace, by name) the parent's, and every
             field left at its default takes the parent's value. For a subclass of the parent's
-            class.
+            class. For a backend of its own on a process group (a subclass of
+            [`DistributedStrategy`][torchplug.plugin.DistributedStrategy] that extends no
+            registered strategy), the base class itself: ``extends=DistributedStrategy`` inherits
+            its options (``process_group_backend``, ``timeout``). The one way to inherit options.
         api: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
             [`torchplug.core.spec.API_VERSION`][torchplug.core.spec.API_VERSION]); outside it the
             strategy is not registered.
@@ -263,12 +266,26 @@ class StrategyInfo:
     check: Callable[[], str | None] | None = None
     precision_check: Callable[[str], str | None] | None = None
     memory: Callable[[Any], Any] | None = None
-    extends: str = ""
+    extends: str | type = ""
     api: str = ""
     provider: str = ""
     distribution: str = ""
     version: str = ""
     problem: str = ""
+
+    def __post_init__(self) -> None:
+        # a base class, StrategyInfo(extends=DistributedStrategy): its options, then this one's
+        if isinstance(self.extends, type):
+            declared = getattr(self.extends, "strategy_options", None)
+            if declared is None:
+                raise TypeError(
+                    f"StrategyInfo(name={self.name!r}): extends= takes the name of a registered "
+                    f"strategy (e.g. 'ddp') or DistributedStrategy, not {self.extends!r}."
+                )
+            own = {o.name for o in self.options}
+            inherited = (*(o for o in declared() if o.name not in own), *self.options)
+            object.__setattr__(self, "options", inherited)
+            object.__setattr__(self, "extends", "")
 
     def option(self, name: str) -> Option | None:
         """The option called ``name``, or ``None``.

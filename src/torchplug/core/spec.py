@@ -2,7 +2,7 @@
 
 Every extension point of torchplug is a pluggy hook defined in this module; a plugin is any module,
 class or object with functions named like these hooks and marked with
-[`hookimpl`][torchplug.hookimpl].
+[`hookimpl`][torchplug.plugin.hookimpl].
 
 There are two kinds of hooks.
 
@@ -65,7 +65,9 @@ excludes this version is not loaded, and ``torchplug plugins`` says why (docs/pl
 #: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
 #: the API version that removes it). An entry stays for one minor version, with a hookspec under
 #: the old name made by `deprecated_hookspec`, before the old hook is removed.
-RETIRED_HOOKS: dict[str, tuple[str, str]] = {}
+RETIRED_HOOKS: dict[str, tuple[str, str]] = {
+    "torchplug_convert_checkpoint": ("torchplug_read_checkpoint", "2.0"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +130,7 @@ def hooks_where(**wanted: Any) -> frozenset[str]:
     )
 
 
-def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], Any]:
+def deprecated_hookspec(replacement: str, removed_in: str, **options: Any) -> Callable[[Any], Any]:
     """A hookspec marker for a hook being renamed or retired: implementing it still works for
     one minor version, with a DeprecationWarning at registration (pluggy's ``warn_on_impl``)
     naming the replacement, so plugin authors learn of it before the hook is removed.
@@ -136,13 +138,15 @@ def deprecated_hookspec(replacement: str, removed_in: str) -> Callable[[Any], An
     Args:
         replacement: The hook to implement instead (``""``: none).
         removed_in: The plugin API version that removes the old hook.
+        **options: pluggy's other hookspec options (``firstresult=True``, ...).
     """
     instead = f"implement {replacement} instead" if replacement else "it has no replacement"
     return hookspec(
         warn_on_impl=DeprecationWarning(
             f"this torchplug hook is deprecated and is removed in plugin API {removed_in}; "
             f"{instead} (see docs/hooks.md)"
-        )
+        ),
+        **options,
     )
 
 
@@ -163,14 +167,14 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
     """Announce the strategies (backends) this plugin provides.
 
     Call ``register(StrategyInfo(...))`` once per strategy. The
-    [`StrategyInfo`][torchplug.StrategyInfo] names the strategy and its aliases, describes it in one
-    line, lists the packages it needs, its options with types and defaults, and its capabilities
-    (shards parameters? owns precision? supports CPU? needs its own launcher?). Its ``factory`` is
-    called only when a user selects the strategy, so the backend's heavy package is imported there,
-    never here.
+    [`StrategyInfo`][torchplug.plugin.StrategyInfo] names the strategy and its aliases, describes it
+    in one line, lists the packages it needs, its options with types and defaults, and its
+    capabilities (shards parameters? owns precision? supports CPU? needs its own launcher?). Its
+    ``factory`` is called only when a user selects the strategy, so the backend's heavy package is
+    imported there, never here.
 
     Args:
-        register: Call it with one [`StrategyInfo`][torchplug.StrategyInfo] per strategy.
+        register: Call it with one [`StrategyInfo`][torchplug.plugin.StrategyInfo] per strategy.
     """
 
 
@@ -189,7 +193,8 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
     ``"fp16"``).
 
     Args:
-        register: Call it with one [`PrecisionInfo`][torchplug.PrecisionInfo] per precision plugin.
+        register: Call it with one [`PrecisionInfo`][torchplug.plugin.PrecisionInfo] per precision
+            plugin.
     """
 
 
@@ -211,7 +216,7 @@ def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
     of an installed package, or ``torchplug.register`` in your own code.
 
     Args:
-        register: Call it with one [`LoggerInfo`][torchplug.LoggerInfo] per logger.
+        register: Call it with one [`LoggerInfo`][torchplug.plugin.LoggerInfo] per logger.
     """
 
 
@@ -251,7 +256,7 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
 def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
     """Start the backend: create the process group if needed and choose this process's device.
 
-    The backend returns a [`Runtime`][torchplug.Runtime] (rank, local rank, world size,
+    The backend returns a [`Runtime`][torchplug.plugin.Runtime] (rank, local rank, world size,
     device). A precision plugin wraps this hook to learn the device it will run on.
 
     Args:
@@ -707,7 +712,7 @@ def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] |
     """
 
 
-@hookspec(firstresult=True)
+@deprecated_hookspec("torchplug_read_checkpoint", removed_in="2.0", firstresult=True)
 @contract(
     kind="installed plugins",
     called=(
@@ -716,7 +721,12 @@ def torchplug_read_checkpoint(source: Path, optimizer: bool) -> dict[str, Any] |
     ),
 )
 def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] | None:
-    """Convert a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) to
+    """Deprecated since API 1.0: implement
+    [`torchplug_read_checkpoint`][torchplug_read_checkpoint] instead (it returns the state, and
+    ``torchplug convert`` writes it in either format); this hook is removed in API 2.0, and a
+    plugin implementing it gets a ``DeprecationWarning`` when it is registered.
+
+    Convert a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) to
     ``destination/model.safetensors``; return the files written, or ``None`` if it is not yours.
 
     Called on every installed plugin by ``torchplug convert``; import nothing heavy unless the

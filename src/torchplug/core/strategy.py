@@ -1,6 +1,6 @@
 """A base class for backends: default answers to every strategy hook, for torch.distributed.
 
-A backend subclasses [`Strategy`][torchplug.Strategy] and implements ``torchplug_setup`` (and
+A backend subclasses [`Strategy`][torchplug.plugin.Strategy] and implements ``torchplug_setup`` (and
 whatever it does differently). The defaults here are marked ``trylast`` so that any other plugin in
 the active set that answers a hook takes precedence over them.
 """
@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -243,8 +244,26 @@ def _has_backend(name: str) -> bool:
 
 
 def distributed_options() -> tuple[Option, ...]:
-    """The options of every [`DistributedStrategy`][torchplug.DistributedStrategy], for its
+    """Deprecated since API 1.0: declare ``StrategyInfo(extends="ddp")`` (a subclass of
+    [`DDPStrategy`][torchplug.plugin.DDPStrategy]) or ``StrategyInfo(extends=DistributedStrategy)``
+    (a backend of its own on a process group) instead, which inherit these options; this keeps
+    working through API 1.x with a ``DeprecationWarning``.
+
+    The options of every [`DistributedStrategy`][torchplug.plugin.DistributedStrategy], for its
     StrategyInfo."""
+    warnings.warn(
+        'distributed_options() is deprecated: declare StrategyInfo(extends="ddp") or '
+        "StrategyInfo(extends=DistributedStrategy) to inherit the options instead; "
+        "distributed_options() keeps working through API 1.x",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _distributed_options()
+
+
+def _distributed_options() -> tuple[Option, ...]:
+    """The options of every DistributedStrategy (torchplug's own strategies use this name; the
+    public one is deprecated)."""
     from torchplug.core.registry import positive_number
 
     return (
@@ -279,6 +298,12 @@ class DistributedStrategy(Strategy):
         self.process_group_backend = process_group_backend
         self.timeout = timeout
         self.owns_process_group = False
+
+    @classmethod
+    def strategy_options(cls) -> tuple[Option, ...]:
+        """The options this class's constructor takes (``process_group_backend``, ``timeout``),
+        which ``StrategyInfo(extends=DistributedStrategy)`` inherits."""
+        return _distributed_options()
 
     @hookimpl
     def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:

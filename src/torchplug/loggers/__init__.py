@@ -20,8 +20,8 @@ from torchplug.core.metrics import to_number  # noqa: F401 - public here since A
 class Logger:
     """The interface of a logger object (subclassing it is optional: duck typing suffices).
 
-    Made by a [`LoggerInfo`][torchplug.LoggerInfo] factory as ``factory(log_dir)`` on the ranks that
-    log (rank 0 by default).
+    Made by a [`LoggerInfo`][torchplug.plugin.LoggerInfo] factory as ``factory(log_dir)`` on the
+    ranks that log (rank 0 by default).
     """
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:

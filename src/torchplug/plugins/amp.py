@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchplug.core import capabilities
+from torchplug.core import capabilities, torchprivate
 from torchplug.core.cluster import ClusterInfo
 from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
@@ -132,8 +132,7 @@ class ScaledMixedPrecision(MixedPrecision):
             )
         with contextlib.suppress(RuntimeError):  # already unscaled for clipping this step
             self.scaler.unscale_(optimizer)
-        state = self.scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
-        skipped = any(v.item() for v in state["found_inf_per_device"].values())
+        skipped = torchprivate.found_inf(self.scaler, optimizer)
         with engine.skipping_updates(optimizer, skipped):
             stepped = yield
         self._stepped.add(id(optimizer))

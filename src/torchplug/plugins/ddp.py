@@ -13,7 +13,7 @@ from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo, positive_number
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, distributed_options
+from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
 
 #: DDP's own options, declared once: the registration, the defaults and what is passed to torch.
 DDP_OPTIONS: tuple[Option, ...] = (
@@ -92,7 +92,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("distributed-data-parallel",),
             factory=DDPStrategy,
             description="torch DistributedDataParallel: full replicas, gradients all-reduced.",
-            options=(*distributed_options(), *DDP_OPTIONS),
+            options=(*_distributed_options(), *DDP_OPTIONS),
             memory=memory.ddp,
         )
     )

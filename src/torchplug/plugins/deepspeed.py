@@ -42,7 +42,7 @@ from torchplug.core.errors import CheckpointError, ConfigurationError
 from torchplug.core.nested import cast_floating
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, distributed_options
+from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
 
 INSTALL = "pip install torchplug[deepspeed]"
 OFFLOAD = ("none", "cpu", "nvme")
@@ -635,7 +635,7 @@ def _named(stage: int, **preset: Any) -> Callable[..., DeepSpeedStrategy]:
 
 
 def _options(with_stage: bool, with_offload: bool = True) -> tuple[Option, ...]:
-    options = [*distributed_options()]
+    options = [*_distributed_options()]
     if with_stage:
         options.append(Option("stage", int, 2, "ZeRO stage", choices=(1, 2, 3)))
     if with_offload:

@@ -29,7 +29,7 @@ from torchplug.core.engine import Engine
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, distributed_options
+from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
 from torchplug.plugins.ddp import DDPStrategy
 
 INSTALL = "pip install torchplug[fairscale]"
@@ -243,7 +243,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=OSSStrategy,
             description="FairScale OSS optimizer-state sharding with torch DDP.",
             memory=memory.sharded_optimizer,
-            options=(*distributed_options(),),
+            options=(*_distributed_options(),),
             shards_optimizer=True,
             **common,
         )
@@ -256,7 +256,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             description="FairScale OSS + ShardedDataParallel: gradients reduced to their owner.",
             memory=memory.sharded_gradients,
             options=(
-                *distributed_options(),
+                *_distributed_options(),
                 Option("reduce_buffer_size", int, 2**23, "bucket size in elements; 0 = none"),
             ),
             shards_optimizer=True,
@@ -268,7 +268,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             name="fairscale-fsdp",
             factory=FairScaleFSDPStrategy,
             description="FairScale FullyShardedDataParallel (CUDA only).",
-            options=(*distributed_options(),),
+            options=(*_distributed_options(),),
             shards_parameters=True,
             shards_optimizer=True,
             supports_cpu=False,  # the core refuses it on a machine without CUDA

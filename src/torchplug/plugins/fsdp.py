@@ -22,7 +22,7 @@ from torchplug.core.spec import hookimpl
 from torchplug.core.strategy import (
     DEFAULT_TIMEOUT,
     DistributedStrategy,
-    distributed_options,
+    _distributed_options,
     rebind_optimizer,
 )
 
@@ -254,7 +254,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=FSDPStrategy,
             description="torch FSDP2: parameters, gradients and optimizer state sharded.",
             options=(
-                *distributed_options(),
+                *_distributed_options(),
                 Option(
                     "shard_classes",
                     (list, tuple),

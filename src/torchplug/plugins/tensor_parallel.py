@@ -30,7 +30,7 @@ from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, distributed_options
+from torchplug.core.strategy import DEFAULT_TIMEOUT, _distributed_options
 from torchplug.plugins.fsdp import (
     FSDPStrategy,
     finish_wrap,
@@ -417,7 +417,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=_factory(False),
             description="Tensor parallelism over every rank (torch parallelize_module).",
             memory=tp_memory,
-            options=(*distributed_options(), plan),
+            options=(*_distributed_options(), plan),
             precisions=("32",),
             owns_precision=False,
             shards_parameters=True,
@@ -433,7 +433,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             description="2-D parallelism: FSDP2 over 'dp' × tensor parallelism over 'tp'.",
             memory=memory.not_estimable(TWO_D_NOT_MODELLED),
             options=(
-                *distributed_options(),
+                *_distributed_options(),
                 plan,
                 Option("tp_size", (int, type(None)), None, "ranks per tensor-parallel group"),
                 Option("dp_size", (int, type(None)), None, "data-parallel (FSDP) replicas"),

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
+import torchplug.plugin as tpp
 from torchplug.core import manager
 from torchplug.core.strategy import REDUCE_OPS
 
@@ -75,7 +76,7 @@ class NaNGuard:
     step skipped on one rank only would leave the replicas apart.
     """
 
-    @tp.hookimpl(wrapper=True)
+    @tpp.hookimpl(wrapper=True)
     def torchplug_optimizer_step(
         self, engine: tp.Engine, optimizer: torch.optim.Optimizer, closure: Any
     ) -> Any:

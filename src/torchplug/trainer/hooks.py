@@ -1,8 +1,8 @@
 """The Trainer's events, as pluggy hooks: a callback is a plugin like everything else.
 
 A callback is any object (or module) with some of these functions, marked with
-``@torchplug.hookimpl``, passed as ``Trainer(callbacks=[...])``. Every callback is called for
-every event (none is ``firstresult``); what a hook returns is ignored, except that
+``@torchplug.plugin.hookimpl``, passed as ``Trainer(callbacks=[...])``. Every callback is called
+for every event (none is ``firstresult``); what a hook returns is ignored, except that
 ``on_step_end`` may return ``True`` to stop training after that step. They are a separate
 specification from [`torchplug.core.spec`][torchplug.core.spec]: these events exist only in the
 Trainer's loop.

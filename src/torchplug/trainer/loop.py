@@ -98,7 +98,7 @@ class Trainer:
         log_every: Steps between logged training metrics (the loss is averaged over them).
         metrics: Names to functions ``fn(outputs, targets)`` run on the whole gathered eval set
             ([`accuracy`][torchplug.accuracy] is one).
-        callbacks: Objects with ``@torchplug.hookimpl`` functions named as in
+        callbacks: Objects with ``@torchplug.plugin.hookimpl`` functions named as in
             [`torchplug.trainer.hooks`][torchplug.trainer.hooks].
         progress: Show a progress bar on rank 0 (tqdm, else rich); ``None``: when stderr is a
             terminal.

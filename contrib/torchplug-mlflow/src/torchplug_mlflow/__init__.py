@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torchplug import LoggerInfo, hookimpl
+from torchplug.plugin import LoggerInfo, hookimpl
 
 EXPERIMENT_ENV = "TORCHPLUG_MLFLOW_EXPERIMENT"
 

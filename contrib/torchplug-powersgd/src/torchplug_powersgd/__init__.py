@@ -1,16 +1,16 @@
 """torchplug strategy ``powersgd``: torch DDP whose gradients are compressed with PowerSGD."""
 
-import torchplug as tp
+from torchplug.plugin import DDPStrategy, Option, StrategyInfo, hookimpl
 
 TORCHPLUG_API = ">=1.0,<2"
 
 
-class PowerSGD(tp.DDPStrategy):
+class PowerSGD(DDPStrategy):
     def __init__(self, rank: int = 1, warm_up: int = 2, **ddp_options):
         super().__init__(**ddp_options)
         self.rank, self.warm_up = rank, warm_up
 
-    @tp.hookimpl
+    @hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -24,17 +24,17 @@ class PowerSGD(tp.DDPStrategy):
         return model, optimizers
 
 
-@tp.hookimpl
+@hookimpl
 def torchplug_register_strategies(register):
     register(
-        tp.StrategyInfo(
+        StrategyInfo(
             name="powersgd",
             factory=PowerSGD,
             description="DDP with PowerSGD low-rank gradient compression (lossy).",
             extends="ddp",  # DDP's options (find_unused_parameters, ...) and capabilities
             options=(
-                tp.Option("rank", int, 1, "rank of the gradient approximation"),
-                tp.Option("warm_up", int, 2, "plain all-reduce steps before compressing (>= 2)"),
+                Option("rank", int, 1, "rank of the gradient approximation"),
+                Option("warm_up", int, 2, "plain all-reduce steps before compressing (>= 2)"),
             ),
             tolerance=None,  # lossy: the kit checks convergence instead of parity
             resume_exact=False,  # PowerSGD's error-feedback state is not checkpointed

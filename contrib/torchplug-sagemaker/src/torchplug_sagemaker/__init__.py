@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from torchplug import ClusterInfo, hookimpl
+from torchplug.plugin import ClusterInfo, hookimpl
 
 DEFAULT_PORT = 29500
 

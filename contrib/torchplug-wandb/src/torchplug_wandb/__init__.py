@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torchplug import LoggerInfo, hookimpl
+from torchplug.plugin import LoggerInfo, hookimpl
 
 #: The history key holding torchplug's step; every metric is charted against it.
 STEP_KEY = "global_step"

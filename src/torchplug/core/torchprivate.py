@@ -1,0 +1,42 @@
+"""The two places torchplug reads a private part of torch, kept here behind one function each so
+that a torch upgrade has one module to check (``tests/test_torchprivate.py`` pins the torch
+versions they were checked against and exercises both).
+
+torch 2.13 has no public equivalent of either:
+
+- the default process group's key-value store: ``torch.distributed`` creates it inside
+  ``init_process_group`` (from ``init_method``, or the ``env://`` rendezvous), and only
+  ``distributed_c10d._get_default_store()`` returns it. Checkpoint coordination exchanges its
+  small records through it (not through collectives, so a rank that failed or hangs is reported
+  instead of deadlocking the others). A group made by another library (DeepSpeed, a user's own
+  ``init_process_group``) has no other handle on it.
+- whether a ``GradScaler``'s ``unscale_(optimizer)`` found inf/NaN gradients: ``GradScaler.step``
+  decides it from ``_per_optimizer_states`` and calls ``optimizer.step()`` itself, whereas the
+  AMP plugin must let the backend's own step run (its syncs and flushes) and skip only the
+  update.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed
+
+#: torch versions (``MAJOR.MINOR``) these adapters were checked against.
+CHECKED_TORCH = ("2.9", "2.13")
+
+
+def default_store() -> torch.distributed.Store:
+    """The key-value store of the initialized default process group."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)``, called this step, found inf/NaN gradients (as
+    ``scaler.step(optimizer)`` would, to skip the update)."""
+    state = scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
+    return any(v.item() for v in state["found_inf_per_device"].values())

@@ -1,0 +1,59 @@
+"""The private parts of torch torchplug reads, each behind one adapter in
+``torchplug.core.torchprivate``: pinned to the torch versions they were checked against, and
+exercised on the installed torch (issue 26 item 2: side channels)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchplug.core import torchprivate
+from torchplug.core.cluster import free_port
+
+
+def test_the_installed_torch_is_one_the_adapters_were_checked_against():
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert version in torchprivate.CHECKED_TORCH, (
+        f"torch {version} is new to torchplug.core.torchprivate: check whether it offers a public "
+        f"default-store accessor or GradScaler found-inf query, run this file, and add it to "
+        f"CHECKED_TORCH"
+    )
+
+
+def test_default_store_is_the_default_groups_store():
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        store = torchprivate.default_store()
+        assert isinstance(store, dist.Store)
+        store.set("torchplug/probe", "1")
+        assert store.get("torchplug/probe") == b"1"
+        assert store.check(["torchplug/probe"])
+        store.delete_key("torchplug/probe")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_found_inf_says_what_gradscaler_step_would_skip(bad):
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    loss = model(torch.ones(1, 2)).sum() * (float("inf") if bad else 1.0)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    assert torchprivate.found_inf(scaler, optimizer) is bad
+    before = model.weight.detach().clone()
+    scaler.step(optimizer)  # torch's own decision agrees
+    assert torch.equal(model.weight, before) is bad
+    scaler.update()
+    assert scaler.get_scale() == (2.0**3 if bad else 2.0**4)
