@@ -136,7 +136,8 @@ class Registry:
         def add_strategy(info: StrategyInfo) -> None:
             if not isinstance(info, StrategyInfo):
                 raise PluginError(
-                    f"Plugin '{label}' registered {info!r}; expected a torchplug.plugin.StrategyInfo."
+                    f"Plugin '{label}' registered {info!r}; expected a "
+                    f"torchplug.plugin.StrategyInfo."
                 )
             refusal = apiversion.incompatibility(info.api, f"Strategy '{info.name}'")
             if refusal is not None:
@@ -185,7 +186,8 @@ class Registry:
         def add_precision(info: PrecisionInfo) -> None:
             if not isinstance(info, PrecisionInfo):
                 raise PluginError(
-                    f"Plugin '{label}' registered {info!r}; expected a torchplug.plugin.PrecisionInfo."
+                    f"Plugin '{label}' registered {info!r}; expected a "
+                    f"torchplug.plugin.PrecisionInfo."
                 )
             taken = sorted(set(info.precisions) & set(self.precisions))
             if taken:
@@ -201,7 +203,8 @@ class Registry:
         def add_logger(info: LoggerInfo) -> None:
             if not isinstance(info, LoggerInfo):
                 raise PluginError(
-                    f"Plugin '{plugin_name}' registered {info!r}; expected a torchplug.plugin.LoggerInfo."
+                    f"Plugin '{plugin_name}' registered {info!r}; expected a "
+                    f"torchplug.plugin.LoggerInfo."
                 )
             if info.name in self.loggers:
                 raise PluginError(
