@@ -546,21 +546,41 @@ def _columns(
     start = column[2 * cells : 2 * cells + count]
     span = column[2 * cells + count : 2 * cells + 2 * count]
     bound = torch.tensor(shape, dtype=torch.int64)
-    # Every number >= 0, and each offset and size at most its dimension (one min, no
-    # overflow: differences of non-negative int64s); then the sums, compared without overflow.
-    if int(torch.cat([column, (bound - s).flatten(), (bound - o).flatten()]).min()) < 0:
-        return None
-    nbytes = s.prod(dim=1) * itemsize  # sizes <= shape: at most the tensor's bytes
-    ok = (o <= bound - s).all(dim=1)
-    ok &= start <= torch.frombuffer(bytearray(room), dtype=torch.int64) - span
-    ok &= nbytes <= span
-    if raws:
-        raw = column[2 * cells + 2 * count :]
-        ok &= start <= raw
-        ok &= raw - start <= span - nbytes
-    if not bool(ok.all()):
+    room_column = torch.frombuffer(bytearray(room), dtype=torch.int64)
+    raw = column[2 * cells + 2 * count :] if raws else None
+    nbytes = _chunks_fit(column, o, s, start, span, room_column, raw, bound, itemsize)
+    if nbytes is None:
         return None
     return int(nbytes.sum()) // itemsize, o, s
+
+
+def _chunks_fit(
+    column: torch.Tensor,
+    o: torch.Tensor,
+    s: torch.Tensor,
+    start: torch.Tensor,
+    span: torch.Tensor,
+    room: torch.Tensor,
+    raw: torch.Tensor | None,
+    bound: torch.Tensor,
+    itemsize: int | torch.Tensor,
+) -> torch.Tensor | None:
+    """Each chunk's byte count if every chunk (offsets ``o``, sizes ``s``, bytes ``start`` +
+    ``span`` in a file of ``room`` bytes, row-major bytes at ``raw``) lies inside its tensor
+    (``bound``) and its file with room for its elements; else ``None``. Every number >= 0 and
+    each offset and size at most its dimension first (one min over ``column``, the packed
+    numbers, no overflow: differences of non-negative int64s), then the sums, compared without
+    overflow; sizes <= shape, so a product is at most the tensor's bytes."""
+    if int(torch.cat([column, (bound - s).flatten(), (bound - o).flatten()]).min()) < 0:
+        return None
+    nbytes = s.prod(dim=1) * itemsize
+    ok = (o <= bound - s).all(dim=1)
+    ok &= start <= room - span
+    ok &= nbytes <= span
+    if raw is not None:
+        ok &= start <= raw
+        ok &= raw - start <= span - nbytes
+    return nbytes if bool(ok.all()) else None
 
 
 def _validate_batch(tensors: Mapping[str, Any], file_sizes: Mapping[str, int]) -> set[str]:
@@ -641,19 +661,9 @@ def _validate_group(
     shapes = torch.tensor([g[1] for g in group], dtype=torch.int64)
     bound = shapes[owner]
     itemsize = torch.tensor([g[2] for g in group], dtype=torch.int64)[owner]
-    # As in _columns: every number >= 0, offsets and sizes inside their dimension, then the
-    # byte ranges, compared without overflow.
-    if int(torch.cat([column, (bound - s).flatten(), (bound - o).flatten()]).min()) < 0:
-        return []
-    nbytes = s.prod(dim=1) * itemsize
-    ok = (o <= bound - s).all(dim=1)
-    ok &= start <= room - span
-    ok &= nbytes <= span
-    if with_raw:
-        raw = column[2 * cells + 3 * count :]
-        ok &= start <= raw
-        ok &= raw - start <= span - nbytes
-    if not bool(ok.all()):
+    raw = column[2 * cells + 3 * count :] if with_raw else None
+    nbytes = _chunks_fit(column, o, s, start, span, room, raw, bound, itemsize)
+    if nbytes is None:
         return []
     volume = torch.zeros(len(group), dtype=torch.int64).index_add_(0, owner, nbytes // itemsize)
     if not torch.equal(volume, shapes.prod(dim=1)):
