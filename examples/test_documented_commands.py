@@ -61,9 +61,32 @@ def test_a_documented_command_runs_as_written_without_a_warning(command, tmp_pat
     )  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    ours = [
-        line
-        for line in output.splitlines()
-        if "warning" in line.lower() and ("torchplug" in line or "examples" in line)
-    ]
-    assert not ours, output
+    assert not our_warnings(output), output
+
+
+#: ``PATH:LINE: SomeWarning: ...``, as Python's warnings module prints them.
+WARNING_AT = re.compile(r"^(?:\[rank\d+\]:)?\s*(\S+?):\d+: \w*Warning: .*$", re.MULTILINE)
+#: torchplug's own warning lines (``torchplug launch: warning: ...``).
+OWN_LINE = re.compile(r"torchplug[\w ]*: warning", re.IGNORECASE)
+
+
+def our_warnings(output: str) -> list[str]:
+    """The warnings raised in torchplug's package or in an example script, and torchplug's own
+    warning lines; torch's and other libraries' warnings are not counted."""
+    import torchplug
+
+    ours = (str(Path(torchplug.__file__).resolve().parent) + os.sep, str(EXAMPLES) + os.sep)
+    found = [m.group(0) for m in WARNING_AT.finditer(output) if m.group(1).startswith(ours)]
+    return found + [line for line in output.splitlines() if OWN_LINE.search(line)]
+
+
+def test_the_warning_filter_finds_ours_and_only_ours():
+    import torchplug
+
+    package = Path(torchplug.__file__).resolve().parent
+    torchs = "/x/.tox/examples/lib/site-packages/torch/a.py:3: UserWarning: returned a view"
+    mine = f"{package / 'core' / 'engine.py'}:9: UserWarning: something of ours"
+    script = f"[rank1]: {EXAMPLES / 'train.py'}:5: DeprecationWarning: old"
+    launcher = "torchplug launch: warning: '--n' comes after the script"
+    found = our_warnings("\n".join([torchs, mine, script, launcher, "a warning in prose"]))
+    assert found == [mine, script, launcher]
