@@ -196,7 +196,7 @@ def save(
                 early = exc
             order = list(mine)
 
-            def stage_rest() -> dict[str, Any]:
+            def staged_in_background() -> dict[str, Any]:
                 if isinstance(early, Exception):
                     raise early
                 late = background.stage(rest, pending.staging)
@@ -204,6 +204,8 @@ def save(
                 background.keep_only(pending.staging, set(order))
                 staged = {**early, **late}
                 return {name: staged[name] for name in order}
+
+            stage_rest = staged_in_background
 
         def write() -> dict[str, Any]:
             try:
