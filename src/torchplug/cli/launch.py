@@ -15,6 +15,7 @@ that runs them.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import importlib.util
 import json
@@ -571,10 +572,25 @@ def _run(args: Any) -> int:
 
 
 def _run_torchrun(args: Any, run: Any, status: str) -> int:
+    from torchplug.core.preemption import last_checkpoint
+
+    enabled = gc.isenabled()
+    try:
+        return _run_torchrun_once(args, run, status, last_checkpoint)
+    finally:
+        # On a signal torch leaves the rendezvous open (launch_agent skips its shutdown so that
+        # other nodes can rescale), and its keep-alive thread runs on until the handler is
+        # collected. Collecting is done here, in this thread: the handler's finalizer joins that
+        # thread, and if the thread's own garbage collection ran the finalizer, it would join
+        # itself and print "Exception ignored in: <finalize object>" after our summary.
+        gc.collect()
+        if enabled:
+            gc.enable()
+
+
+def _run_torchrun_once(args: Any, run: Any, status: str, last_checkpoint: Any) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from torchplug.core.preemption import last_checkpoint
 
     try:
         run(args)
@@ -584,6 +600,7 @@ def _run_torchrun(args: Any, run: Any, status: str) -> int:
     except SignalException as exc:
         # SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C): torchrun's agent has passed
         # it on to the workers and waited for them; say so in one screen, not its traceback.
+        gc.disable()  # until the caller has collected what this exception held (see there)
         name = signal_name(exc.sigval)
         grace = args.shutdown_timeout or os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)
         saved = last_checkpoint(status)
