@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torchplug as tp
+import torchplug.plugin as tpp
 
 
 def collectives(marker: str) -> dict:
@@ -76,3 +77,32 @@ def test_print_only_on_main(capsys):
     with tp.Engine("single") as engine:
         engine.print("visible")
     assert capsys.readouterr().out == "visible\n"
+
+
+class CountingReduce:
+    """An extension wrapping the reduce hook: what reaches it went through the one channel."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    @tpp.hookimpl(wrapper=True)
+    def torchplug_reduce(self, engine, tensor, op):
+        self.calls.append((op, str(tensor.dtype)))
+        return (yield)
+
+
+def broadcasting() -> dict:
+    counter = CountingReduce()
+    with tp.Engine("ddp", timeout=60.0, plugins=[counter]) as engine:
+        mine = {"rank": engine.rank, "text": "ünïcødé ✓" * (engine.rank + 1), "more": [1, None]}
+        got = engine.broadcast_object(mine, src=1)
+        return {"got": got, "calls": counter.calls}
+
+
+def test_broadcast_object_sends_src_s_object_through_the_reduce_hook(ranks):
+    """Issue 26 item 2: ``broadcast_object`` calls no torch.distributed function of its own; the
+    backend's reduce hook carries it, so any backend's collectives do."""
+    expected = {"rank": 1, "text": "ünïcødé ✓" * 2, "more": [1, None]}
+    for out in ranks.run(broadcasting, timeout=60):
+        assert out["got"] == expected
+        assert out["calls"] == [("max", "torch.int64"), ("sum", "torch.uint8")], out["calls"]

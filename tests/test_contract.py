@@ -47,7 +47,53 @@ def register(name, factory):
     tp.register(Provider, name=f"provider-{name}")
 
 
-def test_a_backend_with_unanswered_hooks_refuses_to_start_naming_them():
+@pytest.fixture
+def defaults_blocked(monkeypatch):
+    """The built-in ``torch_distributed`` plugin blocked, as a user would block it."""
+    from torchplug.core import manager
+
+    monkeypatch.setenv("TORCHPLUG_BLOCK_PLUGINS", "torch_distributed")
+    manager.reset_registry(forget_blocks=True)
+    yield
+    monkeypatch.delenv("TORCHPLUG_BLOCK_PLUGINS")
+    manager.reset_registry(forget_blocks=True)
+
+
+def test_a_backend_answers_only_what_it_changes():
+    """Issue 26 item 3: the defaults are the built-in plugin ``torch_distributed``, so a backend
+    that subclasses nothing and answers three hooks trains like plain PyTorch."""
+    from torchplug.core import manager
+
+    register("only-three", OnlyThree)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    reference = pickle.loads(pickle.dumps(model))
+    batches = [torch.randn(5, 4) for _ in range(3)]
+    with tp.Engine("only-three") as engine:
+        names = [manager.qualified_name(p) for p in engine.plugins]
+        assert "torchplug.core.defaults" in names, names
+        step = engine.hook.torchplug_optimizer_step.get_hookimpls()
+        assert [manager.qualified_name(i.plugin) for i in step] == ["torchplug.core.defaults"]
+        wrapped, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+        for batch in batches:
+            optimizer.zero_grad()
+            engine.backward(wrapped(batch).square().mean())
+            engine.clip_grad_norm_(wrapped, 0.5, optimizer=optimizer)
+            optimizer.step()
+        assert engine.reduce(torch.tensor(2.0), "sum").item() == 2.0
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for batch in batches:
+        plain.zero_grad()
+        reference(batch).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        plain.step()
+    theirs = reference.state_dict()
+    assert list(model.state_dict()) == list(theirs)
+    for name, ours in model.state_dict().items():
+        assert torch.equal(ours, theirs[name]), name
+
+
+def test_with_the_defaults_blocked_unanswered_hooks_refuse_to_start_naming_them(defaults_blocked):
     register("only-three", OnlyThree)
     with pytest.raises(tp.PluginError) as info:
         tp.Engine("only-three")
@@ -58,7 +104,16 @@ def test_a_backend_with_unanswered_hooks_refuses_to_start_naming_them():
     # save and load are answered by the built-in checkpoint plugin, whatever the backend
     named = set(re.findall(r"torchplug_\w+", message))
     assert "torchplug_save" not in named and "torchplug_load" not in named, named
-    assert "subclass torchplug.plugin.Strategy" in message
+    assert "torch_distributed" in message and "TORCHPLUG_BLOCK_PLUGINS" in message
+
+
+def test_what_a_subclass_inherits_is_not_its_answer(defaults_blocked):
+    """Inheriting `Strategy` answers nothing by itself: ``super()`` reaches the defaults, but
+    with the plugin blocked, a built-in backend that relies on them is refused, naming them."""
+    with pytest.raises(tp.PluginError) as info:
+        tp.Engine("single")
+    named = set(re.findall(r"torchplug_\w+", str(info.value)))
+    assert {"torchplug_optimizer_step", "torchplug_reduce", "torchplug_barrier"} <= named, named
 
 
 def test_the_checkpoint_defaults_are_a_plugin_that_can_be_blocked(monkeypatch):
@@ -82,14 +137,16 @@ def test_the_checkpoint_defaults_are_a_plugin_that_can_be_blocked(monkeypatch):
         manager.reset_registry(forget_blocks=True)
 
 
-def test_a_plain_object_answering_every_hook_works():
+def test_a_plain_object_answering_every_hook_works(defaults_blocked):
+    from torchplug.core import defaults
+
     class Everything(OnlyThree):
         pass
 
-    defaults = Strategy()
-    for name in dir(Strategy):  # borrow every default, as a hand-written backend would write them
+    for name in dir(defaults):  # every default, as a hand-written backend would write them
         if name.startswith("torchplug_") and not hasattr(OnlyThree, name):
-            setattr(Everything, name, tpp.hookimpl(staticmethod(getattr(defaults, name))))
+            function = getattr(defaults, name)
+            setattr(Everything, name, tpp.hookimpl(staticmethod(function)))
     register("everything", Everything)
     with tp.Engine("everything") as engine:
         assert engine.reduce(torch.tensor(2.0), "sum").item() == 2.0

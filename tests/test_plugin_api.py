@@ -54,7 +54,7 @@ def test_every_hook_is_documented_with_signature_semantics_ranks_default_and_exa
         assert "**Default implementation**" in section, name
     wrap = text.split("\n## torchplug_wrap\n", 1)[1].split("\n## ", 1)[0]
     assert "optimizers: list[torch.optim.Optimizer]" in wrap and "firstresult" in wrap
-    assert "torchplug.core.strategy.Strategy.torchplug_wrap" in wrap
+    assert "torchplug.core.defaults.torchplug_wrap" in wrap and "torch_distributed" in wrap
 
 
 def test_the_generator_documents_a_hook_it_has_no_notes_for(monkeypatch):
@@ -345,7 +345,8 @@ def test_trace_shows_the_final_result_after_wrappers(monkeypatch, capfd):
         assert opt.step_was_skipped and torch.equal(model.weight.detach(), before)
     err = capfd.readouterr().err
     assert (
-        "torchplug_optimizer_step: answered by SingleDevice, final result after wrapper(s)" in err
+        "torchplug_optimizer_step: answered by torch_distributed (torchplug.core.defaults), "
+        "final result after wrapper(s)" in err
     )
     assert "SkipAll" in err and err.split("torchplug_optimizer_step: answered")[1].split("\n")[
         0

@@ -120,7 +120,10 @@ def implemented_hooks(factory: object) -> list[tuple[str, str]]:
     found = []
     for hook in sorted(STRATEGY_HOOKS):
         owner = next((c for c in factory.__mro__ if hook in vars(c)), None)
-        if owner is not None:
+        if owner is not None and getattr(vars(owner)[hook], "torchplug_inherited_default", False):
+            # Strategy's delegate: not the backend's answer; the built-in plugin answers
+            found.append((hook, "torch_distributed (the built-in default, trylast)"))
+        elif owner is not None:
             found.append((hook, qualified_name(owner)))
     return found
 

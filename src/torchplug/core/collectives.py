@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchplug.core import faults, sharing
+from torchplug.core.defaults import REDUCE_OPS
 from torchplug.core.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -60,8 +61,6 @@ def guarded(engine: Engine, op: str, call: Callable[[], Any]) -> Any:
 
 
 def reduce(engine: Engine, tensor: torch.Tensor | float, op: str) -> torch.Tensor:
-    from torchplug.core.strategy import REDUCE_OPS
-
     if op not in REDUCE_OPS:
         raise ConfigurationError(
             f"Unknown reduce op {op!r}. Expected one of {', '.join(REDUCE_OPS)}."
@@ -86,17 +85,18 @@ def barrier(engine: Engine) -> None:
 
 
 def broadcast_object(engine: Engine, obj: Any, src: int) -> Any:
-    """JSON as UTF-8 bytes in a tensor: neither pickle nor numpy."""
-    if engine.world_size == 1 or not torch.distributed.is_initialized():
+    """JSON as UTF-8 bytes in a tensor (neither pickle nor numpy), carried by the reduce hook: a
+    sum to which only ``src`` contributes. So it takes the one channel every collective takes,
+    whatever the backend's collectives are (torch.distributed, XLA's, a plugin's own)."""
+    if engine.world_size == 1:
         return obj
     data = json.dumps(obj).encode() if engine.rank == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=engine.device)
-    torch.distributed.broadcast(size, src=src)
-    payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=engine.device)
+    size = int(reduce(engine, torch.tensor([len(data)], dtype=torch.int64), "max").item())
+    payload = torch.zeros(size, dtype=torch.uint8)
     if engine.rank == src:
-        payload.copy_(torch.tensor(list(data), dtype=torch.uint8))
-    torch.distributed.broadcast(payload, src=src)
-    return json.loads(bytes(payload.cpu().tolist()).decode())
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    total = reduce(engine, payload, "sum")  # the others add zeros: src's bytes, unchanged
+    return json.loads(bytes(total.cpu().tolist()).decode())
 
 
 def pad_across_processes(

@@ -59,6 +59,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("amp", "torchplug.plugins.amp"),
     ("loggers", "torchplug.loggers.builtin"),
     ("checkpoint", "torchplug.checkpoint.defaults"),
+    ("torch_distributed", "torchplug.core.defaults"),
 )
 
 

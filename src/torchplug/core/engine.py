@@ -300,8 +300,9 @@ class Engine:
         # torchplug's default answers first: pluggy calls the later-registered first, so any
         # answer of the backend's or an extension's comes before them
         defaults = registry.default_answers()
-        for plugin in sorted(active, key=lambda p: p not in defaults):
-            manager.register_checked(self._pm, plugin)
+        names = {id(plugin): name for name, plugin in defaults.items()}
+        for plugin in sorted(active, key=lambda p: id(p) not in names):
+            manager.register_checked(self._pm, plugin, name=names.get(id(plugin)))
         self.plugins = tuple(active)
         self.hook = self._pm.hook
         # the per-step hooks, resolved once (the plugin set is fixed from here on); called with
@@ -348,9 +349,10 @@ class Engine:
             raise PluginError(
                 f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
                 f"{manager.qualified_name(self.backend)}) leaves {len(unanswered)} hook(s) "
-                f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer "
-                f"(docs/hooks.md): subclass torchplug.plugin.Strategy (or DistributedStrategy) "
-                f"to inherit the defaults, or implement them."
+                f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer in "
+                f"the active set (docs/hooks.md); the built-in plugins "
+                f"{', '.join(sorted(manager.DEFAULT_ANSWERS))} answer them by default: unblock "
+                f"them (TORCHPLUG_BLOCK_PLUGINS), or implement these hooks in the backend."
             )
 
     def _answer(self, hook: str, result: Any, expected: Any = None, what: str = "") -> Any:

@@ -93,20 +93,23 @@ def _default(name: str) -> str:
     for plugin in sorted(manager.DEFAULT_ANSWERS):  # built-in plugins, loaded as plugins are
         module = importlib.import_module(modules[plugin])
         if callable(getattr(module, name, None)):
+            delegate = (
+                f" In a `torchplug.plugin.Strategy` subclass, `super().{name}(...)` calls it."
+                if name in vars(Strategy)
+                else ""
+            )
             return (
                 f"`{module.__name__}.{name}`: the built-in plugin `{plugin}`, in every "
                 f"Engine's active set, registered before the backend and marked `trylast`, "
                 f"so any answer of the backend's wins (block it with "
-                f"`TORCHPLUG_BLOCK_PLUGINS={plugin}`)."
+                f"`TORCHPLUG_BLOCK_PLUGINS={plugin}`).{delegate}"
             )
 
-    for cls in (Strategy, DistributedStrategy):
-        if name in vars(cls):
-            return (
-                f"`{cls.__module__}.{cls.__qualname__}.{name}` (subclass "
-                f"`torchplug.{cls.__qualname__}` to inherit it; marked `trylast` where any other "
-                f"answer should win)."
-            )
+    if name in vars(DistributedStrategy):
+        return (
+            f"`{DistributedStrategy.__module__}.DistributedStrategy.{name}` (subclass "
+            f"`torchplug.plugin.DistributedStrategy` to inherit it: a process group of its own)."
+        )
     if hasattr(cluster, name):
         return (
             "`torchplug.core.cluster` reads torchrun's variables (`RANK`, `WORLD_SIZE`, "

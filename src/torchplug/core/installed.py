@@ -24,7 +24,7 @@ from torchplug.core.validation import hook_problems, plugin_label, qualified_nam
 
 #: Built-in plugins that hold default answers (``trylast``): registered into each Engine before
 #: its backend, so that any answer of the backend's comes first.
-DEFAULT_ANSWERS = frozenset({"checkpoint"})
+DEFAULT_ANSWERS = frozenset({"checkpoint", "torch_distributed"})
 
 #: Hooks that make a plugin part of an Engine's active set when it is registered globally, and
 #: the ones that active set must answer (declared with each hook in `torchplug.core.spec`).
@@ -336,10 +336,10 @@ class Registry:
             and any(callable(getattr(plugin, h, None)) for h in STRATEGY_HOOKS)
         ]
 
-    def default_answers(self) -> list[object]:
-        """The extensions holding torchplug's default answers (`DEFAULT_ANSWERS`)."""
-        return [
-            plugin
+    def default_answers(self) -> dict[str, object]:
+        """The extensions holding torchplug's default answers (`DEFAULT_ANSWERS`), by name."""
+        return {
+            name: plugin
             for name, plugin in self.pm.list_name_plugin()
             if name in DEFAULT_ANSWERS and plugin is not None
-        ]
+        }

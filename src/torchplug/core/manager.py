@@ -89,6 +89,8 @@ class PluginManager(pluggy.PluginManager):
         sys.stderr.write(f"[torchplug] {hook}: answered by {who}{around} -> {shown}\n")
 
     def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
+        if getattr(getattr(plugin, name, None), "torchplug_inherited_default", False):
+            return None  # Strategy's delegate, not overridden: torch_distributed answers
         opts = super().parse_hookimpl_opts(plugin, name)
         if (
             opts is None

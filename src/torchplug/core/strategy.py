@@ -1,8 +1,8 @@
-"""A base class for backends: default answers to every strategy hook, for torch.distributed.
+"""Base classes for backends: `Strategy` (``super()`` reaches the default answers) and
+`DistributedStrategy` (setup and teardown of a torch.distributed process group).
 
-A backend subclasses [`Strategy`][torchplug.plugin.Strategy] and implements ``torchplug_setup`` (and
-whatever it does differently). The defaults here are marked ``trylast`` so that any other plugin in
-the active set that answers a hook takes precedence over them.
+The default answers themselves are a plugin, ``torch_distributed`` (`torchplug.core.defaults`),
+so a backend need not inherit anything; these classes are conveniences for the common case.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from torchplug.core import defaults
 from torchplug.core.cluster import free_port
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import DEFAULT_TIMEOUT, Option
@@ -28,60 +29,54 @@ if TYPE_CHECKING:
     from torchplug.core.cluster import ClusterInfo
     from torchplug.core.engine import Engine, Runtime
 
-#: The reduce ops ``engine.reduce`` accepts (checked there), as torch.distributed ops; ``mean``
-#: is a sum divided by the world size.
-REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "mean": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
+#: The reduce ops ``engine.reduce`` accepts (kept here for API 1.x importers).
+REDUCE_OPS = defaults.REDUCE_OPS
 
 
-def _distributed(engine: Engine) -> bool:
-    return engine.world_size > 1 and dist.is_available() and dist.is_initialized()
+def _inherited(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a `Strategy` method as the base's delegate: a subclass that does not override it
+    does not answer the hook (the ``torch_distributed`` plugin does); ``super()`` still works."""
+    method.torchplug_inherited_default = True  # type: ignore[attr-defined]
+    return method
 
 
 class Strategy:
-    """Default strategy hooks: full replicas, torch.distributed collectives, full checkpoints."""
+    """A base class for backends: ``super()`` calls reach torchplug's default answers.
 
-    @hookimpl(trylast=True)
+    The defaults themselves are the built-in plugin ``torch_distributed``
+    (`torchplug.core.defaults`), in every Engine's active set and marked ``trylast``; a backend
+    answers only what it changes, and need not subclass this at all. What a subclass inherits
+    from here is not registered as its answer (the plugin answers instead), so blocking the
+    plugin leaves those hooks unanswered, and the Engine says which.
+    """
+
+    @_inherited
     def torchplug_wrap(
         self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
-        """The default answer to [`torchplug_wrap`][torchplug_wrap] (see the hook reference)."""
-        return model.to(engine.device), optimizers
+        """Calls the default answer, `torchplug.core.defaults.torchplug_wrap`."""
+        return defaults.torchplug_wrap(engine, model, optimizers)
 
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_place_batch(self, engine: Engine, batch: Any) -> Any:
-        """The default answer to [`torchplug_place_batch`][torchplug_place_batch]
-        (see the hook reference)."""
-        from torchplug.core.data import move_to_device
+        """Calls the default answer, `torchplug.core.defaults.torchplug_place_batch`."""
+        return defaults.torchplug_place_batch(engine, batch)
 
-        return batch if engine.device.type == "cpu" else move_to_device(batch, engine.device)
-
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_backward(
         self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
     ) -> bool:
-        """The default answer to [`torchplug_backward`][torchplug_backward]
-        (see the hook reference)."""
-        loss.backward()
-        return True
+        """Calls the default answer, `torchplug.core.defaults.torchplug_backward`."""
+        return defaults.torchplug_backward(engine, loss, model)
 
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_optimizer_step(
-        self,
-        engine: Engine,
-        optimizer: torch.optim.Optimizer,
-        closure: Callable[[], Any] | None,
+        self, engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
     ) -> bool:
-        """The default answer to [`torchplug_optimizer_step`][torchplug_optimizer_step]
-        (see the hook reference)."""
-        optimizer.step(closure) if closure is not None else optimizer.step()
-        return True
+        """Calls the default answer, `torchplug.core.defaults.torchplug_optimizer_step`."""
+        return defaults.torchplug_optimizer_step(engine, optimizer, closure)
 
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_clip_grad_norm(
         self,
         engine: Engine,
@@ -90,100 +85,61 @@ class Strategy:
         max_norm: float,
         norm_type: float,
     ) -> torch.Tensor:
-        """The default answer to [`torchplug_clip_grad_norm`][torchplug_clip_grad_norm]
-        (see the hook reference)."""
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+        """Calls the default answer, `torchplug.core.defaults.torchplug_clip_grad_norm`."""
+        return defaults.torchplug_clip_grad_norm(engine, model, optimizer, max_norm, norm_type)
 
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_no_sync(
         self, engine: Engine, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
-        """The default answer to [`torchplug_no_sync`][torchplug_no_sync]
-        (see the hook reference)."""
-        return contextlib.nullcontext()
+        """Calls the default answer, `torchplug.core.defaults.torchplug_no_sync`."""
+        return defaults.torchplug_no_sync(engine, model)
 
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_autocast(self, engine: Engine) -> contextlib.AbstractContextManager[None]:
-        """The default answer to [`torchplug_autocast`][torchplug_autocast]
-        (see the hook reference)."""
-        return contextlib.nullcontext()
+        """Calls the default answer, `torchplug.core.defaults.torchplug_autocast`."""
+        return defaults.torchplug_autocast(engine)
 
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_reduce(self, engine: Engine, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """The default answer to [`torchplug_reduce`][torchplug_reduce] (see the hook reference)."""
-        result = tensor.detach().clone()
-        if op == "mean" and not result.is_floating_point():
-            result = result.to(torch.get_default_dtype())
-        if _distributed(engine):
-            dist.all_reduce(result, op=REDUCE_OPS[op])
-            if op == "mean":
-                result.div_(engine.world_size)
-        return result
+        """Calls the default answer, `torchplug.core.defaults.torchplug_reduce`."""
+        return defaults.torchplug_reduce(engine, tensor, op)
 
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_gather(self, engine: Engine, tensor: torch.Tensor) -> torch.Tensor:
-        """The default answer to [`torchplug_gather`][torchplug_gather] (see the hook reference)."""
-        tensor = tensor.detach().contiguous()
-        if not _distributed(engine):
-            return tensor.unsqueeze(0).clone()
-        parts = [torch.empty_like(tensor) for _ in range(engine.world_size)]
-        dist.all_gather(parts, tensor)
-        return torch.stack(parts)
+        """Calls the default answer, `torchplug.core.defaults.torchplug_gather`."""
+        return defaults.torchplug_gather(engine, tensor)
 
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_barrier(self, engine: Engine) -> bool:
-        """The default answer to [`torchplug_barrier`][torchplug_barrier]
-        (see the hook reference)."""
-        if _distributed(engine):
-            dist.barrier()
-        return True
+        """Calls the default answer, `torchplug.core.defaults.torchplug_barrier`."""
+        return defaults.torchplug_barrier(engine)
 
-    # -- checkpoints ------------------------------------------------------------------------------
-    # The state hooks say how a backend reads and writes module and optimizer state; the defaults
-    # use torch.distributed.checkpoint's state-dict API, which names state by parameter name and
-    # returns DTensor shards for sharded modules. Backends with their own optimizer sharding
-    # (FairScale OSS) or tensors DCP cannot write into (XLA) override them.
-
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
-        """The default answer to [`torchplug_reads_in_place`][torchplug_reads_in_place]
-        (see the hook reference)."""
-        return True
+        """Calls the default answer, `torchplug.core.defaults.torchplug_reads_in_place`."""
+        return defaults.torchplug_reads_in_place(engine, kind)
 
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
-        """The default answer to [`torchplug_model_state`][torchplug_model_state]
-        (see the hook reference)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        """Calls the default answer, `torchplug.core.defaults.torchplug_model_state`."""
+        return defaults.torchplug_model_state(engine, model)
 
-        return get_model_state_dict(model)
-
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_load_model_state(
         self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
     ) -> bool:
-        """The default answer to [`torchplug_load_model_state`][torchplug_load_model_state]
-        (see the hook reference)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
+        """Calls the default answer, `torchplug.core.defaults.torchplug_load_model_state`."""
+        return defaults.torchplug_load_model_state(engine, model, state, strict)
 
-        set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
-        return True
-
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_optimizer_state(
         self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
-        """The default answer to [`torchplug_optimizer_state`][torchplug_optimizer_state]
-        (see the hook reference)."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        """Calls the default answer, `torchplug.core.defaults.torchplug_optimizer_state`."""
+        return defaults.torchplug_optimizer_state(engine, model, optimizer)
 
-        with engine.real_optimizer_steps():  # it may take a zero step to create the state
-            return get_optimizer_state_dict(model, optimizer)
-
-    @hookimpl(trylast=True)
+    @_inherited
     def torchplug_load_optimizer_state(
         self,
         engine: Engine,
@@ -191,13 +147,8 @@ class Strategy:
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
     ) -> bool:
-        """The default answer to [`torchplug_load_optimizer_state`][torchplug_load_optimizer_state]
-        (see the hook reference)."""
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        with engine.real_optimizer_steps():  # it may take a zero step to create the state
-            set_optimizer_state_dict(model, optimizer, state)
-        return True
+        """Calls the default answer, `torchplug.core.defaults.torchplug_load_optimizer_state`."""
+        return defaults.torchplug_load_optimizer_state(engine, model, optimizer, state)
 
 
 def default_device(local_rank: int = 0) -> torch.device:
