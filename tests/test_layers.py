@@ -155,3 +155,24 @@ def test_long_modules_say_why():
         if "over 500 lines" not in top:
             silent.append(f"{module_name(path)} ({len(path.read_text().splitlines())} lines)")
     assert not silent, f"say at the top why these are over {LONG} lines: {silent}"
+
+
+def test_the_layout_in_docs_architecture_md_is_the_code():
+    """Issue 26: docs/architecture.md describes the code as it is. Every module of core and
+    checkpoint has its line in the "Layers" layout, and every module the layout names exists."""
+    import re
+
+    doc = (SRC.parent / "docs" / "architecture.md").read_text()
+    layout = doc.split("## Layers", 1)[1].split("```", 2)[1]
+    listed = set(re.findall(r"^\s+(\w+\.py)\b", layout, re.MULTILINE))
+    for package in ("core", "checkpoint"):
+        modules = {path.name for path in (SRC / "torchplug" / package).glob("*.py")} - {
+            "__init__.py"
+        }
+        missing = sorted(modules - listed)
+        assert not missing, f"torchplug/{package}: {missing} not described in docs/architecture.md"
+    named = set(re.findall(r"(?<!pytest's )\b(\w+\.py)\b", layout))  # not pytest's hookspec.py
+    existing = {path.name for path in (SRC / "torchplug").rglob("*.py")}
+    assert named <= existing, (
+        f"docs/architecture.md names modules that do not exist: {named - existing}"
+    )
