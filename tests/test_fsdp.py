@@ -122,3 +122,38 @@ def test_fsdp_takes_non_contiguous_parameters_as_every_other_strategy(ranks):
     for strategy in ("fsdp", "ddp"):
         for losses in ranks.run(transposed_weight_steps, strategy):
             assert losses == pytest.approx(expected, rel=1e-5), strategy
+
+
+def mesh_facts(strategy: str) -> dict:
+    """What one job's mesh looks like, and whether two models set up in it share it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with tp.Engine(strategy, timeout=60.0) as engine:
+        built = engine.mesh  # before any setup: the strategy's setup built it
+        first = engine.setup(torch.nn.Linear(4, 4))
+        second = engine.setup(torch.nn.Sequential(torch.nn.Linear(4, 2)))
+        return {
+            "is_mesh": isinstance(built, DeviceMesh),
+            "shape": tuple(built.shape),
+            "names": built.mesh_dim_names,
+            "on_runtime": engine.runtime.mesh is built,
+            "shared": first.weight.device_mesh is second[0].weight.device_mesh is built,
+        }
+
+
+def test_fsdp_builds_one_mesh_per_job_that_every_setup_shards_over(ranks):
+    """The mesh is made once, when the Engine starts (not at every setup): two models of one job
+    hold DTensors on the very same mesh object, ``engine.mesh``."""
+    for facts in ranks.run(mesh_facts, "fsdp"):
+        assert facts == {
+            "is_mesh": True,
+            "shape": (2,),
+            "names": ("dp",),
+            "on_runtime": True,
+            "shared": True,
+        }
+
+
+def test_strategies_without_a_mesh_say_none():
+    with tp.Engine("single") as engine:
+        assert engine.mesh is None and engine.runtime.mesh is None

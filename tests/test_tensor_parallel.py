@@ -143,3 +143,59 @@ def test_sizes_that_do_not_multiply_to_the_world_size_are_refused(ranks):
     for message in ranks.run(refusal, "fsdp-tp", {"tp_plan": PLAN, "dp_size": 3}):
         assert "dp_size × tp_size = the world size (2)" in message
         assert "dp_size=2, tp_size=1" in message or "dp_size=1, tp_size=2" in message
+
+
+def mesh_facts(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """One job's 2-D mesh, and whether two models set up in it split over the same one."""
+    with tp.Engine(strategy, timeout=60.0, **options) as engine:
+        mesh = engine.mesh
+        first = engine.setup(bodies.make_model())
+        second = engine.setup(bodies.make_model(seed=5))
+        meshes = [m[0].weight.device_mesh for m in (first, second)]
+        return {
+            "shape": tuple(mesh.shape),
+            "names": mesh.mesh_dim_names,
+            "tp_ranks": mesh["tp"].mesh.tolist(),
+            "dp_ranks": mesh["dp"].mesh.tolist(),
+            "shared": meshes[0] is meshes[1],
+            # tp's DTensors are on the job's "tp" slice, fsdp-tp's on a mesh spanning both dims
+            # (FSDP2 over "dp" makes that object itself): equal to the job's, not the same
+            "on_job_mesh": meshes[0] == (mesh["tp"] if strategy == "tp" else mesh),
+        }
+
+
+def test_fsdp_tp_builds_one_2d_mesh_per_job(four):
+    results = four.run(mesh_facts, "fsdp-tp", TWO_D, timeout=300)
+    for rank, facts in enumerate(results):
+        assert facts["shape"] == (2, 2) and facts["names"] == ("dp", "tp")
+        assert facts["tp_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1]  # consecutive ranks
+        assert facts["dp_ranks"] == [rank % 2, rank % 2 + 2]
+        assert facts["shared"] and facts["on_job_mesh"]
+
+
+def test_tp_builds_one_2d_mesh_of_one_replica(ranks):
+    for facts in ranks.run(mesh_facts, "tp", {"tp_plan": PLAN}):
+        assert facts["shape"] == (1, 2) and facts["names"] == ("dp", "tp")
+        assert facts["tp_ranks"] == [0, 1]
+        assert facts["shared"], facts
+        assert facts["on_job_mesh"], facts
+
+
+def test_single_process_fallback_builds_a_one_by_one_mesh():
+    with pytest.warns(UserWarning, match="single process here"):
+        engine = tp.Engine("fsdp-tp", **TWO_D)
+    with engine:
+        assert tuple(engine.mesh.shape) == (1, 1) and engine.mesh.mesh_dim_names == ("dp", "tp")
+        model = engine.setup(bodies.make_model())
+        assert model[0].weight.device_mesh == engine.mesh
+
+
+def test_tensor_parallel_is_not_an_fsdp_subclass():
+    """tp shares FSDP's sharding helpers (plugins/sharding.py), not its class: it would otherwise
+    inherit fsdp's hooks and options it does not take."""
+    from torchplug.core.strategy import DistributedStrategy
+    from torchplug.plugins.fsdp import FSDPStrategy
+    from torchplug.plugins.tensor_parallel import TensorParallelStrategy
+
+    assert not issubclass(TensorParallelStrategy, FSDPStrategy)
+    assert issubclass(TensorParallelStrategy, DistributedStrategy)

@@ -79,6 +79,11 @@ class Runtime:
             (tensor parallelism: the ranks of a tensor-parallel group share their batches);
             ``None``: ``rank``.
         data_parallel_size: The number of data-parallel replicas; ``None``: ``world_size``.
+        mesh: The job's ``torch.distributed.device_mesh.DeviceMesh``, for backends that shard
+            on one (``fsdp``: 1-D, dim ``"dp"``; ``tp``, ``fsdp-tp``: 2-D, dims ``("dp",
+            "tp")``). Built once, here, after the process group exists, so that every
+            ``engine.setup`` of the job shards over the same mesh instead of building its own;
+            ``None``: the backend uses no mesh.
     """
 
     rank: int
@@ -88,6 +93,7 @@ class Runtime:
     node_rank: int = 0
     data_parallel_rank: int | None = None
     data_parallel_size: int | None = None
+    mesh: Any = None
 
 
 def _checked_seed(seed: Any) -> int:
@@ -419,6 +425,13 @@ class Engine:
         """How many shares the data is split into (``world_size`` unless model parallel)."""
         value = self.runtime.data_parallel_size
         return self.runtime.world_size if value is None else value
+
+    @property
+    def mesh(self) -> Any:
+        """The job's device mesh (a ``torch.distributed.device_mesh.DeviceMesh``) as the backend's
+        setup built it, shared by every model the job sets up; ``None`` for backends without one
+        (``single``, ``ddp``)."""
+        return self.runtime.mesh
 
     @property
     def is_main(self) -> bool:

@@ -3,9 +3,10 @@ alone or with FSDP2 over the data-parallel dimension (2-D parallelism).
 
 The mesh has named dims ``("dp", "tp")``; rank ``r`` sits at ``(r // tp, r % tp)``, so a
 tensor-parallel group is ``tp`` consecutive ranks (one node's GPUs, where TP's frequent
-collectives are cheapest). Ranks of one ``tp`` group see the same batches:
-``engine.setup_dataloader`` shards over ``dp`` only. ``engine.reduce``/``gather`` cover every
-rank (the ``tp`` ranks of a group hold equal losses, so a mean is unchanged).
+collectives are cheapest). It is built once, when the Engine starts (``engine.mesh``); every
+``engine.setup`` of the job splits and shards over it. Ranks of one ``tp`` group see the same
+batches: ``engine.setup_dataloader`` shards over ``dp`` only. ``engine.reduce``/``gather`` cover
+every rank (the ``tp`` ranks of a group hold equal losses, so a mean is unchanged).
 
 The plan says which submodules are split, by name pattern (``parallelize_module``'s syntax,
 ``*`` matches one name): ``{"layers.*.attn.q": "colwise", "layers.*.attn.o": "rowwise"}``, with
@@ -13,11 +14,14 @@ torch ``ParallelStyle`` objects allowed as values, or a callable ``plan(model, t
 parallelises the model itself and returns it. It comes from the ``tp_plan`` option, else from the
 model's own ``tp_plan`` (or ``_tp_plan``) attribute, so a script can run unchanged under every
 strategy.
+
+``TensorParallelStrategy`` is a ``DistributedStrategy`` of its own; what it shares with ``fsdp``
+(applying FSDP2 over ``dp``, finishing a sharded wrap) is in `torchplug.plugins.sharding`.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -30,14 +34,8 @@ from torchplug.core.engine import Engine, Runtime
 from torchplug.core.errors import ConfigurationError
 from torchplug.core.registry import Option, StrategyInfo
 from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, _distributed_options
-from torchplug.plugins.fsdp import (
-    FSDPStrategy,
-    finish_wrap,
-    make_contiguous,
-    shard_norms_in_fp32,
-    shard_units,
-)
+from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
+from torchplug.plugins import sharding
 
 STYLES = ("colwise", "rowwise", "sequence")
 #: Why ``torchplug estimate-memory`` gives no numbers for ``fsdp-tp``.
@@ -119,7 +117,7 @@ def _unsplittable(model: torch.nn.Module, given: dict[str, Any], hits: dict[str,
     return ""
 
 
-class TensorParallelStrategy(FSDPStrategy):
+class TensorParallelStrategy(DistributedStrategy):
     """Tensor parallel over ``tp``; with ``fsdp=True`` also FSDP2 over ``dp``."""
 
     def __init__(
@@ -133,18 +131,15 @@ class TensorParallelStrategy(FSDPStrategy):
         reshard_after_forward: bool = True,
         fsdp: bool = True,
     ) -> None:
-        super().__init__(
-            process_group_backend,
-            timeout,
-            shard_classes=shard_classes,
-            reshard_after_forward=reshard_after_forward,
-        )
+        super().__init__(process_group_backend, timeout)
+        self.shard_classes = tuple(shard_classes)
+        self.reshard_after_forward = reshard_after_forward
         self.tp_plan = tp_plan
         self.tp_size = tp_size
         self.dp_size = dp_size
         self.fsdp = fsdp
         self.name = "fsdp-tp" if fsdp else "tp"
-        self.mesh: Any = None
+        self.units: list[torch.nn.Module] | None = None
 
     def _sizes(self, world: int, local_world: int) -> tuple[int, int]:
         tp, dp = self.tp_size, self.dp_size
@@ -183,28 +178,30 @@ class TensorParallelStrategy(FSDPStrategy):
 
     @hookimpl
     def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+        """The process group, then the job's 2-D mesh ``("dp", "tp")`` (1 × 1 in one process);
+        loaders shard over ``dp`` only."""
         if self.tp_plan is not None:
             _check_plan_type(self.tp_plan)
         self.dp, self.tp = self._sizes(cluster.world_size, cluster.local_world_size)
         runtime = super().torchplug_setup(engine, cluster)
-        return dataclasses.replace(
-            runtime, data_parallel_rank=runtime.rank // self.tp, data_parallel_size=self.dp
+        return sharding.with_mesh(
+            runtime,
+            (self.dp, self.tp),
+            ("dp", "tp"),
+            data_parallel_rank=runtime.rank // self.tp,
+            data_parallel_size=self.dp,
         )
 
     @hookimpl
     def torchplug_wrap(
         self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
 
         names = {id(p): name for name, p in model.named_parameters()}
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(engine.device)
-        self.mesh = init_device_mesh(
-            engine.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp")
-        )
+        mesh = sharding.job_mesh(engine)
         given = self.tp_plan
         if given is None:  # the model's own plan, as Hugging Face models carry one
             given = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
@@ -226,7 +223,7 @@ class TensorParallelStrategy(FSDPStrategy):
                 f"'rowwise'}}), or use 'fsdp' / 'ddp' for this model."
             )
         if callable(given):
-            model = given(model, self.mesh["tp"]) or model
+            model = given(model, mesh["tp"]) or model
         else:
             plan = {name: _style(name, value) for name, value in given.items()}
             hits = _check_plan(model, plan)
@@ -248,18 +245,18 @@ class TensorParallelStrategy(FSDPStrategy):
                     f"{[n for n, _ in model.named_modules() if n][:6]}; '*' stands for one "
                     f"name, e.g. 'layers.*.up'."
                 )
-            parallelize_module(model, self.mesh["tp"], plan)
+            parallelize_module(model, mesh["tp"], plan)
         if self.fsdp:
-            kwargs = self._fully_shard_kwargs(engine)
-            kwargs["mesh"] = self.mesh["dp"]
-            make_contiguous(model)
-            norms = shard_norms_in_fp32(model, kwargs)
-            self.units = [u for u in shard_units(model, self.shard_classes, 0) if u not in norms]
-            for unit in self.units:
-                fully_shard(unit, **kwargs)
-            self.units = norms + self.units
-            fully_shard(model, **{**kwargs, "reshard_after_forward": False})  # torch's root default
-        return finish_wrap(engine, model, optimizers, names, self.name)
+            kwargs = sharding.fully_shard_kwargs(engine, mesh["dp"], self.reshard_after_forward)
+            self.units = sharding.shard(model, kwargs, self.shard_classes, 0)
+        return sharding.finish_wrap(engine, model, optimizers, names, self.name)
+
+    @hookimpl
+    def torchplug_compile(
+        self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+    ) -> torch.nn.Module:
+        """Each FSDP unit compiled on its own (``fsdp-tp``), else the model."""
+        return sharding.compile_units(engine, model, self.units, options)
 
     @hookimpl
     def torchplug_clip_grad_norm(
@@ -288,12 +285,12 @@ class TensorParallelStrategy(FSDPStrategy):
         return total
 
     @hookimpl
-    def torchplug_no_sync(self, engine: Engine, model: torch.nn.Module) -> Any:
+    def torchplug_no_sync(
+        self, engine: Engine, model: torch.nn.Module
+    ) -> contextlib.AbstractContextManager[None]:
         if not self.fsdp:
-            import contextlib
-
             return contextlib.nullcontext()  # one data-parallel replica: nothing to synchronise
-        return super().torchplug_no_sync(engine, model)
+        return sharding.without_gradient_sync(model)
 
 
 def _check_plan_type(plan: Any) -> None:

@@ -1,0 +1,233 @@
+"""What the DTensor-sharding strategies share: the job's device mesh, how FSDP2 is applied to a
+model, and how a sharded wrap ends.
+
+Why a module of functions: ``fsdp`` and ``tp``/``fsdp-tp`` are different backends that happen to
+apply FSDP2 the same way. ``TensorParallelStrategy`` used to subclass ``FSDPStrategy`` to reach
+this code, and so inherited FSDP's hooks and attributes (its ``cpu_offload``, ``min_params``, its
+mesh built per wrap) whether it meant to or not. Both now subclass ``DistributedStrategy`` and
+call these functions, as torchtitan's parallelisms are functions applied over one mesh per job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from torchplug.core.engine import Engine, Runtime
+from torchplug.core.errors import ConfigurationError, PluginError
+from torchplug.core.strategy import rebind_optimizer
+
+#: Normalisation layers: under bf16 they compute in fp32, as torch's AMP runs them (a BatchNorm's
+#: running statistics are fp32 buffers, which bf16 weights cannot be combined with).
+NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()),
+)
+
+
+def with_mesh(
+    runtime: Runtime, shape: tuple[int, ...], names: tuple[str, ...], **changes: Any
+) -> Runtime:
+    """``runtime`` (and ``changes``) with the job's device mesh, built here once per job.
+
+    Called by a strategy's ``torchplug_setup`` once the process group exists: building the mesh
+    takes every rank (a 2-D mesh creates a process group per dim), so it belongs with the setup
+    every rank runs together, not with each ``engine.setup(model)``, and every model of the job
+    then shards over the same mesh (``engine.mesh``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(runtime.device.type, shape, mesh_dim_names=names)
+    return dataclasses.replace(runtime, mesh=mesh, **changes)
+
+
+def job_mesh(engine: Engine) -> Any:
+    """The device mesh the strategy's setup built (``engine.mesh``); a subclass whose own
+    ``torchplug_setup`` forgot it is told so, instead of failing inside torch."""
+    mesh = engine.mesh
+    if mesh is None:
+        raise PluginError(
+            f"Strategy '{engine.strategy}' shards on a device mesh, but its torchplug_setup "
+            f"returned a Runtime without one. Return sharding.with_mesh(runtime, ...) (or call "
+            f"the parent's torchplug_setup) so that every wrap uses the job's mesh."
+        )
+    return mesh
+
+
+def fully_shard_kwargs(
+    engine: Engine, mesh: Any, reshard_after_forward: bool, cpu_offload: bool = False
+) -> dict[str, Any]:
+    """``fully_shard``'s keyword arguments over ``mesh``: bf16 becomes FSDP2's own
+    ``MixedPrecisionPolicy`` (bf16 compute and all-gathers, fp32 gradient reduction and outputs),
+    ``cpu_offload`` its ``CPUOffloadPolicy``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if engine.precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    return kwargs
+
+
+def shard_units(
+    model: torch.nn.Module, class_names: tuple[str, ...], min_params: int
+) -> list[torch.nn.Module]:
+    """Submodules (not the root) to shard on their own, innermost first.
+
+    A submodule qualifies if its class is named in ``class_names``, or if ``min_params`` > 0 and
+    the parameters it holds outside already chosen units number at least ``min_params``.
+    """
+    chosen: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module, is_root: bool) -> int:
+        free = sum(visit(child, False) for child in module.children())
+        free += sum(p.numel() for p in module.parameters(recurse=False))
+        by_class = type(module).__name__ in class_names
+        by_size = min_params > 0 and free >= min_params
+        if not is_root and free and (by_class or by_size):
+            chosen.append(module)
+            return 0
+        return free
+
+    visit(model, True)
+    return chosen
+
+
+def shard_norms_in_fp32(model: torch.nn.Module, kwargs: dict[str, Any]) -> list[torch.nn.Module]:
+    """Under bf16, each normalisation layer its own FSDP unit whose parameters stay fp32 and
+    whose input is cast to fp32 (its output goes back to bf16 for the layers after it); a
+    no-op in fp32. Call before the other units are sharded (innermost first)."""
+    policy = kwargs.get("mp_policy")
+    if policy is None or policy.param_dtype in (None, torch.float32):
+        return []
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        output_dtype=policy.param_dtype,
+        cast_forward_inputs=True,
+    )
+    norms = [
+        m
+        for m in model.modules()
+        if m is not model and isinstance(m, NORM_TYPES) and any(True for _ in m.parameters())
+    ]
+    for norm in norms:
+        fully_shard(norm, **{**kwargs, "mp_policy": fp32})
+    return norms
+
+
+def make_contiguous(model: torch.nn.Module) -> None:
+    """Give non-contiguous parameters (a transposed weight, ``nn.Parameter(w.t())``) a contiguous
+    layout, same values, same Parameter objects: FSDP2 refuses them ("FSDP does not support
+    non-contiguous parameters yet"), while every other strategy takes them, so the same script
+    would fail under fsdp only."""
+    for param in model.parameters():
+        if not param.is_contiguous():
+            param.data = param.data.contiguous()
+
+
+def shard(
+    model: torch.nn.Module, kwargs: dict[str, Any], class_names: tuple[str, ...], min_params: int
+) -> list[torch.nn.Module]:
+    """Apply FSDP2 to ``model`` with ``kwargs``: fp32 norm units, the chosen units innermost
+    first, then the root. Returns the units (norms first), which ``compile_units`` compiles."""
+    from torch.distributed.fsdp import fully_shard
+
+    make_contiguous(model)
+    norms = shard_norms_in_fp32(model, kwargs)
+    units = [u for u in shard_units(model, class_names, min_params) if u not in norms]
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    # The root's parameters are needed again as soon as backward starts: resharding them
+    # after forward only to all-gather them again cost an extra all-gather per step (1.2-1.4x
+    # raw FSDP2's step time in `python -m benchmarks`). torch keeps the root gathered by
+    # default for that reason; so does torchplug.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    return norms + units
+
+
+def compile_units(
+    engine: Engine,
+    model: torch.nn.Module,
+    units: list[torch.nn.Module] | None,
+    options: dict[str, Any],
+) -> torch.nn.Module:
+    """Each FSDP unit compiled on its own (as torch recommends for FSDP2), else the model;
+    ``close()`` undoes it."""
+    for unit in units or [model]:
+        engine.restore_on_close(unit, "_compiled_call_impl")
+        unit.compile(**options)
+    return model
+
+
+def finish_wrap(
+    engine: Engine,
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    names: dict[int, str],
+    strategy: str,
+) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+    """What every DTensor-sharding wrap ends with: plain state dicts accepted, and optimizers
+    pointed at the sharded parameters that replaced the ones they were made with."""
+    _accept_full_tensors(engine, model)
+    params = dict(model.named_parameters())
+    for optimizer in optimizers:
+        rebind_optimizer(
+            optimizer, names, params, f"{strategy} replaces the model's parameters with shards"
+        )
+    return model, optimizers
+
+
+def _accept_full_tensors(engine: Engine, model: torch.nn.Module) -> None:
+    """Let ``model.load_state_dict`` take a plain (unsharded) state dict, as the user's own
+    ``torch.save(model.state_dict())`` under any other strategy writes it: each plain tensor
+    given for a sharded entry is cut into this rank's shard locally (no communication; every
+    rank passes the whole tensor, as with plain PyTorch). ``close()`` restores the method."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    native = model.load_state_dict
+
+    def load_state_dict(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        live = model.state_dict()
+        converted = {}
+        for name, value in state_dict.items():
+            target = live.get(name)
+            if isinstance(target, DTensor) and not isinstance(value, DTensor):
+                value = distribute_tensor(
+                    value.to(target.device),
+                    target.device_mesh,
+                    target.placements,
+                    src_data_rank=None,
+                )
+            converted[name] = value
+        return native(converted, *args, **kwargs)
+
+    engine.restore_on_close(model, "load_state_dict")
+    model.load_state_dict = load_state_dict  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def without_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
+    """``engine.no_sync`` over FSDP2: the model's ``set_requires_gradient_sync(False)`` inside."""
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is None:
+        raise ConfigurationError(
+            f"no_sync() needs the model returned by engine.setup(), got a "
+            f"{type(model).__name__}. Pass the wrapped model."
+        )
+    setter(False)
+    try:
+        yield
+    finally:
+        setter(True)
