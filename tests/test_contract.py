@@ -310,7 +310,8 @@ def test_every_hook_declares_its_contract_beside_its_specification():
     }  # fmt: skip
     optional = {
         "torchplug_teardown", "torchplug_compile", "torchplug_init_module",
-        "torchplug_checkpoint_state",
+        "torchplug_checkpoint_state", "torchplug_checkpoint_metadata",
+        "torchplug_load_pretrained",
     }  # fmt: skip
     assert spec.hooks_where(kind="strategy") == manager.STRATEGY_HOOKS
     assert manager.STRATEGY_HOOKS - optional == manager.ACTION_HOOKS
@@ -325,3 +326,83 @@ def test_every_hook_declares_its_contract_beside_its_specification():
         if declared.answer is not None:
             assert isinstance(engine._ANSWER_TYPES[declared.answer], type), name
             assert declared.answer_text, name
+
+
+def test_plugins_given_as_a_generator_all_join_the_active_set():
+    class Marker:
+        @tpp.hookimpl(wrapper=True)
+        def torchplug_reduce(self, engine, tensor, op):
+            self.called = True
+            return (yield)
+
+    markers = [Marker(), Marker()]
+    with tp.Engine("single", plugins=(m for m in markers)) as engine:
+        assert all(m in engine.plugins for m in markers)
+        engine.reduce(torch.tensor(1.0))
+    assert all(getattr(m, "called", False) for m in markers)
+
+
+def test_load_pretrained_and_resume_s_step_check_go_through_hooks(tmp_path):
+    """Issue 26: core reads no checkpoint format itself; `engine.load_pretrained` and resume's
+    step check ask the active set (the built-in `checkpoint` plugin answers both)."""
+    from safetensors.torch import save_file
+
+    seen = []
+
+    class Watch:
+        @tpp.hookimpl(wrapper=True)
+        def torchplug_load_pretrained(self, engine, model, path, strict):
+            seen.append("load_pretrained")
+            return (yield)
+
+        @tpp.hookimpl(wrapper=True)
+        def torchplug_checkpoint_metadata(self, engine, path):
+            seen.append("checkpoint_metadata")
+            return (yield)
+
+    source = torch.nn.Linear(3, 2)
+    save_file(
+        {k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "w.safetensors"
+    )
+    with tp.Engine("single", plugins=[Watch()], checkpoint_dir=tmp_path / "ckpt") as engine:
+        model = engine.setup(torch.nn.Linear(3, 2))
+        result = engine.load_pretrained(model, tmp_path / "w.safetensors")
+        assert sorted(result["loaded"]) == ["bias", "weight"]
+        assert torch.equal(model.weight.detach(), source.weight.detach())
+        engine.save_checkpoint({"model": model}, step=3)
+    (tmp_path / "ckpt" / "step-3").rename(tmp_path / "ckpt" / "step-9")
+    with pytest.raises(
+        tp.CheckpointError, match="its name says step 9, but it was saved at step 3"
+    ):
+        tp.Engine(
+            "single", plugins=[Watch()], checkpoint_dir=tmp_path / "ckpt", resume="latest"
+        ).resume({"model": torch.nn.Linear(3, 2)})
+    assert seen == ["load_pretrained", "checkpoint_metadata"]
+
+
+def test_load_pretrained_with_the_checkpoint_plugin_blocked_says_how_to_fix_it(
+    monkeypatch, tmp_path
+):
+    from torchplug.core import manager
+
+    monkeypatch.setenv("TORCHPLUG_BLOCK_PLUGINS", "checkpoint")
+    manager.reset_registry(forget_blocks=True)
+    try:
+
+        class SavesItself(OnlyThree):
+            @tpp.hookimpl
+            def torchplug_save(self, engine, path, state, metadata):
+                return True
+
+            @tpp.hookimpl
+            def torchplug_load(self, engine, path, state, strict):
+                return {}
+
+        register("saves-itself", SavesItself)
+        with tp.Engine("saves-itself") as engine:
+            model = engine.setup(torch.nn.Linear(3, 2))
+            with pytest.raises(tp.PluginError, match="unblock it"):
+                engine.load_pretrained(model, tmp_path / "absent.safetensors")
+    finally:
+        monkeypatch.delenv("TORCHPLUG_BLOCK_PLUGINS")
+        manager.reset_registry(forget_blocks=True)

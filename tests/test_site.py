@@ -206,6 +206,8 @@ def _callables_of(identifier: str, obj: object) -> list[tuple[str, object]]:
             not attr.startswith("_")
             and inspect.isfunction(value)
             and not getattr(value, "torchplug_impl", None)  # a hook implementation
+            # Strategy's delegates to the defaults: their arguments are the hook's (docs/hooks.md)
+            and not getattr(value, "torchplug_inherited_default", None)
         ):
             found.append((f"{identifier}.{attr}", value))
     return found

@@ -36,6 +36,9 @@ _EXPORTS = {
     "distributed_options": "torchplug.core.strategy",
     "DDPStrategy": "torchplug.plugins.ddp",
     "Runtime": "torchplug.core.engine",
+    # what every hook gets as its `engine` argument: what a backend may read and call
+    "HookContext": "torchplug.core.context",
+    "HookContextWarning": "torchplug.core.context",
     # the state protocol: tensors a save gathers one at a time (ZeRO-3-style backends)
     "Deferred": "torchplug.checkpoint.deferred",
     # registering in code, and the errors a hook raises
@@ -52,6 +55,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from torchplug.checkpoint.deferred import Deferred
     from torchplug.core.cluster import ClusterInfo
+    from torchplug.core.context import HookContext, HookContextWarning
     from torchplug.core.engine import Runtime
     from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
     from torchplug.core.manager import block, register, unregister

@@ -1,4 +1,6 @@
-"""The default answers to ``torchplug_save`` and ``torchplug_load``: the portable checkpoint.
+"""The default answers to ``torchplug_save`` and ``torchplug_load`` (the portable checkpoint),
+``torchplug_checkpoint_metadata`` (its manifest's metadata) and ``torchplug_load_pretrained``
+(safetensors into any set-up model).
 
 A built-in plugin registered like any other (``manager.BUILTIN_PLUGINS``, entry point
 ``checkpoint``): it joins every Engine's active set, registered before the backend and marked
@@ -11,12 +13,15 @@ start, naming them.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchplug.checkpoint import io
+from torchplug.checkpoint import io, pretrained
 from torchplug.core.spec import hookimpl
 
 if TYPE_CHECKING:
+    import torch
+
     from torchplug.core.engine import Engine
 
 
@@ -33,3 +38,18 @@ def torchplug_load(
     engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
 ) -> dict[str, Any]:
     return io.load(engine, path, state, strict)
+
+
+@hookimpl(trylast=True)
+def torchplug_checkpoint_metadata(engine: Engine, path: Path) -> dict[str, Any] | None:
+    if not (Path(path) / "manifest.json").is_file():
+        return None  # not this format: another plugin may read it
+    metadata = io.read_manifest(path, engine.checkpoint_key).get("metadata")
+    return dict(metadata) if isinstance(metadata, dict) else {}
+
+
+@hookimpl(trylast=True)
+def torchplug_load_pretrained(
+    engine: Engine, model: torch.nn.Module, path: Path, strict: bool
+) -> dict[str, list[str]]:
+    return pretrained.load_into(model, path, strict=strict)

@@ -55,13 +55,13 @@ def full_state(
     with engine.native_state_dicts():
         result = {
             "model": map_tensors(
-                engine.hook.torchplug_model_state(engine=engine, model=model), full
+                engine.hook.torchplug_model_state(engine=engine._context, model=model), full
             )
         }
         if optimizer is not None:
             result["optimizer"] = map_tensors(
                 engine.hook.torchplug_optimizer_state(
-                    engine=engine, model=model, optimizer=optimizer
+                    engine=engine._context, model=model, optimizer=optimizer
                 ),
                 full,
             )
@@ -100,7 +100,7 @@ def save(
     handoff = async_save.handing_off(pending) if pending else contextlib.nullcontext()
     with engine.native_state_dicts(), handoff:
         done = engine.hook.torchplug_save(
-            engine=engine, path=str(Path(path)), state=state, metadata=metadata
+            engine=engine._context, path=str(Path(path)), state=state, metadata=metadata
         )
     engine._pending_save = pending
     engine._answer("torchplug_save", done)
@@ -110,7 +110,7 @@ def plugin_state(engine: Engine) -> dict[str, Any]:
     """What the active set's plugins keep in every checkpoint (``torchplug_checkpoint_state``),
     under torchplug's reserved names."""
     merged: dict[str, Any] = {}
-    for answer in engine.hook.torchplug_checkpoint_state(engine=engine):
+    for answer in engine.hook.torchplug_checkpoint_state(engine=engine._context):
         engine._answer("torchplug_checkpoint_state", answer)
         for name, obj in answer.items():
             if not (
@@ -138,7 +138,7 @@ def load(
     merged = None if state is None else {**state, **plugin_state(engine)}
     with engine.native_state_dicts():
         result = engine.hook.torchplug_load(
-            engine=engine, path=str(Path(path)), state=merged, strict=strict
+            engine=engine._context, path=str(Path(path)), state=merged, strict=strict
         )
     if state is not None and merged is not None:
         state.update({k: merged[k] for k in state})  # plain values replaced, as documented

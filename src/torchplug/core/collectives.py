@@ -67,20 +67,24 @@ def reduce(engine: Engine, tensor: torch.Tensor | float, op: str) -> torch.Tenso
         )
     tensor = as_tensor(engine, tensor)
     check(engine, f"reduce({op})", tensor)
-    result = guarded(engine, "reduce", lambda: engine._call.torchplug_reduce(engine, tensor, op))
+    result = guarded(
+        engine, "reduce", lambda: engine._call.torchplug_reduce(engine._context, tensor, op)
+    )
     return engine._answer("torchplug_reduce", result)
 
 
 def gather(engine: Engine, tensor: torch.Tensor | float) -> torch.Tensor:
     tensor = as_tensor(engine, tensor)
     check(engine, "gather", tensor)
-    result = guarded(engine, "gather", lambda: engine._call.torchplug_gather(engine, tensor))
+    result = guarded(
+        engine, "gather", lambda: engine._call.torchplug_gather(engine._context, tensor)
+    )
     return engine._answer("torchplug_gather", result)
 
 
 def barrier(engine: Engine) -> None:
     check(engine, "barrier", None)
-    done = guarded(engine, "barrier", lambda: engine._call.torchplug_barrier(engine))
+    done = guarded(engine, "barrier", lambda: engine._call.torchplug_barrier(engine._context))
     engine._answer("torchplug_barrier", done)
 
 

@@ -135,6 +135,7 @@ def active_set(
             )
         )
     active += [p for p in registry.extensions() if p not in active]
+    plugins = list(plugins)  # a generator would be used up by the check below
     for plugin in plugins:
         if plugin is None or isinstance(plugin, (bool, int, float, bytes)):
             raise ConfigurationError(

@@ -43,6 +43,7 @@ from torchplug.core import (
 )
 from torchplug.core import cluster as cluster_mod
 from torchplug.core.checkpoint_settings import key_from, timeout_from
+from torchplug.core.context import HookContext
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
 from torchplug.core.registry import (
     DEFAULT_TIMEOUT,
@@ -302,6 +303,8 @@ class Engine:
         self.backend, active, self.precision_options = connector.active_set(
             self.info, self.options, self.precision, precision_options, registry, plugins
         )
+        #: What every hook gets as its ``engine`` argument: the narrow context, not this Engine.
+        self._context = HookContext(self)
         self._pm = manager.new_plugin_manager()
         # torchplug's default answers first: pluggy calls the later-registered first, so any
         # answer of the backend's or an extension's comes before them
@@ -323,10 +326,12 @@ class Engine:
         self._check_contract()
 
         try:
-            runtime = self.hook.torchplug_setup(engine=self, cluster=self.cluster)
+            runtime = self.hook.torchplug_setup(engine=self._context, cluster=self.cluster)
         except BaseException:
             self.failing = True  # no teardown barrier: the other ranks may not be there
-            self.hook.torchplug_teardown(engine=self)  # release what setup got before failing
+            self.hook.torchplug_teardown(
+                engine=self._context
+            )  # release what setup got before failing
             raise
         if not isinstance(runtime, Runtime):
             raise PluginError(
@@ -485,7 +490,7 @@ class Engine:
             with torch.device(self.device):
                 yield
             return
-        own = self.hook.torchplug_init_module(engine=self)
+        own = self.hook.torchplug_init_module(engine=self._context)
         if own is not None:  # the backend partitions as the model is built (DeepSpeed ZeRO-3)
             with own:
                 yield
@@ -647,7 +652,7 @@ class Engine:
         Args:
             batch: Tensors, possibly nested in lists, tuples and dicts.
         """
-        return self._call.torchplug_place_batch(self, batch)
+        return self._call.torchplug_place_batch(self._context, batch)
 
     # -- training step ----------------------------------------------------------------------------
 
@@ -664,7 +669,7 @@ class Engine:
         """
         if self._accumulating is not None:
             loss = loss / self._accumulating[0]
-        done = self._call.torchplug_backward(self, loss, model)
+        done = self._call.torchplug_backward(self._context, loss, model)
         if done is not True:  # the answer expected, checked without a call
             self._answer("torchplug_backward", done)
 
@@ -687,7 +692,9 @@ class Engine:
         Returns:
             The total norm of the gradients before clipping.
         """
-        norm = self._call.torchplug_clip_grad_norm(self, model, optimizer, max_norm, norm_type)
+        norm = self._call.torchplug_clip_grad_norm(
+            self._context, model, optimizer, max_norm, norm_type
+        )
         return self._answer("torchplug_clip_grad_norm", norm)
 
     @contextlib.contextmanager
@@ -701,7 +708,7 @@ class Engine:
         if not enabled:
             yield
             return
-        context = self._call.torchplug_no_sync(self, model)
+        context = self._call.torchplug_no_sync(self._context, model)
         self._answer("torchplug_no_sync", context)
         with context:
             yield
@@ -761,7 +768,7 @@ class Engine:
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Apply the active precision to code outside the model's forward (e.g. the loss)."""
-        context = self._call.torchplug_autocast(self)
+        context = self._call.torchplug_autocast(self._context)
         return self._answer("torchplug_autocast", context)
 
     # -- collectives ------------------------------------------------------------------------------
@@ -1113,9 +1120,16 @@ class Engine:
             The names of the tensors loaded, missing and unexpected: ``{"loaded", "missing",
                 "unexpected"}``.
         """
-        from torchplug.checkpoint import pretrained
-
-        return pretrained.load_into(self.unwrap(model), path, strict=strict)
+        result = self.hook.torchplug_load_pretrained(
+            engine=self._context, model=self.unwrap(model), path=path, strict=strict
+        )
+        if result is None:
+            raise PluginError(
+                f"No plugin of strategy '{self.info.name}''s active set loads pretrained weights "
+                f"(torchplug_load_pretrained). The built-in 'checkpoint' plugin does: unblock it "
+                f"(TORCHPLUG_BLOCK_PLUGINS), or answer the hook in the backend."
+            )
+        return result
 
     @property
     def checkpoint_timeout(self) -> float:
@@ -1179,7 +1193,7 @@ class Engine:
                     self._profiler.stop()
                 self._staging.clear()
                 self.loggers.close()
-                self.hook.torchplug_teardown(engine=self)
+                self.hook.torchplug_teardown(engine=self._context)
             finally:
                 while self._undo:  # what setup patched on user objects, newest first
                     self._undo.pop()()

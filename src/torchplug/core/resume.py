@@ -158,15 +158,16 @@ def complete(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def _step_mismatch(step: int, path: Path, key: bytes | None) -> str | None:
+def _step_mismatch(engine: Engine, step: int, path: Path) -> str | None:
     """Why the checkpoint at ``path`` is not the step its name says (a renamed directory would
-    otherwise be resumed as a step it never was, and never rotated away), or ``None``."""
-    from torchplug.checkpoint import read_manifest
-
+    otherwise be resumed as a step it never was, and never rotated away), or ``None``. Its
+    metadata comes from the active set (``torchplug_checkpoint_metadata``: the checkpoint
+    plugin reads its manifest), so core reads no checkpoint format itself."""
     try:
-        saved = read_manifest(path, key).get("metadata", {}).get("step")
+        metadata = engine.hook.torchplug_checkpoint_metadata(engine=engine._context, path=path)
     except CheckpointError as exc:
         return f"Cannot resume from {path}: {exc}"
+    saved = metadata.get("step") if isinstance(metadata, dict) else None
     if saved is not None and saved != step:
         return (
             f"Cannot resume from {path}: its name says step {step}, but it was saved at step "
@@ -243,7 +244,7 @@ def resume(engine: Engine, state: dict[str, Any]) -> int | None:
     if policy.resume != "latest" or policy.directory is None:
         return None
     found = complete(policy.directory) if engine.is_main else []
-    problem = _step_mismatch(found[0][0], found[0][1], engine.checkpoint_key) if found else None
+    problem = _step_mismatch(engine, found[0][0], found[0][1]) if found else None
     chosen, problem = engine.broadcast_object((str(found[0][1]) if found else None, problem))
     if problem is not None:
         raise CheckpointError(problem)

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     import torch
 
     from torchplug.core.cluster import ClusterInfo
-    from torchplug.core.engine import Engine, Runtime
+    from torchplug.core.context import HookContext
+    from torchplug.core.engine import Runtime
     from torchplug.core.registry import LoggerInfo, PrecisionInfo, StrategyInfo
 
 PROJECT = "torchplug"
@@ -55,7 +56,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 """Marks a plugin function as a torchplug hook implementation: ``@hookimpl``, or with pluggy's
 options, e.g. ``@hookimpl(wrapper=True)``, ``@hookimpl(trylast=True)``."""
 
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 """The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
 version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
 removes or changes them. A plugin declares the range it supports, e.g.
@@ -253,14 +254,15 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
     required=True,
     called=("On every rank, once, inside `Engine(...)`."),
 )
-def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
+def torchplug_setup(engine: HookContext, cluster: ClusterInfo) -> Runtime | None:
     """Start the backend: create the process group if needed and choose this process's device.
 
     The backend returns a [`Runtime`][torchplug.plugin.Runtime] (rank, local rank, world size,
     device). A precision plugin wraps this hook to learn the device it will run on.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         cluster: Who this process is in its job, as the cluster-environment plugins found it.
     """
 
@@ -274,7 +276,7 @@ def torchplug_setup(engine: Engine, cluster: ClusterInfo) -> Runtime | None:
     called=("On every rank, by `engine.setup(model, *optimizers)`."),
 )
 def torchplug_wrap(
-    engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
 ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]] | None:
     """Move ``model`` to the device and wrap it (and its optimizers) for the backend.
 
@@ -282,7 +284,8 @@ def torchplug_wrap(
     wrapped model's forward under autocast.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         model: The user's model (on the meta device when the strategy ``takes_meta_modules`` and it
             was built with ``init_module(empty=True)``).
         optimizers: The optimizers given to ``engine.setup``, made on ``model``'s parameters.
@@ -294,7 +297,7 @@ def torchplug_wrap(
     kind="strategy",
     called=("On every rank, by `engine.init_module(empty=True)`, before the model is built."),
 )
-def torchplug_init_module(engine: Engine) -> contextlib.AbstractContextManager[None] | None:
+def torchplug_init_module(engine: HookContext) -> contextlib.AbstractContextManager[None] | None:
     """A context manager in which a model built with ``engine.init_module(empty=True)`` is
     created already partitioned the backend's own way (DeepSpeed ZeRO-3: ``zero.Init``).
     Optional: unanswered, the model is built on the meta device and materialised by setup.
@@ -302,7 +305,8 @@ def torchplug_init_module(engine: Engine) -> contextlib.AbstractContextManager[N
     Called on every rank, by ``engine.init_module(empty=True)``.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
     """
 
 
@@ -317,7 +321,7 @@ def torchplug_init_module(engine: Engine) -> contextlib.AbstractContextManager[N
     ),
 )
 def torchplug_compile(
-    engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+    engine: HookContext, model: torch.nn.Module, options: dict[str, Any]
 ) -> torch.nn.Module | None:
     """Apply ``torch.compile`` (``options`` are its arguments) to the wrapped ``model`` where
     this backend wants it: the whole DDP module, each FSDP unit; raise ``ConfigurationError``
@@ -328,7 +332,8 @@ def torchplug_compile(
     asks.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         model: The model [`torchplug_wrap`][torchplug_wrap] returned.
         options: The ``torch.compile`` arguments of ``Engine(compile=...)``.
     """
@@ -341,14 +346,15 @@ def torchplug_compile(
     per_step=True,
     called=("On every rank, for each batch of a loader returned by `engine.setup_dataloader`."),
 )
-def torchplug_place_batch(engine: Engine, batch: Any) -> Any:
+def torchplug_place_batch(engine: HookContext, batch: Any) -> Any:
     """Return ``batch`` (tensors, possibly nested in lists, tuples and dicts) placed for the step.
 
     The default moves tensors to ``engine.device``; an SPMD backend also marks them sharded over
     its data axis. Called for every batch of a loader returned by ``engine.setup_dataloader``.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         batch: One batch as the loader yields it.
     """
 
@@ -362,14 +368,17 @@ def torchplug_place_batch(engine: Engine, batch: Any) -> Any:
     answer_text="True",
     called=("On every rank, by `engine.backward(loss)`."),
 )
-def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None) -> bool:
+def torchplug_backward(
+    engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
+) -> bool:
     """Run the backward pass of ``loss``; return ``True``.
 
     A wrapper that must change the gradients (loss scaling) registers an autograd hook on ``loss``
     before yielding: the backend's backward then carries the change, whatever the backend does.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         loss: The loss to run backward from (scaled by ``1/steps`` inside ``engine.accumulate``).
         model: The model the user named in ``engine.backward(loss, model)``, else ``None``.
     """
@@ -388,7 +397,7 @@ def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Modul
     ),
 )
 def torchplug_optimizer_step(
-    engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
+    engine: HookContext, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
 ) -> bool | None:
     """Perform one optimizer step; return ``True`` if parameters were updated, ``False`` if skipped.
 
@@ -399,7 +408,8 @@ def torchplug_optimizer_step(
     implementation can call it directly.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         optimizer: The optimizer ``step()`` was called on.
         closure: The closure passed to ``step()``, if any.
     """
@@ -415,7 +425,7 @@ def torchplug_optimizer_step(
     called=("On every rank, by `engine.clip_grad_norm_(...)`."),
 )
 def torchplug_clip_grad_norm(
-    engine: Engine,
+    engine: HookContext,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     max_norm: float,
@@ -427,7 +437,8 @@ def torchplug_clip_grad_norm(
     across shards.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         model: The model whose gradients are clipped.
         optimizer: Its optimizer, when the user passed it (a precision plugin needs it to unscale).
         max_norm: The largest total norm allowed.
@@ -445,12 +456,13 @@ def torchplug_clip_grad_norm(
     called=("On every rank, by `engine.no_sync(model)`."),
 )
 def torchplug_no_sync(
-    engine: Engine, model: torch.nn.Module
+    engine: HookContext, model: torch.nn.Module
 ) -> AbstractContextManager[None] | None:
     """Return a context manager in which backward does not synchronize gradients across ranks.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         model: The model whose gradient synchronization is skipped.
     """
 
@@ -464,11 +476,12 @@ def torchplug_no_sync(
     answer_text="a context manager",
     called=("On every rank, by `engine.autocast()`."),
 )
-def torchplug_autocast(engine: Engine) -> AbstractContextManager[None] | None:
+def torchplug_autocast(engine: HookContext) -> AbstractContextManager[None] | None:
     """Return the context manager that applies the active precision to code the user runs in it.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
     """
 
 
@@ -481,13 +494,14 @@ def torchplug_autocast(engine: Engine) -> AbstractContextManager[None] | None:
     answer_text="a tensor",
     called=("On every rank (a collective: all ranks must call it), by `engine.reduce`."),
 )
-def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Tensor | None:
+def torchplug_reduce(engine: HookContext, tensor: torch.Tensor, op: str) -> torch.Tensor | None:
     """Reduce ``tensor`` over all ranks with ``op`` (``sum``, ``mean``, ``max``, ``min``).
 
     Returns a new tensor holding the result on every rank; the input is not modified.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         tensor: This rank's tensor.
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
     """
@@ -502,11 +516,12 @@ def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Ten
     answer_text="a tensor",
     called=("On every rank (a collective), by `engine.gather`."),
 )
-def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor | None:
+def torchplug_gather(engine: HookContext, tensor: torch.Tensor) -> torch.Tensor | None:
     """Gather ``tensor`` from all ranks into a tensor of shape ``(world_size, *tensor.shape)``.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         tensor: This rank's tensor (the same shape on every rank).
     """
 
@@ -520,11 +535,12 @@ def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor | Non
     answer_text="True",
     called=("On every rank (a collective), by `engine.barrier()`."),
 )
-def torchplug_barrier(engine: Engine) -> bool | None:
+def torchplug_barrier(engine: HookContext) -> bool | None:
     """Block until every rank reaches this point; return ``True``.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
     """
 
 
@@ -537,7 +553,7 @@ def torchplug_barrier(engine: Engine) -> bool | None:
     called=("On every rank (a collective), by `engine.save` / `save_checkpoint`."),
 )
 def torchplug_save(
-    engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
+    engine: HookContext, path: str, state: dict[str, Any], metadata: dict[str, Any]
 ) -> bool | None:
     """Write ``state`` as a torchplug checkpoint directory at ``path``; return ``True``.
 
@@ -548,7 +564,8 @@ def torchplug_save(
     `torchplug.checkpoint`, so atomicity, hashing and failure agreement are the same.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         path: The checkpoint directory to write.
         state: What to save, by name: modules, optimizers, tensors, JSON values.
         metadata: The user's JSON values, recorded in the manifest.
@@ -564,7 +581,7 @@ def torchplug_save(
     called=("On every rank (a collective), by `engine.load` / `resume`."),
 )
 def torchplug_load(
-    engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
+    engine: HookContext, path: str, state: dict[str, Any] | None, strict: bool
 ) -> dict[str, Any] | None:
     """Load the checkpoint at ``path`` into the objects of ``state``, in place.
 
@@ -574,7 +591,8 @@ def torchplug_load(
     through `torchplug.checkpoint`, which validates the manifest and never unpickles.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         path: The checkpoint directory to read.
         state: The objects to restore in place, by name; ``None``: return what the checkpoint holds.
         strict: Refuse entries that cannot be restored into the objects given.
@@ -590,7 +608,7 @@ def torchplug_load(
     required=True,
     called=("On every rank, by the default save and by `engine.full_state`."),
 )
-def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, Any] | None:
+def torchplug_model_state(engine: HookContext, model: torch.nn.Module) -> dict[str, Any] | None:
     """The model's state by parameter name (no wrapper prefixes), as the backend holds it.
 
     Sharded backends return DTensor shards; checkpoints store them by their global shape, so any
@@ -604,7 +622,8 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
     [`torchplug_optimizer_state`][torchplug_optimizer_state].
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         model: A model this Engine set up.
     """
 
@@ -616,13 +635,14 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
     called=("On every rank, by the default load."),
 )
 def torchplug_load_model_state(
-    engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+    engine: HookContext, model: torch.nn.Module, state: dict[str, Any], strict: bool
 ) -> bool | None:
     """Put ``state`` (as [`torchplug_model_state`][torchplug_model_state] returns it) into
     ``model``; return True.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         model: A model this Engine set up.
         state: Its state, as [`torchplug_model_state`][torchplug_model_state] returns it.
         strict: Refuse missing and unexpected names.
@@ -636,12 +656,13 @@ def torchplug_load_model_state(
     called=("On every rank, by the default save and `engine.full_state`."),
 )
 def torchplug_optimizer_state(
-    engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    engine: HookContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any] | None:
     """The optimizer's state keyed by parameter name (``{"state": ..., "param_groups": ...}``).
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         model: The model whose parameters ``optimizer`` updates.
         optimizer: An optimizer this Engine set up.
     """
@@ -654,13 +675,17 @@ def torchplug_optimizer_state(
     called=("On every rank, by the default load."),
 )
 def torchplug_load_optimizer_state(
-    engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    engine: HookContext,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
 ) -> bool | None:
     """Put ``state`` (as [`torchplug_optimizer_state`][torchplug_optimizer_state] returns it) into
     ``optimizer``.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         model: The model whose parameters ``optimizer`` updates.
         optimizer: An optimizer this Engine set up.
         state: Its state, as [`torchplug_optimizer_state`][torchplug_optimizer_state] returns it.
@@ -673,15 +698,61 @@ def torchplug_load_optimizer_state(
     required=True,
     called=("On every rank, by the default load, once per entry kind."),
 )
-def torchplug_reads_in_place(engine: Engine, kind: str) -> bool | None:
+def torchplug_reads_in_place(engine: HookContext, kind: str) -> bool | None:
     """Whether loading reads a ``kind`` (``"module"``/``"optimizer"``) entry straight into the
     tensors the state hook returns (resharding in place), or into fresh CPU tensors handed to the
     load hook. A backend whose tensors DCP cannot write (XLA), or whose optimizer holds only part
     of the state (FairScale OSS), answers ``False``.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
         kind: ``"module"`` or ``"optimizer"``.
+    """
+
+
+@hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    called=(
+        "On rank 0, by `Engine(resume='latest')`, for the newest `step-N` directory, before it "
+        "is loaded (API 1.1)."
+    ),
+)
+def torchplug_checkpoint_metadata(engine: HookContext, path: Path) -> dict[str, Any] | None:
+    """The metadata the checkpoint at ``path`` was saved with (``engine.save(...,
+    metadata=...)``, and ``"step"`` for ``engine.save_checkpoint``), read as its format reads it
+    (signature checked when a checkpoint key is set); raise ``CheckpointError`` when it cannot be
+    read. ``None``: not this plugin's format. Resuming compares ``"step"`` with the directory's
+    name, so a renamed ``step-N`` is refused rather than resumed as a step it never was.
+    Answered by the built-in ``checkpoint`` plugin for the portable format; a backend with a
+    native format answers for its own. Called on one rank only: no collectives.
+
+    Args:
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it.
+        path: A checkpoint directory.
+    """
+
+
+@hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    called=("On every rank, by `engine.load_pretrained(model, path)` (API 1.1)."),
+)
+def torchplug_load_pretrained(
+    engine: HookContext, model: torch.nn.Module, path: Path, strict: bool
+) -> dict[str, list[str]] | None:
+    """Load pretrained weights (``model.safetensors``, or the shards its index lists) into
+    ``model``, each rank reading only what its shards need; return ``{"loaded", "missing",
+    "unexpected"}`` (tensor names). Answered by the built-in ``checkpoint`` plugin for any
+    backend whose parameters are plain tensors or DTensors; a backend that holds parameters its
+    own way answers for itself.
+
+    Args:
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it.
+        model: The user's model (unwrapped) as set up by this Engine.
+        path: A ``.safetensors`` file, or a directory as ``save_pretrained`` writes it.
+        strict: Refuse a model tensor the files lack.
     """
 
 
@@ -748,7 +819,7 @@ def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] 
         "plugin, extensions)."
     ),
 )
-def torchplug_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
+def torchplug_checkpoint_state(engine: HookContext) -> dict[str, Any] | None:
     """Objects of this plugin's that every checkpoint carries: ``{name: obj}``, each with
     ``state_dict()`` and ``load_state_dict(state)`` (the AMP plugin's GradScaler: its loss scale
     and growth tracker, so an fp16 run resumes exactly where it was).
@@ -760,7 +831,8 @@ def torchplug_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
     the state small, JSON values or tensors equal on every rank: rank 0's copy is written.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
     """
 
 
@@ -772,12 +844,13 @@ def torchplug_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
         " set."
     ),
 )
-def torchplug_teardown(engine: Engine) -> None:
+def torchplug_teardown(engine: HookContext) -> None:
     """Release what setup acquired (e.g. destroy the process group the backend created).
 
     Needed because one process may create several Engines one after another (tests, notebooks,
     sweeps); every plugin in the active set is called.
 
     Args:
-        engine: The Engine calling it (``engine.device``, ``engine.rank``, its settings).
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
     """

@@ -83,7 +83,9 @@ def setup(
     if meta and not engine.info.takes_meta_modules:
         # replicated: the whole model, on the CPU as an eager build; the wrap moves it
         materialize(engine, model, optimizers, torch.device("cpu"))
-    result = engine.hook.torchplug_wrap(engine=engine, model=model, optimizers=list(optimizers))
+    result = engine.hook.torchplug_wrap(
+        engine=engine._context, model=model, optimizers=list(optimizers)
+    )
     engine._answer("torchplug_wrap", result)
     wrapped, wrapped_optimizers = result
     engine._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
@@ -91,7 +93,7 @@ def setup(
         materialize(engine, wrapped, wrapped_optimizers, engine.device)  # sharded: its shards
     if engine.compile_options is not None:
         compiled = engine.hook.torchplug_compile(
-            engine=engine, model=wrapped, options=engine.compile_options
+            engine=engine._context, model=wrapped, options=engine.compile_options
         )
         if compiled is None:
             compile_in_place(engine, wrapped, engine.compile_options)
@@ -188,7 +190,7 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
             engine._pending_save.wait_staged()
         inside = True
         try:
-            stepped = engine._call.torchplug_optimizer_step(engine, opt, closure)
+            stepped = engine._call.torchplug_optimizer_step(engine._context, opt, closure)
         finally:
             inside = False
         if engine._profiler is not None:

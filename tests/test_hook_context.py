@@ -1,0 +1,151 @@
+"""Hooks get a narrow context (issue 26 item 4): a `HookContext` as their ``engine`` argument,
+which answers what a backend may read and call, and reaches the rest of the Engine only with a
+warning (through API 1.x)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchplug as tp
+import torchplug.plugin as tpp
+from torchplug.core.context import HookContext, HookContextWarning, iter_members
+
+
+class Recorder:
+    """An extension that records what each hook receives as ``engine``."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, object] = {}
+
+    @tpp.hookimpl(wrapper=True)
+    def torchplug_wrap(self, engine, model, optimizers):
+        self.seen["wrap"] = engine
+        return (yield)
+
+    @tpp.hookimpl(wrapper=True)
+    def torchplug_backward(self, engine, loss, model):
+        self.seen["backward"] = engine
+        return (yield)
+
+    @tpp.hookimpl(wrapper=True)
+    def torchplug_optimizer_step(self, engine, optimizer, closure):
+        self.seen["optimizer_step"] = engine
+        return (yield)
+
+    @tpp.hookimpl(wrapper=True)
+    def torchplug_reduce(self, engine, tensor, op):
+        self.seen["reduce"] = engine
+        return (yield)
+
+    @tpp.hookimpl(wrapper=True)
+    def torchplug_save(self, engine, path, state, metadata):
+        self.seen["save"] = engine
+        return (yield)
+
+
+def test_every_hook_gets_the_context_not_the_engine(tmp_path):
+    recorder = Recorder()
+    with tp.Engine("single", plugins=[recorder]) as engine:
+        model = torch.nn.Linear(3, 2)
+        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.backward(model(torch.ones(2, 3)).sum())
+        optimizer.step()
+        engine.reduce(torch.tensor(1.0))
+        engine.save(tmp_path / "ckpt", {"model": model})
+    assert set(recorder.seen) == {"wrap", "backward", "optimizer_step", "reduce", "save"}
+    for hook, received in recorder.seen.items():
+        assert type(received) is HookContext, hook
+        assert received is recorder.seen["wrap"], hook  # one context per Engine
+
+
+def test_every_member_answers_what_the_engine_answers():
+    with tp.Engine("single") as engine:
+        context = engine._context
+        names = list(iter_members())
+        assert {"rank", "device", "mesh", "options", "reduce", "hook"} <= set(names)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", HookContextWarning)
+            for name in names:
+                ours, theirs = getattr(context, name), getattr(engine, name)
+                if callable(theirs) and not isinstance(theirs, torch.device):
+                    assert callable(ours), name
+                else:
+                    assert ours == theirs or ours is theirs, name
+        assert context.reduce(torch.tensor(3.0), "sum").item() == 3.0
+
+
+class ReadsTheLogDir(tpp.Strategy):
+    """An API 1.0 plugin that reads an Engine member the context does not offer."""
+
+    @tpp.hookimpl
+    def torchplug_setup(self, engine, cluster):
+        self.log_dir = engine.loggers  # not a HookContext member
+        return tpp.Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def test_an_engine_member_outside_the_context_still_works_with_a_warning_naming_it():
+    @tpp.hookimpl
+    def torchplug_register_strategies(register):
+        register(
+            tpp.StrategyInfo(
+                name="reads-log-dir", factory=ReadsTheLogDir, description="t", distributed=False
+            )
+        )
+
+    class Provider:
+        pass
+
+    Provider.torchplug_register_strategies = staticmethod(torchplug_register_strategies)
+    tp.register(Provider, name="provider-reads-log-dir")
+    with pytest.warns(HookContextWarning, match=r"engine\.loggers in a hook") as caught:
+        engine = tp.Engine("reads-log-dir")
+    try:
+        assert engine.backend.log_dir is engine.loggers  # it reached the Engine's own
+        assert caught[0].filename == __file__  # pointed at the plugin's line
+    finally:
+        engine.close()
+    with pytest.raises(AttributeError):
+        engine._context.no_such_member  # noqa: B018
+
+
+def _train_strict(strategy: str, path: str, precision: str = "32") -> float:
+    """A few steps, a clip, an accumulation, a save and a load, where any built-in plugin's
+    read outside the context is an error."""
+    warnings.simplefilter("error", HookContextWarning)
+    torch.manual_seed(0)
+    with tp.Engine(strategy, precision=precision) as engine:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+        )
+        model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+        for _ in range(4):
+            with engine.accumulate(model, 2):
+                loss = model(torch.randn(6, 4)).square().mean()
+                engine.backward(loss)
+                engine.clip_grad_norm_(model, 1.0, optimizer=optimizer)
+                optimizer.step()
+                optimizer.zero_grad()
+        engine.save(path, {"model": model, "optimizer": optimizer, "step": 4})
+        engine.load(path, {"model": model, "optimizer": optimizer})
+        engine.full_state(model, optimizer)
+        return float(engine.reduce(loss.detach(), "mean"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_built_in_backends_stay_inside_the_context(ranks, tmp_path, strategy):
+    losses = ranks.run(_train_strict, strategy, str(tmp_path / "ckpt"), timeout=300)
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16", "fp16"])
+def test_the_single_backend_and_amp_stay_inside_the_context(tmp_path, precision):
+    from torchplug.core.capabilities import cpu_kernels_missing
+
+    if precision != "32" and cpu_kernels_missing(precision):
+        pytest.skip(f"{precision}: {cpu_kernels_missing(precision)}")
+    with warnings.catch_warnings():
+        _train_strict("single", str(tmp_path / "ckpt"), precision)
