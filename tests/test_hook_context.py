@@ -149,3 +149,32 @@ def test_the_single_backend_and_amp_stay_inside_the_context(tmp_path, precision)
         pytest.skip(f"{precision}: {cpu_kernels_missing(precision)}")
     with warnings.catch_warnings():
         _train_strict("single", str(tmp_path / "ckpt"), precision)
+
+
+def test_the_warning_is_shown_by_default_outside_main(tmp_path):
+    """A hook never runs in ``__main__``, where Python shows DeprecationWarnings; torchplug shows
+    this one anyway, or an author would never see it under launch or check."""
+    import subprocess
+    import sys
+
+    (tmp_path / "pokes.py").write_text(
+        "import torch\n"
+        "import torchplug.plugin as tpp\n"
+        "class Pokes:\n"
+        "    @tpp.hookimpl(wrapper=True)\n"
+        "    def torchplug_reduce(self, engine, tensor, op):\n"
+        "        engine.loggers\n"
+        "        return (yield)\n"
+    )
+    script = (
+        "import torch, torchplug as tp, pokes\n"
+        "with tp.Engine('single', plugins=[pokes.Pokes()]) as engine:\n"
+        "    engine.reduce(torch.tensor(1.0))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = f"{tmp_path}{__import__('os').pathsep}{env.get('PYTHONPATH', '')}"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pokes.py:6: HookContextWarning: engine.loggers in a hook" in done.stderr, done.stderr

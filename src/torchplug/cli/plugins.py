@@ -86,7 +86,9 @@ def plugins(verbose: bool = False) -> int:
                 print(f"  extends: {info.extends}")
             for opt in info.options:
                 print(f"  option {opt.name}: {opt.type_name()} = {opt.default!r}  {opt.help}")
-            hooks = implemented_hooks(info.factory)
+            hooks = implemented_hooks(
+                info.factory, "torch_distributed" in registry.default_answers()
+            )
             if hooks:
                 print("  hooks:")
                 for hook, where in hooks:
@@ -108,7 +110,7 @@ def plugins(verbose: bool = False) -> int:
     return 0
 
 
-def implemented_hooks(factory: object) -> list[tuple[str, str]]:
+def implemented_hooks(factory: object, defaults: bool = True) -> list[tuple[str, str]]:
     """For a strategy whose factory is a class: each strategy hook it implements, with the class
     (``module:qualname``) whose method answers it, so an author sees what a subclass inherits."""
     import inspect
@@ -122,7 +124,11 @@ def implemented_hooks(factory: object) -> list[tuple[str, str]]:
         owner = next((c for c in factory.__mro__ if hook in vars(c)), None)
         if owner is not None and getattr(vars(owner)[hook], "torchplug_inherited_default", False):
             # Strategy's delegate: not the backend's answer; the built-in plugin answers
-            found.append((hook, "torch_distributed (the built-in default, trylast)"))
+            found.append(
+                (hook, "torch_distributed (the built-in default, trylast)")
+                if defaults
+                else (hook, "UNANSWERED: torch_distributed, its default, is blocked")
+            )
         elif owner is not None:
             found.append((hook, qualified_name(owner)))
     return found

@@ -33,6 +33,11 @@ class HookContextWarning(DeprecationWarning):
     [`HookContext`][torchplug.plugin.HookContext] does not offer."""
 
 
+# Python hides DeprecationWarnings raised outside __main__, and a hook never runs in __main__:
+# without this filter an author would not see it under torchplug launch or torchplug check.
+warnings.filterwarnings("default", category=HookContextWarning)
+
+
 class HookContext:
     """What a hook may read and call: passed to every strategy hook as ``engine``.
 

@@ -357,13 +357,24 @@ class Engine:
             )
         ]
         if unanswered:
+            present = {manager.qualified_name(p) for p in self.plugins}
+            missing = [
+                name
+                for name, module in manager.BUILTIN_PLUGINS
+                if name in manager.DEFAULT_ANSWERS and module not in present
+            ]
             raise PluginError(
                 f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
                 f"{manager.qualified_name(self.backend)}) leaves {len(unanswered)} hook(s) "
                 f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer in "
-                f"the active set (docs/hooks.md); the built-in plugins "
-                f"{', '.join(sorted(manager.DEFAULT_ANSWERS))} answer them by default: unblock "
-                f"them (TORCHPLUG_BLOCK_PLUGINS), or implement these hooks in the backend."
+                f"the active set (docs/hooks.md)"
+                + (
+                    f"; the built-in plugin(s) {', '.join(missing)}, which answer them by "
+                    f"default, are blocked: unblock them (TORCHPLUG_BLOCK_PLUGINS), or "
+                    f"implement these hooks in the backend."
+                    if missing
+                    else ": implement these hooks in the backend."
+                )
             )
 
     def _answer(self, hook: str, result: Any, expected: Any = None, what: str = "") -> Any:

@@ -323,7 +323,9 @@ class Kit:
                         "accumulation",
                         False,
                         f"gradients were synchronized inside {what}: every rank had the same "
-                        f"gradients after a micro-batch of different data",
+                        f"gradients after a micro-batch of different data. A backend that "
+                        f"synchronizes in backward (a DDP wrapper) answers torchplug_no_sync "
+                        f"with the wrapper's no_sync() (the default answer does nothing)",
                     )
                 hidden = probe and any(x is None for x in seen)
                 note = " (gradient sync not observable: the backend keeps its gradients)"
