@@ -297,7 +297,7 @@ def test_every_hook_declares_its_contract_beside_its_specification():
     """Issue 26 item 1: spec.py holds the whole contract; the manager, the Engine's dispatch and
     answer checks and docs/hooks.md read it from there (the sets below are what each held
     before, written out so that a changed contract is a visible change)."""
-    from torchplug.core import engine, hookdoc, manager, spec
+    from torchplug.core import hookdoc, hooks, manager, spec
 
     specified = {name for name, _ in hookdoc.hooks()}
     assert set(spec.CONTRACTS) == specified
@@ -315,7 +315,7 @@ def test_every_hook_declares_its_contract_beside_its_specification():
     }  # fmt: skip
     assert spec.hooks_where(kind="strategy") == manager.STRATEGY_HOOKS
     assert manager.STRATEGY_HOOKS - optional == manager.ACTION_HOOKS
-    assert set(engine._PER_STEP) == {
+    assert set(hooks.PER_STEP) == {
         "torchplug_backward", "torchplug_optimizer_step", "torchplug_reduce",
         "torchplug_gather", "torchplug_place_batch", "torchplug_clip_grad_norm",
         "torchplug_no_sync", "torchplug_autocast", "torchplug_barrier",
@@ -324,7 +324,7 @@ def test_every_hook_declares_its_contract_beside_its_specification():
         assert declared.called, name
         assert declared.required <= (declared.kind == "strategy"), name
         if declared.answer is not None:
-            assert isinstance(engine._ANSWER_TYPES[declared.answer], type), name
+            assert isinstance(hooks.ANSWER_TYPES[declared.answer], type), name
             assert declared.answer_text, name
 
 
@@ -406,3 +406,25 @@ def test_load_pretrained_with_the_checkpoint_plugin_blocked_says_how_to_fix_it(
     finally:
         monkeypatch.delenv("TORCHPLUG_BLOCK_PLUGINS")
         manager.reset_registry(forget_blocks=True)
+
+
+def test_every_strategy_hook_has_one_method_on_the_typed_facade():
+    """Issue 26 item 2: one channel. Every strategy hook torchplug calls has its method on
+    `Hooks` (tox's typed façade), and no module of torchplug calls a strategy hook through
+    pluggy's relay (``.hook.torchplug_...``) any more."""
+    import pathlib
+
+    from torchplug.core import hooks, manager
+
+    methods = {name for name in vars(hooks.Hooks) if not name.startswith("_")}
+    for hook in manager.STRATEGY_HOOKS:
+        assert hook.removeprefix("torchplug_") in methods, hook
+    src = pathlib.Path(hooks.__file__).resolve().parent.parent
+    strategy = "|".join(sorted(manager.STRATEGY_HOOKS))
+    pattern = re.compile(rf"\.hook\.({strategy})\(")
+    callers = sorted(
+        str(path.relative_to(src))
+        for path in src.rglob("*.py")
+        if path.name != "hooks.py" and pattern.search(path.read_text())
+    )
+    assert not callers, callers

@@ -36,10 +36,12 @@ from torchplug.checkpoint import manifest as mf
 from torchplug.checkpoint import tensors as store
 from torchplug.checkpoint.coordinate import ARRIVING, Coordinator
 from torchplug.core import async_save as background
+from torchplug.core.context import HookContext
 from torchplug.core.errors import CheckpointError
 
 if TYPE_CHECKING:
     from torchplug.core.engine import Engine
+    from torchplug.core.hooks import Hooks
 
 
 def coordinator(engine: Engine, operation: str, path: str) -> Coordinator:
@@ -67,16 +69,20 @@ def _same_everywhere(results: list[Any], what: str, operation: str) -> None:
 # -- saving ----------------------------------------------------------------------------------------
 
 
+def _hooks(engine: Any) -> Hooks:
+    """The active set's typed hooks, whether ``engine`` is the hook's context (the save and
+    load hooks) or an Engine (``torchplug.checkpoint.save`` called by a backend's own code)."""
+    return engine.hooks if isinstance(engine, HookContext) else engine._context.hooks
+
+
 def capture(engine: Engine, key: str, obj: Any, state: dict[str, Any]) -> tuple[str, Any]:
     """``(kind, payload)`` of one live state entry, through the strategy's state hooks."""
     kind = mf.kind_of(obj, key)
     if kind == "module":
-        return kind, engine.hook.torchplug_model_state(engine=engine, model=obj)
+        return kind, _hooks(engine).model_state(obj)
     if kind == "optimizer":
         model = engine.model_of(obj, state)
-        return kind, engine.hook.torchplug_optimizer_state(
-            engine=engine, model=model, optimizer=obj
-        )
+        return kind, _hooks(engine).optimizer_state(model, obj)
     if kind == "stateful":
         return kind, obj.state_dict()
     return kind, obj
@@ -470,13 +476,12 @@ def _plan(
             targets.update(store.allocate(index, names))
             return lambda t, rest: _replace(state, rest, key, mf.decode(data, t))
         model = target if kind == "module" else engine.model_of(target, state)
-        if engine.hook.torchplug_reads_in_place(engine=engine, kind=kind):
+        hooks = _hooks(engine)
+        if hooks.reads_in_place(kind):
             if kind == "module":
-                live = engine.hook.torchplug_model_state(engine=engine, model=target)
+                live = hooks.model_state(target)
             else:
-                live = engine.hook.torchplug_optimizer_state(
-                    engine=engine, model=model, optimizer=target
-                )
+                live = hooks.optimizer_state(model, target)
             found = _names(live, key)
             common = _compare(root, key, set(names), set(found), strict, kind)
             targets.update({n: found[n] for n in common})
@@ -485,20 +490,16 @@ def _plan(
         else:
             if kind == "module":
                 with deferred.deferring():  # only the names are compared: nothing gathered
-                    live = engine.hook.torchplug_model_state(engine=engine, model=target)
+                    live = hooks.model_state(target)
                 _compare(root, key, set(names), set(_names(live, key)), strict, kind)
             targets.update(store.allocate(index, names))
 
         def restore(t: dict[str, torch.Tensor], rest: dict[str, Any]) -> None:
             payload = mf.decode(data, t)
             if kind == "module":
-                engine.hook.torchplug_load_model_state(
-                    engine=engine, model=target, state=payload, strict=strict
-                )
+                hooks.load_model_state(target, payload, strict)
             else:
-                engine.hook.torchplug_load_optimizer_state(
-                    engine=engine, model=model, optimizer=target, state=payload
-                )
+                hooks.load_optimizer_state(model, target, payload)
 
         return restore
     if kind not in mf.KINDS:

@@ -53,18 +53,9 @@ def full_state(
         return value.detach().cpu().clone()
 
     with engine.native_state_dicts():
-        result = {
-            "model": map_tensors(
-                engine.hook.torchplug_model_state(engine=engine._context, model=model), full
-            )
-        }
+        result = {"model": map_tensors(engine._hooks.model_state(model), full)}
         if optimizer is not None:
-            result["optimizer"] = map_tensors(
-                engine.hook.torchplug_optimizer_state(
-                    engine=engine._context, model=model, optimizer=optimizer
-                ),
-                full,
-            )
+            result["optimizer"] = map_tensors(engine._hooks.optimizer_state(model, optimizer), full)
     return result
 
 
@@ -99,19 +90,16 @@ def save(
     pending = async_save.PendingSave(str(path), engine._staging) if async_ else None
     handoff = async_save.handing_off(pending) if pending else contextlib.nullcontext()
     with engine.native_state_dicts(), handoff:
-        done = engine.hook.torchplug_save(
-            engine=engine._context, path=str(Path(path)), state=state, metadata=metadata
-        )
+        done = engine._hooks.save(str(Path(path)), state, metadata)
     engine._pending_save = pending
-    engine._answer("torchplug_save", done)
+    engine._hooks.answer("torchplug_save", done)
 
 
 def plugin_state(engine: Engine) -> dict[str, Any]:
     """What the active set's plugins keep in every checkpoint (``torchplug_checkpoint_state``),
     under torchplug's reserved names."""
     merged: dict[str, Any] = {}
-    for answer in engine.hook.torchplug_checkpoint_state(engine=engine._context):
-        engine._answer("torchplug_checkpoint_state", answer)
+    for answer in engine._hooks.checkpoint_state():
         for name, obj in answer.items():
             if not (
                 callable(getattr(obj, "state_dict", None))
@@ -137,10 +125,7 @@ def load(
         )
     merged = None if state is None else {**state, **plugin_state(engine)}
     with engine.native_state_dicts():
-        result = engine.hook.torchplug_load(
-            engine=engine._context, path=str(Path(path)), state=merged, strict=strict
-        )
+        answer = engine._hooks.load(str(Path(path)), merged, strict)
     if state is not None and merged is not None:
         state.update({k: merged[k] for k in state})  # plain values replaced, as documented
-    answer = engine._answer("torchplug_load", result)
     return {k: v for k, v in answer.items() if not str(k).startswith(RESERVED_PREFIX)}

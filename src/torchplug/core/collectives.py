@@ -67,25 +67,18 @@ def reduce(engine: Engine, tensor: torch.Tensor | float, op: str) -> torch.Tenso
         )
     tensor = as_tensor(engine, tensor)
     check(engine, f"reduce({op})", tensor)
-    result = guarded(
-        engine, "reduce", lambda: engine._call.torchplug_reduce(engine._context, tensor, op)
-    )
-    return engine._answer("torchplug_reduce", result)
+    return guarded(engine, "reduce", lambda: engine._hooks.reduce(tensor, op))
 
 
 def gather(engine: Engine, tensor: torch.Tensor | float) -> torch.Tensor:
     tensor = as_tensor(engine, tensor)
     check(engine, "gather", tensor)
-    result = guarded(
-        engine, "gather", lambda: engine._call.torchplug_gather(engine._context, tensor)
-    )
-    return engine._answer("torchplug_gather", result)
+    return guarded(engine, "gather", lambda: engine._hooks.gather(tensor))
 
 
 def barrier(engine: Engine) -> None:
     check(engine, "barrier", None)
-    done = guarded(engine, "barrier", lambda: engine._call.torchplug_barrier(engine._context))
-    engine._answer("torchplug_barrier", done)
+    guarded(engine, "barrier", engine._hooks.barrier)
 
 
 def broadcast_object(engine: Engine, obj: Any, src: int) -> Any:

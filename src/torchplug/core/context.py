@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torchplug.core.cluster import ClusterInfo
     from torchplug.core.config import Settings
     from torchplug.core.engine import Engine, Runtime
+    from torchplug.core.hooks import Hooks
 
 
 class HookContextWarning(DeprecationWarning):
@@ -48,7 +49,8 @@ class HookContext:
     leaving on an error: skip collectives at teardown), ``collective_timeout`` and
     ``checkpoint_timeout`` (the one setting each), ``checkpoint_key``, the collectives
     (``reduce``, ``gather``, ``barrier``, ``broadcast_object``), ``hook`` (the active set's
-    hooks: call the state protocol through it), the user objects set up so far (``optimizers``,
+    hooks: call the state protocol through it) and ``hooks`` (the same, typed), the user
+    objects set up so far (``optimizers``,
     ``model_of``, ``accumulating``) and the calls a backend makes on them (``restore_on_close``,
     ``real_optimizer_steps``, ``skipping_updates``, ``native_state_dicts``, ``full_state``,
     ``checkpoint_header``). Each is the Engine member of the same name; the Engine's docs say
@@ -163,6 +165,12 @@ class HookContext:
     @property
     def hook(self) -> Any:
         return self._engine.hook
+
+    @property
+    def hooks(self) -> Hooks:
+        """The active set's typed façade (`torchplug.core.hooks.Hooks`): one method per hook,
+        its answer checked; how torchplug's own checkpoint plugin calls the state protocol."""
+        return self._engine._hooks
 
     def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         """[`Engine.reduce`][torchplug.Engine.reduce], through the active set's reduce hook.

@@ -19,7 +19,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
-import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -33,37 +32,22 @@ from torchplug.core import (
     collectives,
     config,
     connector,
-    dispatch,
     faults,
     manager,
     profiling,
     sharing,
-    spec,
     wrappers,
 )
 from torchplug.core import cluster as cluster_mod
 from torchplug.core.checkpoint_settings import key_from, timeout_from
 from torchplug.core.context import HookContext
 from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
+from torchplug.core.hooks import Hooks
 from torchplug.core.registry import (
     DEFAULT_TIMEOUT,
     StrategyInfo,
     normalize_precision,
 )
-
-#: Hooks called on every training step: resolved once per Engine (see `dispatch`).
-_PER_STEP = tuple(sorted(spec.hooks_where(per_step=True)))
-
-#: The answer types contracts name (torchplug.core.spec.Contract.answer, a dotted name so that
-#: spec.py imports no torch).
-_ANSWER_TYPES: dict[str | None, type] = {
-    "bool": bool,
-    "dict": dict,
-    "tuple": tuple,
-    "torch.Tensor": torch.Tensor,
-    "torch.nn.Module": torch.nn.Module,
-    "contextlib.AbstractContextManager": contextlib.AbstractContextManager,
-}
 
 
 @dataclass(frozen=True)
@@ -203,7 +187,8 @@ class Engine:
         backend: The object holding the strategy's hooks, made by ``info.factory(**options)``.
         plugins: The active set: the backend, the precision plugin and the extensions, in order.
         hook: The active set's hooks, called by name:
-            ``engine.hook.torchplug_barrier(engine=engine)``.
+            ``engine.hook.torchplug_barrier`` (pluggy's relay: torchplug itself calls them
+            through its typed façade, `torchplug.core.hooks`).
         settings: Every setting with where it came from (code, launcher, environment, config file).
         cluster: Who this process is in its job ([`ClusterInfo`][torchplug.ClusterInfo]).
         seed: The seed of the data order.
@@ -314,11 +299,8 @@ class Engine:
             manager.register_checked(self._pm, plugin, name=names.get(id(plugin)))
         self.plugins = tuple(active)
         self.hook = self._pm.hook
-        # the per-step hooks, resolved once (the plugin set is fixed from here on); called with
-        # their arguments in the specification's order
-        self._call = types.SimpleNamespace(
-            **{name: dispatch.resolve(self._pm, name, self._pm.tracing) for name in _PER_STEP}
-        )
+        #: Every call to a strategy hook goes through this typed façade (answers checked).
+        self._hooks = Hooks(self._pm, self._context, self.info.name, self.info.provider or "?")
         self._undo: list[Callable[[], None]] = []
         self._preemption: Any = None
         self._pending_save: Any = None  # an asynchronous save in flight (core.async_save)
@@ -326,12 +308,10 @@ class Engine:
         self._check_contract()
 
         try:
-            runtime = self.hook.torchplug_setup(engine=self._context, cluster=self.cluster)
+            runtime = self._hooks.setup(self.cluster)
         except BaseException:
             self.failing = True  # no teardown barrier: the other ranks may not be there
-            self.hook.torchplug_teardown(
-                engine=self._context
-            )  # release what setup got before failing
+            self._hooks.teardown()  # release what setup got before failing
             raise
         if not isinstance(runtime, Runtime):
             raise PluginError(
@@ -352,8 +332,7 @@ class Engine:
             name
             for name in sorted(manager.ACTION_HOOKS)
             if not any(
-                not (impl.wrapper or impl.hookwrapper)
-                for impl in getattr(self.hook, name).get_hookimpls()
+                not (impl.wrapper or impl.hookwrapper) for impl in self._hooks.implementations(name)
             )
         ]
         if unanswered:
@@ -378,19 +357,8 @@ class Engine:
             )
 
     def _answer(self, hook: str, result: Any, expected: Any = None, what: str = "") -> Any:
-        """``result`` if it is what ``hook`` must return (its contract's answer type, unless
-        ``expected`` narrows it), else an error naming the hook."""
-        if expected is None:
-            declared = spec.CONTRACTS[hook]
-            expected, what = _ANSWER_TYPES[declared.answer], declared.answer_text
-        if not isinstance(result, expected):
-            shown = repr(result)
-            shown = shown if len(shown) < 60 else shown[:57] + "..."
-            raise PluginError(
-                f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}') answered "
-                f"{hook} with {shown}; it must return {what}. Fix that hook in the plugin."
-            )
-        return result
+        """``result`` if it is what ``hook`` must return, else an error naming the hook."""
+        return self._hooks.answer(hook, result, expected, what)
 
     def restore_on_close(self, obj: Any, name: str) -> None:
         """Remember ``obj.name`` as it is now; [`close`][torchplug.Engine.close] puts it back (what
@@ -501,7 +469,7 @@ class Engine:
             with torch.device(self.device):
                 yield
             return
-        own = self.hook.torchplug_init_module(engine=self._context)
+        own = self._hooks.init_module()
         if own is not None:  # the backend partitions as the model is built (DeepSpeed ZeRO-3)
             with own:
                 yield
@@ -663,7 +631,7 @@ class Engine:
         Args:
             batch: Tensors, possibly nested in lists, tuples and dicts.
         """
-        return self._call.torchplug_place_batch(self._context, batch)
+        return self._hooks.place_batch(batch)
 
     # -- training step ----------------------------------------------------------------------------
 
@@ -680,9 +648,7 @@ class Engine:
         """
         if self._accumulating is not None:
             loss = loss / self._accumulating[0]
-        done = self._call.torchplug_backward(self._context, loss, model)
-        if done is not True:  # the answer expected, checked without a call
-            self._answer("torchplug_backward", done)
+        self._hooks.backward(loss, model)
 
     def clip_grad_norm_(
         self,
@@ -703,10 +669,7 @@ class Engine:
         Returns:
             The total norm of the gradients before clipping.
         """
-        norm = self._call.torchplug_clip_grad_norm(
-            self._context, model, optimizer, max_norm, norm_type
-        )
-        return self._answer("torchplug_clip_grad_norm", norm)
+        return self._hooks.clip_grad_norm(model, optimizer, max_norm, norm_type)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
@@ -719,9 +682,7 @@ class Engine:
         if not enabled:
             yield
             return
-        context = self._call.torchplug_no_sync(self._context, model)
-        self._answer("torchplug_no_sync", context)
-        with context:
+        with self._hooks.no_sync(model):
             yield
 
     @contextlib.contextmanager
@@ -779,8 +740,7 @@ class Engine:
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Apply the active precision to code outside the model's forward (e.g. the loss)."""
-        context = self._call.torchplug_autocast(self._context)
-        return self._answer("torchplug_autocast", context)
+        return self._hooks.autocast()
 
     # -- collectives ------------------------------------------------------------------------------
 
@@ -1131,9 +1091,7 @@ class Engine:
             The names of the tensors loaded, missing and unexpected: ``{"loaded", "missing",
                 "unexpected"}``.
         """
-        result = self.hook.torchplug_load_pretrained(
-            engine=self._context, model=self.unwrap(model), path=path, strict=strict
-        )
+        result = self._hooks.load_pretrained(self.unwrap(model), path, strict)
         if result is None:
             raise PluginError(
                 f"No plugin of strategy '{self.info.name}''s active set loads pretrained weights "
@@ -1204,7 +1162,7 @@ class Engine:
                     self._profiler.stop()
                 self._staging.clear()
                 self.loggers.close()
-                self.hook.torchplug_teardown(engine=self._context)
+                self._hooks.teardown()
             finally:
                 while self._undo:  # what setup patched on user objects, newest first
                     self._undo.pop()()

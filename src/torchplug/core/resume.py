@@ -164,7 +164,7 @@ def _step_mismatch(engine: Engine, step: int, path: Path) -> str | None:
     metadata comes from the active set (``torchplug_checkpoint_metadata``: the checkpoint
     plugin reads its manifest), so core reads no checkpoint format itself."""
     try:
-        metadata = engine.hook.torchplug_checkpoint_metadata(engine=engine._context, path=path)
+        metadata = engine._hooks.checkpoint_metadata(path)
     except CheckpointError as exc:
         return f"Cannot resume from {path}: {exc}"
     saved = metadata.get("step") if isinstance(metadata, dict) else None

@@ -83,22 +83,15 @@ def setup(
     if meta and not engine.info.takes_meta_modules:
         # replicated: the whole model, on the CPU as an eager build; the wrap moves it
         materialize(engine, model, optimizers, torch.device("cpu"))
-    result = engine.hook.torchplug_wrap(
-        engine=engine._context, model=model, optimizers=list(optimizers)
-    )
-    engine._answer("torchplug_wrap", result)
-    wrapped, wrapped_optimizers = result
-    engine._answer("torchplug_wrap", wrapped, torch.nn.Module, "an nn.Module first")
+    wrapped, wrapped_optimizers = engine._hooks.wrap(model, list(optimizers))
     if meta and scaling.is_meta(wrapped):
         materialize(engine, wrapped, wrapped_optimizers, engine.device)  # sharded: its shards
     if engine.compile_options is not None:
-        compiled = engine.hook.torchplug_compile(
-            engine=engine._context, model=wrapped, options=engine.compile_options
-        )
+        compiled = engine._hooks.compile(wrapped, engine.compile_options)
         if compiled is None:
             compile_in_place(engine, wrapped, engine.compile_options)
         else:
-            wrapped = engine._answer("torchplug_compile", compiled)
+            wrapped = compiled
     engine._originals[wrapped] = engine.unwrap(model)
     portable_state_dict(engine, wrapped, engine.unwrap(model))
     for opt in wrapped_optimizers:
@@ -190,13 +183,11 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
             engine._pending_save.wait_staged()
         inside = True
         try:
-            stepped = engine._call.torchplug_optimizer_step(engine._context, opt, closure)
+            stepped = engine._hooks.optimizer_step(opt, closure)
         finally:
             inside = False
         if engine._profiler is not None:
             engine._profiler.step()
-        if stepped is not True and stepped is not False:
-            engine._answer("torchplug_optimizer_step", stepped)
         opt.step_was_skipped = stepped is False
         return None
 
