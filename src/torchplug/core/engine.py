@@ -5,7 +5,9 @@ active set in `torchplug.core.connector`; ``setup`` and every change to a user's
 (optimizer steps, state-dict names, compile) are `torchplug.core.wrappers`, undone by
 ``close()``; collectives are
 `torchplug.core.collectives`; the Engine's side of checkpoints is
-`torchplug.core.checkpointing`. What remains here is the public surface and the per-Engine state.
+`torchplug.core.checkpointing`; every hook call goes through the typed façade
+`torchplug.core.hooks` with the narrow `torchplug.core.context.HookContext`. What remains here is
+the public surface and the per-Engine state.
 
 Why this module is over 500 lines: it is the public API. Each of the Engine's ~50 public
 methods and properties keeps its Google-style docstring here (docs/api.md renders them with
