@@ -126,6 +126,10 @@ def _key(item: Any) -> str:
 
 
 def only_run(root: Path) -> Run:
+    # wandb's service writes the run file in the background and may not have flushed it when
+    # finish() returns (CI under load read a file holding only its header): shutting the
+    # service down closes its files.
+    wandb.teardown()
     (path,) = run_files(root)  # exactly one run
     return Run(path)
 
