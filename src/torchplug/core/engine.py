@@ -307,7 +307,7 @@ class Engine:
         self._preemption: Any = None
         self._pending_save: Any = None  # an asynchronous save in flight (core.async_save)
         self._staging: dict[str, Any] = {}  # async saves' host copies, reused by the next one
-        self._check_contract()
+        self._check_contract(sorted(manager.DEFAULT_ANSWERS - defaults.keys()))
 
         try:
             runtime = self._hooks.setup(self.cluster)
@@ -327,9 +327,10 @@ class Engine:
 
     # -- the contract -----------------------------------------------------------------------------
 
-    def _check_contract(self) -> None:
+    def _check_contract(self, missing: list[str]) -> None:
         """Refuse to start when an action hook has no answer in the active set (a backend that
-        forgot one would otherwise do nothing, silently, when that hook is called)."""
+        forgot one would otherwise do nothing, silently, when that hook is called); ``missing``:
+        the built-in default-answer plugins that are blocked, named in the error."""
         unanswered = [
             name
             for name in sorted(manager.ACTION_HOOKS)
@@ -338,12 +339,6 @@ class Engine:
             )
         ]
         if unanswered:
-            present = {manager.qualified_name(p) for p in self.plugins}
-            missing = [
-                name
-                for name, module in manager.BUILTIN_PLUGINS
-                if name in manager.DEFAULT_ANSWERS and module not in present
-            ]
             raise PluginError(
                 f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
                 f"{manager.qualified_name(self.backend)}) leaves {len(unanswered)} hook(s) "
@@ -357,10 +352,6 @@ class Engine:
                     else ": implement these hooks in the backend."
                 )
             )
-
-    def _answer(self, hook: str, result: Any, expected: Any = None, what: str = "") -> Any:
-        """``result`` if it is what ``hook`` must return, else an error naming the hook."""
-        return self._hooks.answer(hook, result, expected, what)
 
     def restore_on_close(self, obj: Any, name: str) -> None:
         """Remember ``obj.name`` as it is now; [`close`][torchplug.Engine.close] puts it back (what
