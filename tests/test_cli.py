@@ -187,10 +187,11 @@ def test_config_writes_a_file_that_engine_and_launch_read(tmp_path):
     text = (tmp_path / "torchplug.toml").read_text()
     assert 'strategy = "ddp"' in text and "processes = 2" in text and "timeout = 60" in text
     (tmp_path / "show.py").write_text(
-        "import torchplug as tp\n"
+        "import os, torchplug as tp\n"
         "with tp.Engine() as engine:\n"
-        "    print(f'rank {engine.rank} of {engine.world_size} {engine.info.name} '\n"
-        "          f'{engine.precision} {engine.collective_timeout:g}', flush=True)\n"
+        "    line = (f'rank {engine.rank} of {engine.world_size} {engine.info.name} '\n"
+        "            f'{engine.precision} {engine.collective_timeout:g}\\n')\n"
+        "    os.write(1, line.encode())  # one write: print's text and newline can interleave\n"
         "    engine.log({'x': 1.0}, step=0)\n"
     )
     run = torchplug("launch", "show.py", cwd=tmp_path, timeout=300)

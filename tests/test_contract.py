@@ -116,6 +116,56 @@ def test_what_a_subclass_inherits_is_not_its_answer(defaults_blocked):
     assert {"torchplug_optimizer_step", "torchplug_reduce", "torchplug_barrier"} <= named, named
 
 
+@pytest.mark.parametrize("name", ["single", "ddp", "only-three"])
+def test_the_plugins_listing_names_what_the_engine_would_refuse(defaults_blocked, name, capsys):
+    """`torchplug plugins` does not call a strategy usable that the Engine refuses to start:
+    its static reading of a class backend names exactly the hooks the Engine's check names."""
+    from torchplug.cli.plugins import plugins, unanswered_hooks
+    from torchplug.core import manager
+
+    if name == "only-three":
+        register(name, OnlyThree)
+    with pytest.raises(tp.PluginError) as info:
+        tp.Engine(name)
+    refused = sorted(set(re.findall(r"torchplug_\w+", str(info.value))))
+    registry = manager.get_registry()
+    assert unanswered_hooks(registry, registry.strategies[name].factory) == refused
+    plugins()
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(name))
+    assert f"unusable: leaves {len(refused)} action hooks" in row, row
+    assert "torch_distributed, the default, is blocked" in row, row
+
+
+def test_plugins_verbose_says_what_answers_each_hook_the_checkpoint_defaults_included():
+    from torchplug.cli.plugins import hook_answers
+    from torchplug.core import manager
+    from torchplug.plugins.single import SingleDevice
+
+    answers = dict(hook_answers(manager.get_registry(), SingleDevice))
+    assert answers["torchplug_setup"] == "torchplug.plugins.single:SingleDevice"
+    for hook in ("torchplug_save", "torchplug_load", "torchplug_load_pretrained"):
+        assert answers[hook].startswith("checkpoint (the built-in default"), answers
+    assert answers["torchplug_reduce"].startswith("torch_distributed (the built-in default")
+    assert not any(where.startswith("UNANSWERED") for where in answers.values()), answers
+
+
+def test_the_plugins_listing_calls_a_backend_answering_everything_usable(defaults_blocked, capsys):
+    from torchplug.cli.plugins import plugins, unanswered_hooks
+    from torchplug.core import defaults, manager
+
+    class Everything(OnlyThree):
+        pass
+
+    for name in dir(defaults):
+        if name.startswith("torchplug_") and not hasattr(OnlyThree, name):
+            setattr(Everything, name, tpp.hookimpl(staticmethod(getattr(defaults, name))))
+    register("everything", Everything)
+    assert unanswered_hooks(manager.get_registry(), Everything) == []
+    plugins()
+    row = next(line for line in capsys.readouterr().out.splitlines() if "everything" in line)
+    assert row.rstrip().endswith("usable") and "unusable" not in row, row
+
+
 def test_the_checkpoint_defaults_are_a_plugin_that_can_be_blocked(monkeypatch):
     """Issue 26 item 3: the portable save/load is the built-in plugin `checkpoint` (listed,
     blockable), not a base-class method: blocked, a backend that does not answer save/load

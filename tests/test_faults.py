@@ -197,6 +197,32 @@ def test_a_configuration_error_on_every_rank_is_reported_once_and_short(tmp_path
 
 
 @pytest.mark.slow
+def test_a_long_message_is_cut_at_a_word_saying_where_the_rest_is(tmp_path):
+    """The summary's one line per rank never cuts a word (an outsider read
+    `torchplug_model_state, torchplu`): it ends `... (cut: ...)` naming where the whole is, and
+    the first rank's traceback holds the whole message."""
+    script = tmp_path / "long.py"
+    script.write_text(
+        "import torchplug as tp\n"
+        "with tp.Engine('ddp') as engine:\n"
+        "    words = ' '.join(f'torchplug_hook_number_{i}' for i in range(40))\n"
+        "    raise ValueError(f'rank {engine.rank} leaves {words} unanswered END')\n"
+    )
+    run = torchplug("launch", "-n", "2", str(script), timeout=300)
+    assert run.returncode == 1, run.stderr
+    headline = next(x for x in run.stderr.splitlines() if "failed first: " in x)
+    message = headline.split("failed first: ", 1)[1]
+    assert message.endswith("... (cut: the traceback below has it whole)"), headline
+    kept = message.split(" ... (cut:")[0]
+    assert len(kept) <= 300 and re.fullmatch(r".* torchplug_hook_number_\d+", kept), kept
+    assert re.search(r"rank \d leaves .* torchplug_hook_number_39 unanswered END", run.stderr)
+    for line in run.stderr.splitlines():
+        if line.startswith("[torchplug] rank") or line.startswith("  rank "):
+            assert "END" not in line and "torchplug_hook_number_39" not in line, line
+            assert not re.search(r"torchplug_hook_number_?$|torchplug_hook_num\b", line), line
+
+
+@pytest.mark.slow
 def test_launch_debug_turns_the_check_on_in_every_rank(tmp_path):
     script = tmp_path / "mismatch.py"
     script.write_text(

@@ -152,30 +152,57 @@ def test_the_single_backend_and_amp_stay_inside_the_context(tmp_path, precision)
         _train_strict("single", str(tmp_path / "ckpt"), precision)
 
 
-def test_the_warning_is_shown_by_default_outside_main(tmp_path):
-    """A hook never runs in ``__main__``, where Python shows DeprecationWarnings; torchplug shows
-    this one anyway, or an author would never see it under launch or check."""
+POKES = (
+    "import torch\n"
+    "import torchplug.plugin as tpp\n"
+    "class Pokes:\n"
+    "    @tpp.hookimpl(wrapper=True)\n"
+    "    def torchplug_reduce(self, engine, tensor, op):\n"
+    "        engine.loggers\n"
+    "        return (yield)\n"
+)
+POKED = (
+    "import torch, torchplug as tp, pokes\n"
+    "with tp.Engine('single', plugins=[pokes.Pokes()]) as engine:\n"
+    "    engine.reduce(torch.tensor(1.0))\n"
+)
+
+
+def run_poked(tmp_path, *options: str, warnings_env: str | None = None):
+    """The script above in a fresh interpreter, with the given -W options / PYTHONWARNINGS."""
+    import os
     import subprocess
     import sys
 
-    (tmp_path / "pokes.py").write_text(
-        "import torch\n"
-        "import torchplug.plugin as tpp\n"
-        "class Pokes:\n"
-        "    @tpp.hookimpl(wrapper=True)\n"
-        "    def torchplug_reduce(self, engine, tensor, op):\n"
-        "        engine.loggers\n"
-        "        return (yield)\n"
-    )
-    script = (
-        "import torch, torchplug as tp, pokes\n"
-        "with tp.Engine('single', plugins=[pokes.Pokes()]) as engine:\n"
-        "    engine.reduce(torch.tensor(1.0))\n"
-    )
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONWARNINGS"}
-    env["PYTHONPATH"] = f"{tmp_path}{__import__('os').pathsep}{env.get('PYTHONPATH', '')}"
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
-    )
+    (tmp_path / "pokes.py").write_text(POKES)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    if warnings_env is not None:
+        env["PYTHONWARNINGS"] = warnings_env
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return subprocess.run(
+        [sys.executable, *options, "-c", POKED], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_the_warning_is_shown_by_default_outside_main(tmp_path):
+    """A hook never runs in ``__main__``, where Python shows DeprecationWarnings; torchplug shows
+    this one anyway, or an author would never see it under launch or check."""
+    done = run_poked(tmp_path)
     assert done.returncode == 0, done.stderr
     assert "pokes.py:6: HookContextWarning: engine.loggers in a hook" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("option", ["error", "error::DeprecationWarning"])
+def test_python_dash_w_error_makes_it_an_error(tmp_path, option):
+    """The user's own warning filter decides (an outsider found ``-W error`` had no effect)."""
+    done = run_poked(tmp_path, "-W", option)
+    assert done.returncode != 0, done.stderr
+    assert "HookContextWarning: engine.loggers in a hook" in done.stderr, done.stderr
+    assert "Traceback" in done.stderr, done.stderr
+
+
+def test_pythonwarnings_can_hide_it(tmp_path):
+    done = run_poked(tmp_path, warnings_env="ignore::DeprecationWarning")
+    assert done.returncode == 0, done.stderr
+    assert "HookContextWarning" not in done.stderr, done.stderr

@@ -54,6 +54,44 @@ def test_missing_script(tmp_path, script):
     assert "Did you mean 'train.py'? Give the path of a Python file" in line
 
 
+def test_a_strategy_its_blocked_defaults_leave_unanswered_is_refused(tmp_path, script):
+    """With ``torch_distributed`` blocked, ddp's class answers setup, wrap and no_sync only: every
+    rank's Engine would refuse, so the launcher refuses first, naming the hooks and the fixes."""
+    run = torchplug(
+        "launch", "-n", "2", "--strategy", "ddp", str(script), str(tmp_path),
+        env={"TORCHPLUG_BLOCK_PLUGINS": "torch_distributed"},
+    )  # fmt: skip
+    line = refused(run, tmp_path)
+    assert "strategy 'ddp' (from torchplug launch --strategy) leaves 13 action hook(s)" in line
+    assert "torchplug_optimizer_step" in line and "torchplug_reduce" in line, line
+    assert "blocked default plugins: torch_distributed" in line, line
+    assert "--plugin MODULE" in line and "TORCHPLUG_BLOCK_PLUGINS" in line, line
+
+
+@pytest.mark.slow
+def test_a_plugin_given_with_dash_dash_plugin_answering_them_is_let_through(tmp_path):
+    (tmp_path / "answers.py").write_text(
+        "from torchplug.core import defaults\n"
+        "hooks = {k: v for k, v in vars(defaults).items() if k.startswith('torchplug_')}\n"
+        "globals().update(hooks)\n"
+    )  # the defaults' answers, under another plugin name
+    (tmp_path / "train.py").write_text(
+        "import sys, torch, torchplug as tp\n"
+        "from pathlib import Path\n"
+        "with tp.Engine() as engine:\n"
+        "    total = engine.reduce(torch.tensor(float(engine.rank + 1)), 'sum').item()\n"
+        "    Path(sys.argv[1], f'started-{engine.rank}').write_text(str(total))\n"
+    )
+    run = torchplug(
+        "launch", "-n", "2", "--strategy", "ddp", "--plugin", "answers", "train.py",
+        str(tmp_path), env={"TORCHPLUG_BLOCK_PLUGINS": "torch_distributed"}, cwd=tmp_path,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    made = {p.name: p.read_text() for p in tmp_path.glob("started-*")}
+    assert made == {"started-0": "3.0", "started-1": "3.0"}, made
+
+
 def test_missing_module(tmp_path):
     line = refused(torchplug("launch", "-n", "1", "-m", "no_such_module_here"), tmp_path)
     assert "-m no_such_module_here: no module of that name can be imported" in line

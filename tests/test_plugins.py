@@ -298,6 +298,20 @@ def test_blocked_plugins_are_never_imported(fake_distribution, monkeypatch):
     assert registry.blocked == {"broken", "fakeplug"}
 
 
+def test_a_block_naming_no_plugin_is_shown_with_the_names_to_use(fake_distribution, monkeypatch):
+    """A block takes plugin names; one naming a package, or misspelt, would otherwise look as if
+    it took effect (an outsider blocked `torchplug-counting`, the package, and nothing was)."""
+    monkeypatch.setenv("TORCHPLUG_BLOCK_PLUGINS", "FakePlug,torch-distributed,broken")
+    registry = manager.get_registry()
+    assert "fake" in registry.strategies  # the package name blocked nothing
+    lines = registry.loading_state()
+    unmatched = [line for line in lines if line.startswith("blocked but matching no plugin")]
+    assert len(unmatched) == 2, lines  # 'broken' is a plugin's name: it took effect
+    package, typo = sorted(unmatched)
+    assert "FakePlug (the package FakePlug provides the plugin(s) broken, fakeplug" in package
+    assert "Did you mean 'torch_distributed'?" in typo, typo
+
+
 def test_blocking_a_built_in_removes_its_strategies():
     manager.get_registry()
     tp.block("ddp")

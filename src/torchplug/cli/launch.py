@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torchplug.core.errors import TorchplugError
+from torchplug.core.errors import TorchplugError, first_line
 
 #: torchplug's own launcher flags; written after the script they would reach the script instead.
 OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug", "--logger")
@@ -420,7 +420,31 @@ def check_settings(args: Any, nprocs: str) -> Any:
         raise LaunchError(found[0])
     if getattr(args, "in_code_strategy", False):
         return None
+    check_contract(registry, str(settings.strategy.value), settings.strategy.source)
     return registry.strategy(args.strategy) if args.strategy else None
+
+
+def check_contract(registry: Any, name: str, source: str) -> None:
+    """Refuse a strategy whose backend class leaves an action hook unanswered (its default
+    plugin blocked): every process would refuse at its Engine, so none is started. Read from the
+    class, as `torchplug plugins` reads it; a strategy made by a function is left to the Engine."""
+    from torchplug.cli.plugins import unanswered_hooks
+    from torchplug.core.manager import DEFAULT_ANSWERS
+
+    canonical = registry.canonical(name)
+    if canonical is None:
+        return  # "auto": the Engine picks it (its own check runs there)
+    info = registry.strategies[canonical]
+    gap = unanswered_hooks(registry, info.factory)
+    if gap:
+        blocked = ", ".join(sorted(DEFAULT_ANSWERS & registry.blocked)) or "none"
+        raise LaunchError(
+            f"strategy '{info.name}' (from {source}) leaves {len(gap)} action hook(s) "
+            f"unanswered: {', '.join(gap)} (blocked default plugins: {blocked}), so every "
+            f"process's Engine would refuse to start. Unblock the default (TORCHPLUG_BLOCK_"
+            f"PLUGINS), or answer these hooks in the backend or in a plugin given with --plugin "
+            f"MODULE."
+        )
 
 
 def check_loggers(names: Sequence[str]) -> None:
@@ -651,10 +675,11 @@ def _when(failure: Any) -> float:
         return float(failure.timestamp)
 
 
-def _one_line(failure: Any) -> str:
+def _one_line(failure: Any, rest: str | None = None) -> str:
     message = _error_data(failure).get("message")
     if message:
-        return str(message).strip().splitlines()[0][:300]
+        where = getattr(failure, "error_file", None)
+        return first_line(message, rest=rest or (f"whole in {where}" if where else "output above"))
     if failure.exitcode < 0:
         return f"stopped by signal {failure.signal_name()}"
     return f"exit code {failure.exitcode} (no error recorded: its own output is above)"
@@ -673,7 +698,7 @@ def summary(failures: dict[int, Any], script: str = "the script") -> str:
     first_rank, first = ranked[0]
     lines = [
         f"torchplug launch: the job failed ({script}). Rank {first_rank} failed first: "
-        f"{_one_line(first)}"
+        f"{_one_line(first, rest='the traceback below has it whole')}"
     ]
     stalled = [r for r, f in ranked if not _error_data(f) and f.exitcode < 0]
     if stalled and _error_data(first).get("extraInfo", {}).get("torchplug_secondary"):
@@ -689,10 +714,14 @@ def summary(failures: dict[int, Any], script: str = "the script") -> str:
     others = [(r, f) for r, f in ranked if r != first_rank]
     if others:
         lines.append("then:")
-        headline = _one_line(first)
+        headline = _one_line(first, rest="-")  # compared without where the rest lies
         lines += [
             f"  rank {r}: "
-            + (f"the same error as rank {first_rank}" if _one_line(f) == headline else _one_line(f))
+            + (
+                f"the same error as rank {first_rank}"
+                if _one_line(f, rest="-") == headline
+                else _one_line(f)
+            )
             for r, f in others
         ]
     return "\n".join(lines)

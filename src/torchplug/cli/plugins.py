@@ -15,7 +15,7 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 def plugins(verbose: bool = False) -> int:
     """Print the strategies and precisions with their provider and status."""
-    from torchplug.core.manager import STRATEGY_HOOKS, get_registry
+    from torchplug.core.manager import DEFAULT_ANSWERS, STRATEGY_HOOKS, get_registry
 
     registry = get_registry()
     rows = []
@@ -24,7 +24,16 @@ def plugins(verbose: bool = False) -> int:
         provider = info.distribution or "in-house"
         if info.version:
             provider += f" {info.version}"
-        if reason is None:
+        gap = unanswered_hooks(registry, info.factory)
+        if reason is None and gap:
+            blocked = sorted(DEFAULT_ANSWERS & registry.blocked)
+            named = ", ".join(gap) if len(gap) <= 3 else f"{len(gap)} action hooks (-v names them)"
+            status = (
+                f"unusable: leaves {named} unanswered"
+                + (f" ({', '.join(blocked)}, the default, is blocked)" if blocked else "")
+                + "; unblock it or answer them in Engine(plugins=...)"
+            )
+        elif reason is None:
             status = "usable"
         elif info.problem:
             status = reason  # "broken: ..."
@@ -86,9 +95,7 @@ def plugins(verbose: bool = False) -> int:
                 print(f"  extends: {info.extends}")
             for opt in info.options:
                 print(f"  option {opt.name}: {opt.type_name()} = {opt.default!r}  {opt.help}")
-            hooks = implemented_hooks(
-                info.factory, "torch_distributed" in registry.default_answers()
-            )
+            hooks = hook_answers(registry, info.factory)
             if hooks:
                 print("  hooks:")
                 for hook, where in hooks:
@@ -110,28 +117,51 @@ def plugins(verbose: bool = False) -> int:
     return 0
 
 
-def implemented_hooks(factory: object, defaults: bool = True) -> list[tuple[str, str]]:
-    """For a strategy whose factory is a class: each strategy hook it implements, with the class
-    (``module:qualname``) whose method answers it, so an author sees what a subclass inherits."""
+def hook_answers(registry: object, factory: object) -> list[tuple[str, str]]:
+    """For a strategy whose factory is a class: each strategy hook with what answers it in full
+    precision, so an author sees what a subclass answers and what it leaves to others. The class
+    (``module:qualname``) whose method answers it (what it inherits from `Strategy` is not an
+    answer), else the registered extensions that do (the built-in default plugins among them),
+    else, for an action hook, ``UNANSWERED`` (the Engine refuses to start). Empty for a factory
+    that is a function: its object is known only once made."""
     import inspect
 
-    from torchplug.core.manager import STRATEGY_HOOKS, qualified_name
+    from torchplug.core.manager import ACTION_HOOKS, DEFAULT_ANSWERS, STRATEGY_HOOKS, qualified_name
 
     if not inspect.isclass(factory):
         return []
+    pm = registry.pm  # type: ignore[attr-defined]
+    by_extensions: dict[str, list[str]] = {}
+    for plugin in registry.extensions():  # type: ignore[attr-defined]
+        name = pm.get_name(plugin) or qualified_name(plugin)
+        label = f"{name} (the built-in default, trylast)" if name in DEFAULT_ANSWERS else name
+        for caller in pm.get_hookcallers(plugin) or []:
+            if any(
+                i.plugin is plugin and not (i.wrapper or i.hookwrapper)
+                for i in caller.get_hookimpls()
+            ):
+                by_extensions.setdefault(caller.name, []).append(label)
+    blocked = sorted(DEFAULT_ANSWERS & registry.blocked)  # type: ignore[attr-defined]
     found = []
     for hook in sorted(STRATEGY_HOOKS):
         owner = next((c for c in factory.__mro__ if hook in vars(c)), None)
-        if owner is not None and getattr(vars(owner)[hook], "torchplug_inherited_default", False):
-            # Strategy's delegate: not the backend's answer; the built-in plugin answers
-            found.append(
-                (hook, "torch_distributed (the built-in default, trylast)")
-                if defaults
-                else (hook, "UNANSWERED: torch_distributed, its default, is blocked")
-            )
-        elif owner is not None:
+        if owner is not None and not getattr(
+            vars(owner)[hook], "torchplug_inherited_default", False
+        ):
             found.append((hook, qualified_name(owner)))
+        elif hook in by_extensions:
+            found.append((hook, ", ".join(by_extensions[hook])))
+        elif hook in ACTION_HOOKS:
+            why = f" (blocked: {', '.join(blocked)})" if blocked else ""
+            found.append((hook, f"UNANSWERED{why}"))
     return found
+
+
+def unanswered_hooks(registry: object, factory: object) -> list[str]:
+    """The action hooks a strategy whose factory is a class would leave unanswered in full
+    precision (`hook_answers`): the Engine refuses such a strategy at start, and the listing
+    says so beforehand."""
+    return [hook for hook, where in hook_answers(registry, factory) if where.startswith("UNANSW")]
 
 
 def cluster_environments(registry: object) -> list[list[str]]:

@@ -16,6 +16,7 @@ working and learns what to change.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,10 @@ class HookContextWarning(DeprecationWarning):
 
 # Python hides DeprecationWarnings raised outside __main__, and a hook never runs in __main__:
 # without this filter an author would not see it under torchplug launch or torchplug check.
-warnings.filterwarnings("default", category=HookContextWarning)
+# Only when the user chose no warning filter (-W, PYTHONWARNINGS): then theirs decides, so
+# `-W error` makes it an error and `PYTHONWARNINGS=ignore::DeprecationWarning` hides it.
+if not sys.warnoptions:
+    warnings.filterwarnings("default", category=HookContextWarning)
 
 
 class HookContext:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import pluggy
 
-from torchplug.core.errors import PluginError
+from torchplug.core.errors import PluginError, did_you_mean
 from torchplug.core.validation import plugin_label
 
 if TYPE_CHECKING:
@@ -198,7 +198,32 @@ def loading_state(registry: Registry) -> list[str]:
     lines = [f"autoload: {autoload}", f"allow-list (TORCHPLUG_PLUGINS): {allow}"]
     if registry.blocked:
         lines.append(f"blocked: {', '.join(sorted(registry.blocked))}")
+        lines += _unmatched_blocks(registry)
     lines += [f"hidden: {name}: {why}" for name, why in sorted(registry.hidden.items())]
+    return lines
+
+
+def _unmatched_blocks(registry: Registry) -> list[str]:
+    """A line for each blocked name that no plugin here has: a block names a plugin (an entry
+    point's name, a built-in's, a module given to ``--plugin``), not the package providing it,
+    and one naming nothing would otherwise look as if it took effect."""
+    found = candidates()
+    registered = {name for name, plugin in registry.pm.list_name_plugin() if plugin is not None}
+    known = {c.name for c in found} | registered
+    by_distribution: dict[str, list[str]] = {}
+    for candidate in found:
+        distribution = candidate.origin()[0]
+        if distribution:
+            by_distribution.setdefault(distribution.lower(), []).append(candidate.name)
+    lines = []
+    for name in sorted(set(registry.blocked) - known):
+        provides = by_distribution.get(name.lower())
+        hint = (
+            f"the package {name} provides the plugin(s) {', '.join(sorted(provides))}: block those"
+            if provides
+            else (did_you_mean(name, known) + f" Plugin names here: {', '.join(sorted(known))}")
+        ).strip()
+        lines.append(f"blocked but matching no plugin: {name} ({hint})")
     return lines
 
 

@@ -22,6 +22,17 @@ class CheckpointError(TorchplugError):
     """A checkpoint is missing, incomplete, altered, or does not match the state to load into."""
 
 
+def first_line(message: object, limit: int = 300, rest: str = "the traceback has it") -> str:
+    """A message's first line for a one-line summary, cut at a word before ``limit`` characters
+    with ``... (cut: <rest>)`` so a reader knows there is more and where, never mid-word."""
+    line = (str(message).strip().splitlines() or [""])[0]
+    if len(line) <= limit:
+        return line
+    cut = line[:limit]
+    cut = cut[: cut.rfind(" ")] if " " in cut[limit // 2 :] else cut
+    return f"{cut.rstrip(' ,;:')} ... (cut: {rest})"
+
+
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """Return ``" Did you mean 'x'?"`` for the closest candidate, or an empty string."""
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)

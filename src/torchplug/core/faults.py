@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from torchplug.core.errors import ConfigurationError, TorchplugError
+from torchplug.core.errors import ConfigurationError, TorchplugError, first_line
 
 DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
 LAUNCHED_ENV = "TORCHPLUG_LAUNCHED"
@@ -137,9 +137,9 @@ def _excepthook(
     # says one line, unless a restart follows (no summary then) and it is the first to fail.
     launched = recorded and path and os.environ.get(LAUNCHED_ENV)
     if launched and not (_restarts_left() and _first_on_node(Path(path))):
-        first_line = (str(exc).strip().splitlines() or [""])[0]
         sys.stderr.write(
-            f"[torchplug] rank {_rank()} failed: {kind.__name__}: {first_line[:300]} "
+            f"[torchplug] rank {_rank()} failed: {kind.__name__}: "
+            f"{first_line(exc, rest='see the traceback in the summary')} "
             f"(traceback in torchplug launch's summary)\n"
         )
         return
