@@ -221,3 +221,20 @@ def test_each_builtin_strategy_page_lists_its_options():
         assert f"### `{name}`" in text, f"{page}.md lacks {name}"
         for option in info.options:
             assert f"| `{option.name}` |" in text, f"{page}.md lacks option {option.name}"
+
+
+def test_the_example_backend_shown_whole_is_the_file_and_its_length_is_right():
+    """docs/plugins.md shows examples/plugins/torchplug-bf16comm's module "whole" and README.md
+    says how long it is: both must stay what the file is (an outsider found they had drifted)."""
+    source = ROOT / "examples" / "plugins" / "torchplug-bf16comm" / "torchplug_bf16comm.py"
+    code = source.read_text()
+    length = len(code.splitlines())
+    page = (DOCS / "plugins.md").read_text()
+    said = re.search(
+        r"a (\d+)-line file plus its pyproject\) is:\n\n```python\n(.*?)```", page, re.S
+    )
+    assert said, "the whole-file block is gone from docs/plugins.md"
+    assert said.group(2) == code
+    assert int(said.group(1)) == length
+    readme = (ROOT / "README.md").read_text()
+    assert f"a {length}-line file plus its pyproject" in readme

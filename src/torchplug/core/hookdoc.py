@@ -232,9 +232,9 @@ def render() -> str:
         "gather, barrier, save, load) must be called by all ranks in the same order.",
         "- `TORCHPLUG_TRACE=1` prints each call, the wrappers around it and the final result.",
         "",
-        "Renamed or retired hooks keep working for one minor version with a "
-        "`DeprecationWarning` (pluggy's `warn_on_impl`) naming the replacement "
-        "(see [plugins.md](plugins.md#8-versioning)).",
+        "Renamed or retired hooks keep working, with a `DeprecationWarning` (pluggy's "
+        "`warn_on_impl`) naming the replacement, until the next major API version, which "
+        "removes them (a minor version only adds; see [plugins.md](plugins.md#8-versioning)).",
         "",
     ]
     if spec.RETIRED_HOOKS:

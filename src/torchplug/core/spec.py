@@ -64,8 +64,8 @@ removes or changes them. A plugin declares the range it supports, e.g.
 excludes this version is not loaded, and ``torchplug plugins`` says why (docs/plugins.md)."""
 
 #: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
-#: the API version that removes it). An entry stays for one minor version, with a hookspec under
-#: the old name made by `deprecated_hookspec`, before the old hook is removed.
+#: the API version that removes it: the next major one, since a minor version only adds). Until
+#: then the old name keeps a hookspec made by `deprecated_hookspec`, which warns when implemented.
 RETIRED_HOOKS: dict[str, tuple[str, str]] = {
     "torchplug_convert_checkpoint": ("torchplug_read_checkpoint", "2.0"),
 }
@@ -132,9 +132,10 @@ def hooks_where(**wanted: Any) -> frozenset[str]:
 
 
 def deprecated_hookspec(replacement: str, removed_in: str, **options: Any) -> Callable[[Any], Any]:
-    """A hookspec marker for a hook being renamed or retired: implementing it still works for
-    one minor version, with a DeprecationWarning at registration (pluggy's ``warn_on_impl``)
-    naming the replacement, so plugin authors learn of it before the hook is removed.
+    """A hookspec marker for a hook being renamed or retired: implementing it still works until
+    the major API version ``removed_in`` (a minor version only adds), with a DeprecationWarning
+    at registration (pluggy's ``warn_on_impl``) naming the replacement, so plugin authors
+    learn of it before the hook is removed.
 
     Args:
         replacement: The hook to implement instead (``""``: none).
