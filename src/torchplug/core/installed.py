@@ -290,13 +290,6 @@ class Registry:
         names = sorted({*self.strategies, *self.aliases})
         lines = [f"Unknown strategy '{name}'.{did_you_mean(name.lower(), names)}"]
         lines.append(f"Installed: {', '.join(self.usable_names()) or 'none'}.")
-        unusable = {n: r for n, i in sorted(self.strategies.items()) if (r := i.unusable_reason())}
-        if unusable:
-            lines.append(
-                "Installed but unusable here: "
-                + "; ".join(f"{n}: {r}" for n, r in unusable.items())
-                + "."
-            )
         if self.errors:
             lines.append(
                 "Plugins that failed to load: "
@@ -308,6 +301,14 @@ class Registry:
                 "Installed plugins not loaded: "
                 + "; ".join(f"{n} ({why})" for n, why in sorted(self.hidden.items()))
                 + ": one of them may provide it."
+            )
+        # what may provide it first; what is installed but cannot run here after
+        unusable = {n: r for n, i in sorted(self.strategies.items()) if (r := i.unusable_reason())}
+        if unusable:
+            lines.append(
+                "Installed but unusable here: "
+                + "; ".join(f"{n}: {r}" for n, r in unusable.items())
+                + "."
             )
         if not self.strategies:
             lines.append(
