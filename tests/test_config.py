@@ -146,6 +146,35 @@ def test_doctor_shows_the_shared_and_the_strategy_tables_with_their_source(proje
     assert len({line.index("config file") for line in settings}) == 1
 
 
+def test_doctor_shows_processes_loggers_and_log_dir_and_calls_a_typo_invalid(project):
+    """Everything torchplug.toml and the environment set is shown with its source; a shared
+    option no installed strategy knows is called invalid in its row, as it is below it."""
+    (project / "torchplug.toml").write_text(
+        'strategy = "ddp"\nprocesses = 2\nnodes = 1\nloggers = ["csv"]\n'
+        "[options]\ntimeout = 60\nbucket_cap_mb = 5\nbogus = 1\n"
+    )
+    from test_cluster import doctor_run
+
+    run = doctor_run({"TORCHPLUG_LOG_DIR": str(project / "runs")}, project)
+    assert run.returncode == 1, run.stdout + run.stderr  # 'bogus'
+    output = run.stdout
+    row = {line.split()[0]: line for line in output.splitlines() if line.startswith("  ")}
+    assert row["processes"].split()[1] == "2" and "(read by torchplug launch)" in row["processes"]
+    assert row["nodes"].split()[1] == "1"
+    assert row["loggers"].split()[1] == "csv" and "torchplug.toml" in row["loggers"]
+    assert str(project / "runs") in row["log_dir"] and "TORCHPLUG_LOG_DIR" in row["log_dir"]
+    assert "(an option of no installed strategy: invalid, below)" in row["options.bogus"]
+    assert "unused" not in row["options.bogus"]
+    assert "option 'bogus'" in output.split("\ninvalid\n")[1]
+    output = doctor_run(
+        {"TORCHPLUG_STRATEGY": "fsdp", "TORCHPLUG_LOGGERS": "jsonl"}, project
+    ).stdout
+    row = {line.split()[0]: line for line in output.splitlines() if line.startswith("  ")}
+    assert "(not an option of this strategy: unused)" in row["options.bucket_cap_mb"]
+    assert row["loggers"].split()[1] == "jsonl" and "TORCHPLUG_LOGGERS" in row["loggers"]
+    assert row["log_dir"].split()[1] == "logs" and "default" in row["log_dir"]
+
+
 def test_doctor_flags_a_table_for_no_installed_strategy(project):
     from test_cluster import doctor_run
 

@@ -34,7 +34,7 @@ def doctor(plugins: list[str] | None = None) -> int:
     import torch
 
     import torchplug
-    from torchplug.core import cluster, config, connector
+    from torchplug.core import cluster, config, connector, metrics
     from torchplug.core.errors import TorchplugError
     from torchplug.core.manager import get_registry, import_plugin_module
 
@@ -91,11 +91,24 @@ def doctor(plugins: list[str] | None = None) -> int:
             shown_settings = dataclasses.replace(settings)
             shown_settings.for_strategy(registry.strategies[chosen], registry.canonical)
         rows = []
+        known = {o.name for info in registry.strategies.values() for o in info.options}
         for name, value, source in shown_settings.rows():
             shown = value
             if name == "strategy" and value == "auto":
                 shown = f"auto -> {connector.auto_strategy(env.world_size)}"
+            if name.removeprefix("options.") not in known and source.endswith(": unused)"):
+                source = source.removesuffix("(not an option of this strategy: unused)")
+                source += "(an option of no installed strategy: invalid, below)"
             rows.append([name, str(shown), source])
+        rows += [[key, str(s.value), s.source] for key, s in settings.file_sizes.items()]
+        loggers, source = metrics.requested(None, from_file=settings.file_loggers)
+        rows.append(["loggers", ", ".join(map(str, loggers)) or "none", source])
+        log_dir = os.environ.get(metrics.LOG_DIR_ENV)
+        rows.append(
+            ["log_dir", log_dir, f"environment {metrics.LOG_DIR_ENV}"]
+            if log_dir
+            else ["log_dir", metrics.DEFAULT_LOG_DIR, "default (Engine(log_dir=...) wins)"]
+        )
         print(_indented(rows))
         invalid += config.problems(settings, registry, env.world_size)
     print("plugins")

@@ -53,6 +53,9 @@ class Settings:
     #: The config file's ``loggers`` (used when the code, the launcher and the environment
     #: name none), or ``None``.
     file_loggers: Setting | None = None
+    #: The config file's ``processes`` and ``nodes`` (read by ``torchplug launch`` for ``-n`` and
+    #: ``--nnodes`` when its command line leaves them out), by key.
+    file_sizes: dict[str, Setting] = field(default_factory=dict)
 
     def rows(self) -> list[tuple[str, Any, str]]:
         """``(name, value, source)`` for every setting, for ``torchplug doctor``."""
@@ -312,6 +315,11 @@ def resolve(
         file_loggers=Setting(file_settings["loggers"], file_source)
         if file_settings.get("loggers")
         else None,
+        file_sizes={
+            key: Setting(file_settings[key], f"{file_source} (read by torchplug launch)")
+            for key in ("processes", "nodes")
+            if key in file_settings
+        },
     )
 
 
