@@ -1,8 +1,8 @@
 """tox's inline plugin for this project: frees each test environment's disk once it has run.
 
 Why: ``tox`` builds eight environments that cannot share packages (the xla one alone is
-7.3 GB: torch 2.9's CUDA build and torch_xla), about 14 GB in all, and CI runs on a machine
-with little more free. ``.ci/run`` sets ``TORCHPLUG_TOX_PRUNE=1``, and each environment is
+7.7 GB: torch 2.9's CUDA build and torch_xla), 15.5 GB in all, and CI runs on a machine with
+little more free. ``.ci/run`` sets ``TORCHPLUG_TOX_PRUNE=1``, and each environment is
 then deleted as soon as it has run, so the peak is the largest one, not their sum. Without
 the variable (a developer's ``tox``) nothing is deleted and environments are reused.
 """
