@@ -175,6 +175,23 @@ def test_doctor_shows_processes_loggers_and_log_dir_and_calls_a_typo_invalid(pro
     assert row["log_dir"].split()[1] == "logs" and "default" in row["log_dir"]
 
 
+def test_doctor_reports_a_typo_in_a_strategy_table_once_blaming_that_table(project):
+    (project / "torchplug.toml").write_text(
+        'strategy = "ddp"\n[options]\ntimeout = 60\n[strategies.ddp]\nstatic_graf = true\n'
+    )
+    from test_cluster import doctor_run
+
+    run = doctor_run({}, project)
+    assert run.returncode == 1, run.stdout + run.stderr
+    invalid = run.stdout.split("\ninvalid\n")[1].splitlines()[:-1]
+    assert len(invalid) == 1, invalid
+    assert invalid[0].startswith("  [strategies.ddp] (in ") and "'static_graf'" in invalid[0]
+    assert "[options]" not in invalid[0]
+    assert "1 invalid setting(s)" in run.stdout
+    row = next(x for x in run.stdout.splitlines() if x.startswith("  options.static_graf"))
+    assert "(not an option of ddp: invalid, below)" in row, row
+
+
 def test_doctor_flags_a_table_for_no_installed_strategy(project):
     from test_cluster import doctor_run
 

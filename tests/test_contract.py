@@ -14,6 +14,7 @@ import torchplug as tp
 import torchplug.plugin as tpp
 from torchplug.core.engine import Runtime
 from torchplug.core.strategy import Strategy
+from torchplug.plugins.ddp import DDPStrategy
 
 
 class OnlyThree:
@@ -116,7 +117,7 @@ def test_what_a_subclass_inherits_is_not_its_answer(defaults_blocked):
     assert {"torchplug_optimizer_step", "torchplug_reduce", "torchplug_barrier"} <= named, named
 
 
-@pytest.mark.parametrize("name", ["single", "ddp", "only-three"])
+@pytest.mark.parametrize("name", ["single", "ddp", "tp", "only-three"])
 def test_the_plugins_listing_names_what_the_engine_would_refuse(defaults_blocked, name, capsys):
     """`torchplug plugins` does not call a strategy usable that the Engine refuses to start:
     its static reading of a class backend names exactly the hooks the Engine's check names."""
@@ -133,7 +134,7 @@ def test_the_plugins_listing_names_what_the_engine_would_refuse(defaults_blocked
     plugins()
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(name))
     assert f"unusable: leaves {len(refused)} action hooks" in row, row
-    assert "torch_distributed, the default, is blocked" in row, row
+    assert "torch_distributed, the default, is blocked): remove it from" in row, row
 
 
 def test_plugins_verbose_says_what_answers_each_hook_the_checkpoint_defaults_included():
@@ -478,3 +479,35 @@ def test_every_strategy_hook_has_one_method_on_the_typed_facade():
         if path.name != "hooks.py" and pattern.search(path.read_text())
     )
     assert not callers, callers
+
+
+def _annotated_factory(**options) -> DDPStrategy:  # as a plugin module writes a factory
+    return DDPStrategy(**options)
+
+
+def test_the_backend_class_is_read_from_a_class_a_partial_a_wrapper_or_an_annotation():
+    import functools
+
+    from torchplug.cli.plugins import backend_class
+
+    @functools.wraps(DDPStrategy)
+    def wrapped(**options):
+        return DDPStrategy(**options)
+
+    assert backend_class(DDPStrategy) is DDPStrategy
+    assert backend_class(functools.partial(DDPStrategy, timeout=5.0)) is DDPStrategy
+    assert backend_class(wrapped) is DDPStrategy
+    assert backend_class(_annotated_factory) is DDPStrategy
+    assert backend_class(lambda **options: DDPStrategy(**options)) is None
+
+
+def test_first_line_says_when_it_cut_and_never_cuts_inside_a_word_or_path_part():
+    from torchplug.core.errors import first_line
+
+    assert first_line("short and whole") == "short and whole"
+    assert first_line("first\nsecond", rest="X") == "first ... (cut: X)"
+    words = first_line("alpha " * 100, limit=50, rest="X")
+    assert words == "alpha alpha alpha alpha alpha alpha alpha alpha ... (cut: X)"
+    path = first_line("no file at " + "/some/dir" * 40, limit=60, rest="X")
+    assert re.search(r"(/some/dir)+/ \.\.\. \(cut: X\)$", path), path
+    assert len(first_line("y" * 500, limit=50)) < 100

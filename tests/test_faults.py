@@ -216,10 +216,40 @@ def test_a_long_message_is_cut_at_a_word_saying_where_the_rest_is(tmp_path):
     kept = message.split(" ... (cut:")[0]
     assert len(kept) <= 300 and re.fullmatch(r".* torchplug_hook_number_\d+", kept), kept
     assert re.search(r"rank \d leaves .* torchplug_hook_number_39 unanswered END", run.stderr)
-    for line in run.stderr.splitlines():
-        if line.startswith("[torchplug] rank") or line.startswith("  rank "):
-            assert "END" not in line and "torchplug_hook_number_39" not in line, line
-            assert not re.search(r"torchplug_hook_number_?$|torchplug_hook_num\b", line), line
+    ours = [
+        x for x in run.stderr.splitlines() if "[torchplug] rank" in x or x.startswith("  rank ")
+    ]
+    assert len(ours) >= 2, run.stderr  # each rank's own line ([rankN]: ...) and the summary's
+    for line in ours:
+        assert "END" not in line and "torchplug_hook_number_39" not in line, line
+        assert not re.search(r"torchplug_hook_number_?$|torchplug_hook_num\b", line), line
+
+
+@pytest.mark.slow
+def test_a_message_of_several_lines_is_marked_cut_on_every_rank_line(tmp_path):
+    """Only a message's first line fits a summary line; one with more lines says so and where
+    the rest is (an outsider's second line, the detail, vanished without a word)."""
+    script = tmp_path / "lines.py"
+    script.write_text(
+        "import torchplug as tp\n"
+        "with tp.Engine('ddp') as engine:\n"
+        "    raise RuntimeError(f'rank {engine.rank} short first line\\nthe detail is HERE')\n"
+    )
+    run = torchplug("launch", "-n", "2", str(script), timeout=300)
+    assert run.returncode == 1, run.stderr
+    first = re.search(
+        r"Rank (\d) failed first: RuntimeError: rank \d short first line (.*)", run.stderr
+    )
+    assert first and first.group(2) == "... (cut: the traceback below has it whole)", run.stderr
+    assert "the detail is HERE" in run.stderr  # in that traceback
+    other = 1 - int(first.group(1))
+    line = next(x for x in run.stderr.splitlines() if x.startswith(f"  rank {other}: "))
+    assert f"rank {other} short first line ... (cut: whole in " in line or "SIGTERM" in line, line
+    own = [x for x in run.stderr.splitlines() if "[torchplug] rank" in x]
+    assert own, run.stderr
+    for line in own:
+        assert "short first line ... (cut: whole in the file below)" in line, line
+        assert "(the error and its traceback: " in line, line
 
 
 @pytest.mark.slow

@@ -96,6 +96,14 @@ def doctor(plugins: list[str] | None = None) -> int:
             shown = value
             if name == "strategy" and value == "auto":
                 shown = f"auto -> {connector.auto_strategy(env.world_size)}"
+            if (
+                chosen is not None
+                and name.startswith("options.")
+                and name.removeprefix("options.")
+                not in {o.name for o in registry.strategies[chosen].options}
+                and not source.endswith(": unused)")
+            ):
+                source += f" (not an option of {chosen}: invalid, below)"
             if name.removeprefix("options.") not in known and source.endswith(": unused)"):
                 source = source.removesuffix("(not an option of this strategy: unused)")
                 source += "(an option of no installed strategy: invalid, below)"

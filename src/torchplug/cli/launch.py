@@ -441,9 +441,9 @@ def check_contract(registry: Any, name: str, source: str) -> None:
         raise LaunchError(
             f"strategy '{info.name}' (from {source}) leaves {len(gap)} action hook(s) "
             f"unanswered: {', '.join(gap)} (blocked default plugins: {blocked}), so every "
-            f"process's Engine would refuse to start. Unblock the default (TORCHPLUG_BLOCK_"
-            f"PLUGINS), or answer these hooks in the backend or in a plugin given with --plugin "
-            f"MODULE."
+            f"process's Engine would refuse to start. Remove {blocked} from "
+            f"TORCHPLUG_BLOCK_PLUGINS (and torchplug.block calls), or answer these hooks in the "
+            f"backend or in a plugin given with --plugin MODULE."
         )
 
 

@@ -28,10 +28,11 @@ def plugins(verbose: bool = False) -> int:
         if reason is None and gap:
             blocked = sorted(DEFAULT_ANSWERS & registry.blocked)
             named = ", ".join(gap) if len(gap) <= 3 else f"{len(gap)} action hooks (-v names them)"
-            status = (
-                f"unusable: leaves {named} unanswered"
-                + (f" ({', '.join(blocked)}, the default, is blocked)" if blocked else "")
-                + "; unblock it or answer them in Engine(plugins=...)"
+            status = f"unusable: leaves {named} unanswered" + (
+                f" ({', '.join(blocked)}, the default, is blocked): remove it from "
+                f"TORCHPLUG_BLOCK_PLUGINS, or answer them in the backend or a plugin"
+                if blocked
+                else ": answer them in the backend or a plugin"
             )
         elif reason is None:
             status = "usable"
@@ -104,6 +105,9 @@ def plugins(verbose: bool = False) -> int:
                 print("  hooks: (made by a function: listed once an Engine creates it)")
         print("\nplugins and their hooks:")
         for plugin_name, plugin in sorted(registry.pm.list_name_plugin(), key=lambda x: str(x[0])):
+            if plugin is None:  # pluggy keeps a blocked name with no plugin
+                print(f"  {plugin_name}: blocked (never imported)")
+                continue
             hooks = [h.name for h in registry.pm.get_hookcallers(plugin) or []]
             extension = " (extension: joins every Engine)" if set(hooks) & STRATEGY_HOOKS else ""
             print(f"  {plugin_name}{extension}: {', '.join(sorted(hooks))}")
@@ -117,18 +121,41 @@ def plugins(verbose: bool = False) -> int:
     return 0
 
 
-def hook_answers(registry: object, factory: object) -> list[tuple[str, str]]:
-    """For a strategy whose factory is a class: each strategy hook with what answers it in full
-    precision, so an author sees what a subclass answers and what it leaves to others. The class
-    (``module:qualname``) whose method answers it (what it inherits from `Strategy` is not an
-    answer), else the registered extensions that do (the built-in default plugins among them),
-    else, for an action hook, ``UNANSWERED`` (the Engine refuses to start). Empty for a factory
-    that is a function: its object is known only once made."""
+def backend_class(factory: object) -> type | None:
+    """The class a strategy's factory makes: the factory itself, a ``functools.partial``'s or
+    ``functools.wraps``' target, or the class its return annotation names; ``None`` when none
+    of these says (a lambda, an unannotated function)."""
+    import functools
     import inspect
+    import typing
 
+    for _ in range(8):  # partials of wrappers of ...
+        if inspect.isclass(factory):
+            return factory
+        if isinstance(factory, functools.partial):
+            factory = factory.func
+        elif inspect.isclass(getattr(factory, "__wrapped__", None)):
+            factory = factory.__wrapped__  # type: ignore[attr-defined]
+        else:
+            break
+    try:
+        made = typing.get_type_hints(factory).get("return")
+    except Exception:  # an annotation naming what cannot be resolved here: unknown
+        return None
+    return made if inspect.isclass(made) else None
+
+
+def hook_answers(registry: object, factory: object) -> list[tuple[str, str]]:
+    """For a strategy whose backend class is known (`backend_class`): each strategy hook with
+    what answers it in full precision, so an author sees what a subclass answers and what it
+    leaves to others. The class (``module:qualname``) whose method answers it (what it inherits
+    from `Strategy` is not an answer), else the registered extensions that do (the built-in
+    default plugins among them), else, for an action hook, ``UNANSWERED`` (the Engine refuses to
+    start). Empty when the class is not known: the object is known only once made."""
     from torchplug.core.manager import ACTION_HOOKS, DEFAULT_ANSWERS, STRATEGY_HOOKS, qualified_name
 
-    if not inspect.isclass(factory):
+    factory = backend_class(factory)
+    if factory is None:
         return []
     pm = registry.pm  # type: ignore[attr-defined]
     by_extensions: dict[str, list[str]] = {}

@@ -404,11 +404,22 @@ def problems(settings: Settings, registry: Any, world_size: int = 1) -> list[str
             )
     if info is not None and named:
         chosen = dataclasses.replace(settings).for_strategy(info, registry.canonical)
-        try:
-            info.resolve_options({n: s.value for n, s in chosen.items()})
-        except ConfigurationError as exc:
-            sources = sorted({s.source for s in chosen.values()})
-            found.append(f"options (from {', '.join(sources)}): {exc}")
+        # each option alone first, so a problem names its own source; a [strategies.NAME]
+        # table's are checked (and reported) with their table below
+        checked = {n: s for n, s in chosen.items() if "[strategies." not in s.source}
+        alone = []
+        for name, setting in checked.items():
+            try:
+                info.resolve_options({name: setting.value})
+            except ConfigurationError as exc:
+                alone.append(f"option {name!r} (from {setting.source}): {exc}")
+        found += alone
+        if not alone:
+            try:
+                info.resolve_options({n: s.value for n, s in checked.items()})
+            except ConfigurationError as exc:
+                sources = sorted({s.source for s in checked.values()})
+                found.append(f"options (from {', '.join(sources)}): {exc}")
     # The code may name another strategy: only names no strategy has are wrong.
     found += unknown_shared_options(settings, registry, every_source=info is None or not named)
     found += unknown_strategy_tables(settings, registry)

@@ -23,14 +23,18 @@ class CheckpointError(TorchplugError):
 
 
 def first_line(message: object, limit: int = 300, rest: str = "the traceback has it") -> str:
-    """A message's first line for a one-line summary, cut at a word before ``limit`` characters
-    with ``... (cut: <rest>)`` so a reader knows there is more and where, never mid-word."""
-    line = (str(message).strip().splitlines() or [""])[0]
-    if len(line) <= limit:
+    """A message's first line for a one-line summary. When more follows (later lines, or a line
+    over ``limit`` characters, cut at a space or ``/,;:`` in its second half, else at the limit)
+    it ends ``... (cut: <rest>)``, so a reader knows there is more and where."""
+    lines = [line for line in str(message).strip().splitlines() if line.strip()] or [""]
+    line = lines[0].rstrip()
+    if len(line) <= limit and len(lines) == 1:
         return line
-    cut = line[:limit]
-    cut = cut[: cut.rfind(" ")] if " " in cut[limit // 2 :] else cut
-    return f"{cut.rstrip(' ,;:')} ... (cut: {rest})"
+    if len(line) > limit:
+        cut = line[:limit]
+        at = max(cut.rfind(mark) for mark in " /,;:")
+        line = cut[: at + 1] if at >= limit // 2 else cut
+    return f"{line.rstrip(' ,;:')} ... (cut: {rest})"
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:

@@ -139,8 +139,8 @@ def _excepthook(
     if launched and not (_restarts_left() and _first_on_node(Path(path))):
         sys.stderr.write(
             f"[torchplug] rank {_rank()} failed: {kind.__name__}: "
-            f"{first_line(exc, rest='see the traceback in the summary')} "
-            f"(traceback in torchplug launch's summary)\n"
+            f"{first_line(exc, rest='whole in the file below')} (the error and its traceback: "
+            f"{path}; torchplug launch's summary shows the first failing rank's)\n"
         )
         return
     previous(kind, exc, tb)
