@@ -92,21 +92,20 @@ def doctor(plugins: list[str] | None = None) -> int:
             shown_settings.for_strategy(registry.strategies[chosen], registry.canonical)
         rows = []
         known = {o.name for info in registry.strategies.values() for o in info.options}
+        ours = {o.name for o in registry.strategies[chosen].options} if chosen else set()
+        unused = config.UNUSED_NOTE
         for name, value, source in shown_settings.rows():
             shown = value
             if name == "strategy" and value == "auto":
                 shown = f"auto -> {connector.auto_strategy(env.world_size)}"
-            if (
-                chosen is not None
-                and name.startswith("options.")
-                and name.removeprefix("options.")
-                not in {o.name for o in registry.strategies[chosen].options}
-                and not source.endswith(": unused)")
+            option = name.removeprefix("options.") if name.startswith("options.") else None
+            if option is not None and source.endswith(unused) and option not in known:
+                source = source.removesuffix(unused) + "(an option of no installed strategy: "
+                source += "invalid, below)"
+            elif (
+                chosen and option is not None and not source.endswith(unused) and option not in ours
             ):
                 source += f" (not an option of {chosen}: invalid, below)"
-            if name.removeprefix("options.") not in known and source.endswith(": unused)"):
-                source = source.removesuffix("(not an option of this strategy: unused)")
-                source += "(an option of no installed strategy: invalid, below)"
             rows.append([name, str(shown), source])
         rows += [[key, str(s.value), s.source] for key, s in settings.file_sizes.items()]
         loggers, source = metrics.requested(None, from_file=settings.file_loggers)

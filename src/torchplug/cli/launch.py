@@ -427,9 +427,8 @@ def check_settings(args: Any, nprocs: str) -> Any:
 def check_contract(registry: Any, name: str, source: str) -> None:
     """Refuse a strategy whose backend class leaves an action hook unanswered (its default
     plugin blocked): every process would refuse at its Engine, so none is started. Read from the
-    class, as `torchplug plugins` reads it; a strategy made by a function is left to the Engine."""
-    from torchplug.cli.plugins import unanswered_hooks
-    from torchplug.core.manager import DEFAULT_ANSWERS
+    class, as `torchplug plugins` reads it; one whose class cannot be told is left to the Engine."""
+    from torchplug.cli.plugins import blocked_defaults, unanswered_hooks
 
     canonical = registry.canonical(name)
     if canonical is None:
@@ -437,7 +436,7 @@ def check_contract(registry: Any, name: str, source: str) -> None:
     info = registry.strategies[canonical]
     gap = unanswered_hooks(registry, info.factory)
     if gap:
-        blocked = ", ".join(sorted(DEFAULT_ANSWERS & registry.blocked)) or "none"
+        blocked = ", ".join(blocked_defaults(registry)) or "none"
         raise LaunchError(
             f"strategy '{info.name}' (from {source}) leaves {len(gap)} action hook(s) "
             f"unanswered: {', '.join(gap)} (blocked default plugins: {blocked}), so every "

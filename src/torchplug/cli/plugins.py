@@ -15,18 +15,19 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 def plugins(verbose: bool = False) -> int:
     """Print the strategies and precisions with their provider and status."""
-    from torchplug.core.manager import DEFAULT_ANSWERS, STRATEGY_HOOKS, get_registry
+    from torchplug.core.manager import STRATEGY_HOOKS, get_registry
 
     registry = get_registry()
+    by_extensions = extension_answers(registry)
     rows = []
     for name, info in sorted(registry.strategies.items()):
         reason = info.unusable_reason()
         provider = info.distribution or "in-house"
         if info.version:
             provider += f" {info.version}"
-        gap = unanswered_hooks(registry, info.factory)
+        gap = unanswered_hooks(registry, info.factory, by_extensions)
         if reason is None and gap:
-            blocked = sorted(DEFAULT_ANSWERS & registry.blocked)
+            blocked = blocked_defaults(registry)
             named = ", ".join(gap) if len(gap) <= 3 else f"{len(gap)} action hooks (-v names them)"
             status = f"unusable: leaves {named} unanswered" + (
                 f" ({', '.join(blocked)}, the default, is blocked): remove it from "
@@ -96,7 +97,7 @@ def plugins(verbose: bool = False) -> int:
                 print(f"  extends: {info.extends}")
             for opt in info.options:
                 print(f"  option {opt.name}: {opt.type_name()} = {opt.default!r}  {opt.help}")
-            hooks = hook_answers(registry, info.factory)
+            hooks = hook_answers(registry, info.factory, by_extensions)
             if hooks:
                 print("  hooks:")
                 for hook, where in hooks:
@@ -145,20 +146,24 @@ def backend_class(factory: object) -> type | None:
     return made if inspect.isclass(made) else None
 
 
-def hook_answers(registry: object, factory: object) -> list[tuple[str, str]]:
-    """For a strategy whose backend class is known (`backend_class`): each strategy hook with
-    what answers it in full precision, so an author sees what a subclass answers and what it
-    leaves to others. The class (``module:qualname``) whose method answers it (what it inherits
-    from `Strategy` is not an answer), else the registered extensions that do (the built-in
-    default plugins among them), else, for an action hook, ``UNANSWERED`` (the Engine refuses to
-    start). Empty when the class is not known: the object is known only once made."""
-    from torchplug.core.manager import ACTION_HOOKS, DEFAULT_ANSWERS, STRATEGY_HOOKS, qualified_name
+#: What `hook_answers` says of an action hook nothing answers (the Engine refuses to start).
+UNANSWERED = "UNANSWERED"
 
-    factory = backend_class(factory)
-    if factory is None:
-        return []
+
+def blocked_defaults(registry: object) -> list[str]:
+    """The built-in default-answer plugins (``torch_distributed``, ``checkpoint``) blocked here."""
+    from torchplug.core.manager import DEFAULT_ANSWERS
+
+    return sorted(DEFAULT_ANSWERS & registry.blocked)  # type: ignore[attr-defined]
+
+
+def extension_answers(registry: object) -> dict[str, list[str]]:
+    """Hook name -> the registered extensions answering it (not wrapping it), labelled; the
+    extensions join every Engine, so this is read once for every strategy listed."""
+    from torchplug.core.manager import DEFAULT_ANSWERS, qualified_name
+
     pm = registry.pm  # type: ignore[attr-defined]
-    by_extensions: dict[str, list[str]] = {}
+    answers: dict[str, list[str]] = {}
     for plugin in registry.extensions():  # type: ignore[attr-defined]
         name = pm.get_name(plugin) or qualified_name(plugin)
         label = f"{name} (the built-in default, trylast)" if name in DEFAULT_ANSWERS else name
@@ -167,8 +172,28 @@ def hook_answers(registry: object, factory: object) -> list[tuple[str, str]]:
                 i.plugin is plugin and not (i.wrapper or i.hookwrapper)
                 for i in caller.get_hookimpls()
             ):
-                by_extensions.setdefault(caller.name, []).append(label)
-    blocked = sorted(DEFAULT_ANSWERS & registry.blocked)  # type: ignore[attr-defined]
+                answers.setdefault(caller.name, []).append(label)
+    return answers
+
+
+def hook_answers(
+    registry: object, factory: object, by_extensions: dict[str, list[str]] | None = None
+) -> list[tuple[str, str]]:
+    """For a strategy whose backend class is known (`backend_class`): each strategy hook with
+    what answers it in full precision, so an author sees what a subclass answers and what it
+    leaves to others. The class (``module:qualname``) whose method answers it (what it inherits
+    from `Strategy` is not an answer), else the registered extensions that do (the built-in
+    default plugins among them), else, for an action hook, ``UNANSWERED`` (the Engine refuses to
+    start). Empty when the class is not known: the object is known only once made.
+    ``by_extensions``: `extension_answers`, when the caller lists many strategies."""
+    from torchplug.core.manager import ACTION_HOOKS, STRATEGY_HOOKS, qualified_name
+
+    factory = backend_class(factory)
+    if factory is None:
+        return []
+    if by_extensions is None:
+        by_extensions = extension_answers(registry)
+    blocked = blocked_defaults(registry)
     found = []
     for hook in sorted(STRATEGY_HOOKS):
         owner = next((c for c in factory.__mro__ if hook in vars(c)), None)
@@ -180,15 +205,18 @@ def hook_answers(registry: object, factory: object) -> list[tuple[str, str]]:
             found.append((hook, ", ".join(by_extensions[hook])))
         elif hook in ACTION_HOOKS:
             why = f" (blocked: {', '.join(blocked)})" if blocked else ""
-            found.append((hook, f"UNANSWERED{why}"))
+            found.append((hook, f"{UNANSWERED}{why}"))
     return found
 
 
-def unanswered_hooks(registry: object, factory: object) -> list[str]:
-    """The action hooks a strategy whose factory is a class would leave unanswered in full
-    precision (`hook_answers`): the Engine refuses such a strategy at start, and the listing
-    says so beforehand."""
-    return [hook for hook, where in hook_answers(registry, factory) if where.startswith("UNANSW")]
+def unanswered_hooks(
+    registry: object, factory: object, by_extensions: dict[str, list[str]] | None = None
+) -> list[str]:
+    """The action hooks a strategy's backend class would leave unanswered in full precision
+    (`hook_answers`): the Engine refuses such a strategy at start, and the listing and the
+    launcher say so beforehand."""
+    answers = hook_answers(registry, factory, by_extensions)
+    return [hook for hook, where in answers if where.startswith(UNANSWERED)]
 
 
 def cluster_environments(registry: object) -> list[list[str]]:

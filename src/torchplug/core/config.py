@@ -37,6 +37,10 @@ class Setting:
     source: str
 
 
+#: What `Settings.rows` says of a shared file option the chosen strategy does not know.
+UNUSED_NOTE = "(not an option of this strategy: unused)"
+
+
 @dataclass
 class Settings:
     strategy: Setting
@@ -65,7 +69,7 @@ class Settings:
         ]
         rows += [(f"options.{k}", s.value, s.source) for k, s in sorted(self.options.items())]
         rows += [
-            (f"options.{k}", s.value, f"{s.source} (not an option of this strategy: unused)")
+            (f"options.{k}", s.value, f"{s.source} {UNUSED_NOTE}")
             for k, s in sorted(self.ignored.items())
         ]
         for table, values in sorted(self.strategy_tables.items()):
