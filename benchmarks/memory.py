@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc-per-node 2 -m benchmarks.memory --strategy fsdp \\
         --out R.jsonl
 
-Measured from the tensors themselves after two AdamW steps by ``torchplug.core.memory.count_live``
+Measured from the tensors themselves after two AdamW steps by
+``torchplug.features.memory.count_live``
 (the counting ``torchplug estimate-memory``'s tests check its estimates against): every live
 tensor's storage is counted once (views of one flat buffer, as DeepSpeed makes, count once),
 split into what the model's parameters hold, what their gradients hold (DeepSpeed's gradient
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 import torchplug as tp
 from benchmarks.common import mlp, peak_rss_mib, write_records
-from torchplug.core.memory import count_live, live_storages
+from torchplug.features.memory import count_live, live_storages
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
         opt.step()
     # gradients are kept (no zero_grad): they are part of what a step holds
     del loss
-    # counted as estimate-memory's test counts them (torchplug.core.memory); "other": fp32
+    # counted as estimate-memory's test counts them (torchplug.features.memory); "other": fp32
     # gradient copies and flat buffers DeepSpeed allocates (ZeRO-3's reduce bucket is sized by
     # reduce_bucket_size, not by the model)
     sizes: dict[str, Any] = {**count_live(model, opt, before), "rss": peak_rss_mib()}

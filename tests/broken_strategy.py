@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from torchplug.core.strategy import DistributedStrategy
+from torchplug.plugins.base import DistributedStrategy
 from torchplug.plugins.ddp import DDPStrategy
 
 

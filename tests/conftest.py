@@ -7,8 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from torchplug.core import capabilities, manager
+from torchplug.contract import manager
 from torchplug.testing import RankPool
+from torchplug.util import capabilities
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """A model for the memory estimate tests, and one AdamW step whose live bytes are counted on
-each rank (importable by the rank pool; torchplug.core.memory holds the counting, shared with
+each rank (importable by the rank pool; torchplug.features.memory holds the counting, shared with
 benchmarks/memory.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import torchplug as tp
-from torchplug.core import memory
+from torchplug.features import memory
 
 
 class EmbeddingMLP(torch.nn.Module):

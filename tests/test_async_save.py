@@ -143,7 +143,7 @@ def test_a_failure_at_close_is_raised_after_the_engine_is_released(tmp_path, mon
 def test_consecutive_async_saves_reuse_the_host_copies_and_each_holds_its_own_step(tmp_path):
     """The second save refills the first one's host copies (no fresh allocation) once the first
     has committed; each checkpoint still holds exactly the state of its own call."""
-    from torchplug.core import async_save as background
+    from torchplug.checkpoint import async_save as background
 
     with tp.Engine("single") as engine:
         model = _model()
@@ -178,7 +178,7 @@ def _held_back(order: list[str]) -> tuple[Any, Any]:
     the returned event is set; ``order`` records when each part ran."""
     import threading
 
-    from torchplug.core import async_save as background
+    from torchplug.checkpoint import async_save as background
 
     release = threading.Event()
     real = background.stage
@@ -199,7 +199,7 @@ def stage_in_the_background_and_step(strategy: str, path: str) -> dict[str, Any]
     """An async save returns before parameters and optimizer state are copied; the forward
     after it changes BatchNorm's statistics (copied before returning), and ``optimizer.step()``
     waits for the background copy: the checkpoint is the state of the call, bit for bit."""
-    from torchplug.core import async_save as background
+    from torchplug.checkpoint import async_save as background
 
     order: list[str] = []
     with tp.Engine(strategy) as engine:
@@ -257,7 +257,7 @@ def test_parameters_are_copied_in_the_background_on_two_ranks(ranks, tmp_path, s
 def test_a_parameter_changed_in_place_during_the_background_copy_fails_the_save(tmp_path):
     """Changed outside ``optimizer.step()`` while it was being copied: the save fails naming it,
     and nothing is written (the earlier checkpoint stays as it was)."""
-    from torchplug.core import async_save as background
+    from torchplug.checkpoint import async_save as background
 
     path = tmp_path / "ckpt"
     with tp.Engine("single") as engine:

@@ -41,7 +41,7 @@ def test_a_third_party_cuda_only_strategy_is_refused_by_the_core():
     with pytest.raises(tp.ConfigurationError, match="'gpu-only'.*supports_cpu=False"):
         tp.Engine("gpu-only")
     assert "unusable: it declares supports_cpu=False" in listing()["gpu-only"]
-    assert "gpu-only" not in tp.core.manager.get_registry().usable_names()
+    assert "gpu-only" not in tp.contract.manager.get_registry().usable_names()
 
 
 def test_a_strategy_for_neither_device_is_refused_and_a_cpu_one_runs():
@@ -85,7 +85,8 @@ def test_a_precision_the_machine_cannot_run_is_refused_by_the_engine_with_the_pr
 
 
 def test_doctor_and_launch_checks_report_it_before_anything_starts():
-    from torchplug.core import config, manager
+    from torchplug.contract import manager
+    from torchplug.engine import config
 
     register_no_fp16()
     registry = manager.get_registry()
@@ -120,7 +121,7 @@ def test_the_kit_skips_every_property_with_the_reason_and_starts_no_ranks():
 
 
 def test_cpu_probe_reads_torch_and_the_override(monkeypatch):
-    from torchplug.core import capabilities
+    from torchplug.util import capabilities
 
     monkeypatch.delenv(capabilities.ASSUME_NO_KERNELS_ENV, raising=False)
     has_fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()
@@ -138,7 +139,8 @@ def test_cpu_probe_reads_torch_and_the_override(monkeypatch):
 def test_amp_runs_both_low_precisions_on_any_cpu(monkeypatch):
     """CPU autocast has reference kernels: without oneDNN's fp16, AMP's fp16 still runs (only a
     backend that needs the native kernels, like DeepSpeed's, is refused)."""
-    from torchplug.core import capabilities, manager
+    from torchplug.contract import manager
+    from torchplug.util import capabilities
 
     monkeypatch.setenv(capabilities.ASSUME_NO_KERNELS_ENV, "bf16,fp16")
     registry = manager.get_registry()

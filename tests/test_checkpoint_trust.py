@@ -371,7 +371,7 @@ def test_an_unsaveable_value_is_named_by_its_key(tmp_path):
 def test_convert_without_numpy_says_what_to_install(single_ckpt, tmp_path, monkeypatch):
     import sys
 
-    from torchplug.checkpoint.convert import convert
+    from torchplug.cli.conversion import convert
 
     monkeypatch.setitem(sys.modules, "numpy", None)
     with pytest.raises(

@@ -10,9 +10,9 @@ import textwrap
 import pytest
 
 import torchplug as tp
-from torchplug.core import cluster
-from torchplug.core.errors import ConfigurationError
-from torchplug.core.spec import hookimpl
+from torchplug.contract import cluster
+from torchplug.contract.errors import ConfigurationError
+from torchplug.contract.spec import hookimpl
 from torchplug.plugins.slurm import expand_nodelist, tasks_per_node
 
 SLURM = {

@@ -6,7 +6,7 @@ import pytest
 
 import torchplug as tp
 from test_cluster import doctor
-from torchplug.core import config
+from torchplug.engine import config
 
 
 @pytest.fixture

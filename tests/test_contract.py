@@ -12,8 +12,8 @@ import torch
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from torchplug.core.engine import Runtime
-from torchplug.core.strategy import Strategy
+from torchplug.engine.engine import Runtime
+from torchplug.plugins.base import Strategy
 from torchplug.plugins.ddp import DDPStrategy
 
 
@@ -51,7 +51,7 @@ def register(name, factory):
 @pytest.fixture
 def defaults_blocked(monkeypatch):
     """The built-in ``torch_distributed`` plugin blocked, as a user would block it."""
-    from torchplug.core import manager
+    from torchplug.contract import manager
 
     monkeypatch.setenv("TORCHPLUG_BLOCK_PLUGINS", "torch_distributed")
     manager.reset_registry(forget_blocks=True)
@@ -63,7 +63,7 @@ def defaults_blocked(monkeypatch):
 def test_a_backend_answers_only_what_it_changes():
     """Issue 26 item 3: the defaults are the built-in plugin ``torch_distributed``, so a backend
     that subclasses nothing and answers three hooks trains like plain PyTorch."""
-    from torchplug.core import manager
+    from torchplug.contract import manager
 
     register("only-three", OnlyThree)
     torch.manual_seed(0)
@@ -72,9 +72,11 @@ def test_a_backend_answers_only_what_it_changes():
     batches = [torch.randn(5, 4) for _ in range(3)]
     with tp.Engine("only-three") as engine:
         names = [manager.qualified_name(p) for p in engine.plugins]
-        assert "torchplug.core.defaults" in names, names
+        assert "torchplug.plugins.torch_distributed" in names, names
         step = engine.hook.torchplug_optimizer_step.get_hookimpls()
-        assert [manager.qualified_name(i.plugin) for i in step] == ["torchplug.core.defaults"]
+        assert [manager.qualified_name(i.plugin) for i in step] == [
+            "torchplug.plugins.torch_distributed"
+        ]
         wrapped, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
         for batch in batches:
             optimizer.zero_grad()
@@ -122,7 +124,7 @@ def test_the_plugins_listing_names_what_the_engine_would_refuse(defaults_blocked
     """`torchplug plugins` does not call a strategy usable that the Engine refuses to start:
     its static reading of a class backend names exactly the hooks the Engine's check names."""
     from torchplug.cli.plugins import plugins, unanswered_hooks
-    from torchplug.core import manager
+    from torchplug.contract import manager
 
     if name == "only-three":
         register(name, OnlyThree)
@@ -139,7 +141,7 @@ def test_the_plugins_listing_names_what_the_engine_would_refuse(defaults_blocked
 
 def test_plugins_verbose_says_what_answers_each_hook_the_checkpoint_defaults_included():
     from torchplug.cli.plugins import hook_answers
-    from torchplug.core import manager
+    from torchplug.contract import manager
     from torchplug.plugins.single import SingleDevice
 
     answers = dict(hook_answers(manager.get_registry(), SingleDevice))
@@ -152,7 +154,8 @@ def test_plugins_verbose_says_what_answers_each_hook_the_checkpoint_defaults_inc
 
 def test_the_plugins_listing_calls_a_backend_answering_everything_usable(defaults_blocked, capsys):
     from torchplug.cli.plugins import plugins, unanswered_hooks
-    from torchplug.core import defaults, manager
+    from torchplug.contract import manager
+    from torchplug.plugins import torch_distributed as defaults
 
     class Everything(OnlyThree):
         pass
@@ -171,7 +174,7 @@ def test_the_checkpoint_defaults_are_a_plugin_that_can_be_blocked(monkeypatch):
     """Issue 26 item 3: the portable save/load is the built-in plugin `checkpoint` (listed,
     blockable), not a base-class method: blocked, a backend that does not answer save/load
     itself is refused naming them."""
-    from torchplug.core import manager
+    from torchplug.contract import manager
 
     with tp.Engine("single") as engine:
         names = [manager.qualified_name(p) for p in engine.plugins]
@@ -189,7 +192,7 @@ def test_the_checkpoint_defaults_are_a_plugin_that_can_be_blocked(monkeypatch):
 
 
 def test_a_plain_object_answering_every_hook_works(defaults_blocked):
-    from torchplug.core import defaults
+    from torchplug.plugins import torch_distributed as defaults
 
     class Everything(OnlyThree):
         pass
@@ -278,7 +281,7 @@ def test_the_private_scheduler_protocol_the_engine_relies_on_is_still_torchs():
     for name in ("_wrapped_by_lr_sched", "_opt_called"):
         assert name in source, (
             f"torch {torch.__version__}'s LR schedulers no longer use {name}: update "
-            f"torchplug.core.wrappers.route_step to what they use now"
+            f"torchplug.engine.wrappers.route_step to what they use now"
         )
     # and what the names are for, observed: the scheduler stepped after the optimizer's step,
     # in the right order, says nothing; stepped first, it warns (torch's own check still works)
@@ -348,7 +351,8 @@ def test_every_hook_declares_its_contract_beside_its_specification():
     """Issue 26 item 1: spec.py holds the whole contract; the manager, the Engine's dispatch and
     answer checks and docs/hooks.md read it from there (the sets below are what each held
     before, written out so that a changed contract is a visible change)."""
-    from torchplug.core import hookdoc, hooks, manager, spec
+    from torchplug.cli import hookdoc
+    from torchplug.contract import hooks, manager, spec
 
     specified = {name for name, _ in hookdoc.hooks()}
     assert set(spec.CONTRACTS) == specified
@@ -366,7 +370,7 @@ def test_every_hook_declares_its_contract_beside_its_specification():
     }  # fmt: skip
     assert spec.hooks_where(kind="strategy") == manager.STRATEGY_HOOKS
     assert manager.STRATEGY_HOOKS - optional == manager.ACTION_HOOKS
-    assert set(hooks.PER_STEP) == {
+    assert set(hooks.PER_STEP) == spec.hooks_where(per_step=True) == {
         "torchplug_backward", "torchplug_optimizer_step", "torchplug_reduce",
         "torchplug_gather", "torchplug_place_batch", "torchplug_clip_grad_norm",
         "torchplug_no_sync", "torchplug_autocast", "torchplug_barrier",
@@ -434,7 +438,7 @@ def test_load_pretrained_and_resume_s_step_check_go_through_hooks(tmp_path):
 def test_load_pretrained_with_the_checkpoint_plugin_blocked_says_how_to_fix_it(
     monkeypatch, tmp_path
 ):
-    from torchplug.core import manager
+    from torchplug.contract import manager
 
     monkeypatch.setenv("TORCHPLUG_BLOCK_PLUGINS", "checkpoint")
     manager.reset_registry(forget_blocks=True)
@@ -465,7 +469,7 @@ def test_every_strategy_hook_has_one_method_on_the_typed_facade():
     pluggy's relay (``.hook.torchplug_...``) any more."""
     import pathlib
 
-    from torchplug.core import hooks, manager
+    from torchplug.contract import hooks, manager
 
     methods = {name for name in vars(hooks.Hooks) if not name.startswith("_")}
     for hook in manager.STRATEGY_HOOKS:
@@ -502,7 +506,7 @@ def test_the_backend_class_is_read_from_a_class_a_partial_a_wrapper_or_an_annota
 
 
 def test_first_line_says_when_it_cut_and_never_cuts_inside_a_word_or_path_part():
-    from torchplug.core.errors import first_line
+    from torchplug.contract.errors import first_line
 
     assert first_line("short and whole") == "short and whole"
     assert first_line("first\nsecond", rest="X") == "first ... (cut: X)"

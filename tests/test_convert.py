@@ -142,14 +142,14 @@ def test_with_a_key_set_a_directory_without_a_manifest_is_refused_even_when_trus
     [("2GB", 2 * 10**9), ("500MiB", 500 * 2**20), ("1.5 kb", 1500), ("4096", 4096), (77, 77)],
 )
 def test_shard_sizes_read_as_hugging_face_counts_them(text, size):
-    from torchplug.checkpoint.convert import parse_size
+    from torchplug.cli.conversion import parse_size
 
     assert parse_size(text) == size
 
 
 @pytest.mark.parametrize("text", ["2 apples", "", "-1GB", "0", "GB"])
 def test_a_bad_shard_size_says_what_is_expected(text):
-    from torchplug.checkpoint.convert import parse_size
+    from torchplug.cli.conversion import parse_size
 
     with pytest.raises(tp.CheckpointError, match="expected a number of bytes or a number with a"):
         parse_size(text)

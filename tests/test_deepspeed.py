@@ -18,9 +18,9 @@ from reference import make_dataset, make_model, train
 from test_cli import torchplug
 from test_parity import assert_close_dicts
 from test_ported import check_strategy
-from torchplug.core import capabilities
 from torchplug.testing import bodies
 from torchplug.testing.conformance import classes, require_precision
+from torchplug.util import capabilities
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed"
@@ -236,7 +236,7 @@ def test_fp16_on_a_cpu_without_fp16_kernels_is_refused_before_initializing(monke
     """What an AMD EPYC without AVX512-FP16 answers, forced here through torch's own probe."""
     monkeypatch.delenv(capabilities.ASSUME_NO_KERNELS_ENV, raising=False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)
-    from torchplug.core import manager
+    from torchplug.contract import manager
 
     info = manager.get_registry().strategy("deepspeed-zero2")
     why = manager.get_registry().precision_unavailable(info, "fp16")

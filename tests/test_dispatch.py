@@ -1,4 +1,4 @@
-"""The per-step hook calls (core/dispatch.py) behave exactly as pluggy's own calls: same order,
+"""The per-step hook calls (contract/dispatch.py) behave exactly as pluggy's own calls: same order,
 same results, same exceptions, for every arrangement of wrappers and implementations."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import torchplug.plugin as tpp
-from torchplug.core import dispatch, manager
+from torchplug.contract import dispatch, manager
 
 HOOK = "torchplug_reduce"  # (engine, tensor, op), firstresult
 

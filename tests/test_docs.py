@@ -35,7 +35,7 @@ def blocks(page: Path) -> list[tuple[int, str, str | None]]:
 
 
 #: Pages generated from code whose blocks are signatures, not programs (not run, with the reason).
-GENERATED = {DOCS / "hooks.md": "the hook reference, generated from core/spec.py: signatures"}
+GENERATED = {DOCS / "hooks.md": "the hook reference, generated from contract/spec.py: signatures"}
 RUNNABLE = [
     p for p in PAGES if p not in GENERATED and any(reason is None for _, _, reason in blocks(p))
 ]
@@ -212,7 +212,7 @@ PAGE_OF = {
 
 
 def test_each_builtin_strategy_page_lists_its_options():
-    from torchplug.core.manager import get_registry
+    from torchplug.contract.manager import get_registry
 
     registry = get_registry()
     for name, page in PAGE_OF.items():

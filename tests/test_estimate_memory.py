@@ -15,7 +15,7 @@ import torch
 import memory_body
 from test_cli import torchplug
 from torchplug.cli.estimate import estimates, load_model
-from torchplug.core import memory
+from torchplug.features import memory
 
 HERE = Path(__file__).parent
 FIELDS = ("params", "grads", "optimizer", "masters")
@@ -103,7 +103,7 @@ def test_rules_are_exact_where_the_rule_is_exact():
 def test_a_broken_rule_costs_its_row_and_aliases_one_row():
     import dataclasses
 
-    from torchplug.core.manager import get_registry
+    from torchplug.contract.manager import get_registry
 
     registry = get_registry()
 
@@ -119,7 +119,7 @@ def test_a_broken_rule_costs_its_row_and_aliases_one_row():
 
 
 def test_a_strategy_without_a_rule_gets_one_from_its_flags():
-    from torchplug.core.registry import StrategyInfo
+    from torchplug.contract.types import StrategyInfo
 
     info = StrategyInfo(name="x", factory=object, description="", shards_optimizer=True)
     specs = memory.param_specs(memory_body.build())

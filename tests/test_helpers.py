@@ -121,7 +121,7 @@ def test_seed_everything_repeats_random_torch_and_numpy():
 
 
 def test_seed_worker_differs_per_rank_and_worker():
-    from torchplug.core.seeding import worker_seed
+    from torchplug.features.seeding import worker_seed
 
     seeds = {worker_seed(3, rank, worker) for rank in range(4) for worker in range(4)}
     assert len(seeds) == 16
@@ -182,7 +182,7 @@ def test_a_logger_plugin_is_selected_by_name_like_a_strategy(tmp_path, monkeypat
 def test_unknown_and_unusable_loggers_are_named(monkeypatch):
     with pytest.raises(tp.ConfigurationError, match=r"Unknown logger 'cvs'. Did you mean 'csv'"):
         tp.Engine("single", loggers=["cvs"])
-    from torchplug.core.manager import get_registry
+    from torchplug.contract.manager import get_registry
 
     info = get_registry().loggers["tensorboard"]
     assert info.install_hint == "pip install torchplug[tensorboard]"

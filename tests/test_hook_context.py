@@ -11,7 +11,7 @@ import torch
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from torchplug.core.context import HookContext, HookContextWarning, iter_members
+from torchplug.contract.context import HookContext, HookContextWarning, iter_members
 
 
 class Recorder:
@@ -144,7 +144,7 @@ def test_built_in_backends_stay_inside_the_context(ranks, tmp_path, strategy):
 
 @pytest.mark.parametrize("precision", ["32", "bf16", "fp16"])
 def test_the_single_backend_and_amp_stay_inside_the_context(tmp_path, precision):
-    from torchplug.core.capabilities import cpu_kernels_missing
+    from torchplug.util.capabilities import cpu_kernels_missing
 
     if precision != "32" and cpu_kernels_missing(precision):
         pytest.skip(f"{precision}: {cpu_kernels_missing(precision)}")

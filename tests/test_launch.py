@@ -73,7 +73,7 @@ def test_a_strategy_its_blocked_defaults_leave_unanswered_is_refused(tmp_path, s
 @pytest.mark.slow
 def test_a_plugin_given_with_dash_dash_plugin_answering_them_is_let_through(tmp_path):
     (tmp_path / "answers.py").write_text(
-        "from torchplug.core import defaults\n"
+        "from torchplug.plugins import torch_distributed as defaults\n"
         "hooks = {k: v for k, v in vars(defaults).items() if k.startswith('torchplug_')}\n"
         "globals().update(hooks)\n"
     )  # the defaults' answers, under another plugin name
@@ -169,7 +169,7 @@ def test_help_shows_torchplug_flags_first_with_the_strategies():
 
 @pytest.mark.slow
 def test_master_port_is_honoured_and_flags_after_the_script_warn(tmp_path, script):
-    from torchplug.core.cluster import free_port
+    from torchplug.contract.cluster import free_port
 
     port = free_port()
     run = torchplug(

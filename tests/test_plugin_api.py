@@ -17,8 +17,9 @@ import torch
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from torchplug.core import apiversion, hookdoc, manager, spec
-from torchplug.core.registry import Option
+from torchplug.cli import hookdoc
+from torchplug.contract import apiversion, manager, spec
+from torchplug.contract.types import Option
 
 ROOT = Path(__file__).resolve().parent.parent
 BF16COMM = ROOT / "examples" / "plugins" / "torchplug-bf16comm"
@@ -42,7 +43,7 @@ def torchplug(*args: str, cwd: Path | None = None, env: dict | None = None, time
 def test_docs_hooks_md_is_generated_from_the_spec():
     expected = hookdoc.render()
     actual = (ROOT / "docs" / "hooks.md").read_text()
-    assert actual == expected, "run: python -m torchplug.core.hookdoc > docs/hooks.md"
+    assert actual == expected, "run: python -m torchplug.cli.hookdoc > docs/hooks.md"
 
 
 def test_every_hook_is_documented_with_signature_semantics_ranks_default_and_example():
@@ -54,7 +55,9 @@ def test_every_hook_is_documented_with_signature_semantics_ranks_default_and_exa
         assert "**Default implementation**" in section, name
     wrap = text.split("\n## torchplug_wrap\n", 1)[1].split("\n## ", 1)[0]
     assert "optimizers: list[torch.optim.Optimizer]" in wrap and "firstresult" in wrap
-    assert "torchplug.core.defaults.torchplug_wrap" in wrap and "torch_distributed" in wrap
+    assert (
+        "torchplug.plugins.torch_distributed.torchplug_wrap" in wrap and "torch_distributed" in wrap
+    )
 
 
 def test_the_generator_documents_a_hook_it_has_no_notes_for(monkeypatch):
@@ -179,7 +182,7 @@ def test_options_of_still_gives_a_parents_options_with_a_deprecation_warning():
         pytest.raises(tp.PluginError, match="options_of\\('dpp'\\).*Did you mean 'ddp'"),
     ):
         tp.options_of("dpp")
-    from torchplug.core.strategy import DistributedStrategy, Strategy
+    from torchplug.plugins.base import DistributedStrategy, Strategy
     from torchplug.plugins.ddp import DDPStrategy
 
     assert (tpp.Strategy, tpp.DistributedStrategy, tpp.DDPStrategy) == (
@@ -346,7 +349,8 @@ def test_trace_shows_the_final_result_after_wrappers(monkeypatch, capfd):
         assert opt.step_was_skipped and torch.equal(model.weight.detach(), before)
     err = capfd.readouterr().err
     assert (
-        "torchplug_optimizer_step: answered by torch_distributed (torchplug.core.defaults), "
+        "torchplug_optimizer_step: answered by torch_distributed "
+        "(torchplug.plugins.torch_distributed), "
         "final result after wrapper(s)" in err
     )
     assert "SkipAll" in err and err.split("torchplug_optimizer_step: answered")[1].split("\n")[
@@ -437,7 +441,7 @@ def test_launch_accepts_a_strategy_the_script_registers_in_code(tmp_path):
 
             import torchplug as tp
             import torchplug.plugin as tpp
-            from torchplug.core.registry import StrategyInfo
+            from torchplug.contract.types import StrategyInfo
 
             class Announce:
                 @tpp.hookimpl
@@ -610,7 +614,7 @@ def test_the_faces_own_names_do_not_warn_and_dir_lists_users_names_only():
 
 
 def test_distributed_options_warns_and_extends_is_the_one_way_to_inherit_options():
-    from torchplug.core.strategy import _distributed_options
+    from torchplug.plugins.base import _distributed_options
 
     manager.get_registry()  # built first: only the call itself is under watch
     with pytest.warns(DeprecationWarning, match=r"extends=DistributedStrategy") as caught:
@@ -660,7 +664,7 @@ OWN_PLUGIN_MODULES = [
     "torchplug.testing.bodies",
     "torchplug.testing.kit",
     "torchplug.testing.real_model",
-    "torchplug.core.hookdoc",
+    "torchplug.cli.hookdoc",
 ]
 
 
@@ -679,7 +683,8 @@ def test_none_of_our_own_plugins_uses_a_deprecated_spelling():
         sys.path[:0] = [{str(ROOT / "examples")!r}, {str(BF16COMM)!r}]
         for name in {OWN_PLUGIN_MODULES!r}:
             importlib.import_module(name)
-        from torchplug.core import hookdoc, manager
+        from torchplug.cli import hookdoc
+        from torchplug.contract import manager
         registry = manager.get_registry()
         for name in {OWN_PLUGIN_MODULES[:6]!r}:
             if name not in ("torchplug_mlflow", "torchplug_wandb"):  # their packages may be absent

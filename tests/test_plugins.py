@@ -13,7 +13,7 @@ import torch
 import torchplug as tp
 import torchplug.plugin as tpp
 from installing import installed
-from torchplug.core import manager
+from torchplug.contract import manager
 from torchplug.plugins.single import SingleDevice
 
 # -- errors that name the fix ----------------------------------------------------------------------
@@ -411,7 +411,8 @@ def test_trace_prints_each_hook_call(monkeypatch, capfd):
     assert "[torchplug] torchplug_setup: answered by SingleDevice -> Runtime(" in err
     # what SingleDevice does not change is answered by the built-in defaults plugin
     assert (
-        "[torchplug] torchplug_backward: answered by torch_distributed (torchplug.core.defaults) "
+        "[torchplug] torchplug_backward: answered by torch_distributed "
+        "(torchplug.plugins.torch_distributed) "
         "-> True" in err
     )
     with tp.Engine("single", precision="bf16") as engine:

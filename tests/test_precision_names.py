@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import torchplug as tp
-from torchplug.core.registry import normalize_precision
+from torchplug.contract.types import normalize_precision
 
 
 @pytest.mark.parametrize(

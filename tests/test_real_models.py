@@ -178,7 +178,7 @@ def test_sync_batchnorm_on_two_cpu_ranks_trains_like_one_process_on_the_global_b
 
 
 def test_sync_batchnorm_setting_comes_from_the_launcher_environment(monkeypatch):
-    from torchplug.core import syncbn
+    from torchplug.features import syncbn
 
     monkeypatch.setenv(syncbn.SYNC_BATCHNORM_ENV, "1")
     with tp.Engine("single") as engine:

@@ -12,8 +12,8 @@ import pytest
 import torchplug as tp
 import torchplug.plugin as tpp
 from test_plugins import provider
-from torchplug.core import manager
-from torchplug.core.registry import PrecisionInfo
+from torchplug.contract import manager
+from torchplug.contract.types import PrecisionInfo
 
 
 def test_registration_hooks_are_called_through_the_plugin_manager():

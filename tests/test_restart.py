@@ -138,7 +138,7 @@ def test_a_crash_while_rotation_removes_a_checkpoint_leaves_no_false_complete_on
     the next rotation removes the leftover."""
     import shutil
 
-    from torchplug.core import resume
+    from torchplug.engine import resume
 
     real = shutil.rmtree
 

@@ -193,7 +193,7 @@ def test_single_process_fallback_builds_a_one_by_one_mesh():
 def test_tensor_parallel_is_not_an_fsdp_subclass():
     """tp shares FSDP's sharding helpers (plugins/sharding.py), not its class: it would otherwise
     inherit fsdp's hooks and options it does not take."""
-    from torchplug.core.strategy import DistributedStrategy
+    from torchplug.plugins.base import DistributedStrategy
     from torchplug.plugins.fsdp import FSDPStrategy
     from torchplug.plugins.tensor_parallel import TensorParallelStrategy
 

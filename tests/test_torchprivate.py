@@ -1,5 +1,5 @@
 """The private parts of torch torchplug reads, each behind one adapter in
-``torchplug.core.torchprivate``: pinned to the torch versions they were checked against, and
+``torchplug.util.torchprivate``: pinned to the torch versions they were checked against, and
 exercised on the installed torch (issue 26 item 2: side channels)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchplug.core import torchprivate
-from torchplug.core.cluster import free_port
+from torchplug.contract.cluster import free_port
+from torchplug.util import torchprivate
 
 
 def test_the_installed_torch_is_one_the_adapters_were_checked_against():
     version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     assert version in torchprivate.CHECKED_TORCH, (
-        f"torch {version} is new to torchplug.core.torchprivate: check whether it offers a public "
+        f"torch {version} is new to torchplug.util.torchprivate: check whether it offers a public "
         f"default-store accessor or GradScaler found-inf query, run this file, and add it to "
         f"CHECKED_TORCH"
     )

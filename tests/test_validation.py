@@ -9,7 +9,8 @@ import pytest
 
 import torchplug as tp
 from test_cluster import doctor_run
-from torchplug.core import cluster, config
+from torchplug.contract import cluster
+from torchplug.engine import config
 
 
 @pytest.mark.parametrize(
@@ -205,7 +206,7 @@ def test_engine_arguments_are_checked_where_they_enter(kwargs, message):
 
 
 def test_config_files_that_are_no_toml_or_no_table_are_named(tmp_path, monkeypatch):
-    from torchplug.core import config
+    from torchplug.engine import config
 
     (tmp_path / "torchplug.toml").write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(tp.ConfigurationError, match="is not text"):

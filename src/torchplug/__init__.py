@@ -9,68 +9,68 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchplug import _lazy
-from torchplug.core.version import VERSION as __version__
+from torchplug.util.version import VERSION as __version__
 
 _EXPORTS = {
-    "Engine": "torchplug.core.engine",
-    "seed_everything": "torchplug.core.seeding",
-    "seed_worker": "torchplug.core.seeding",
-    "find_executable_batch_size": "torchplug.core.batchsize",
-    "ThroughputMonitor": "torchplug.core.throughput",
-    "measure_flops": "torchplug.core.throughput",
+    "Engine": "torchplug.engine.engine",
+    "seed_everything": "torchplug.features.seeding",
+    "seed_worker": "torchplug.features.seeding",
+    "find_executable_batch_size": "torchplug.features.batchsize",
+    "ThroughputMonitor": "torchplug.features.throughput",
+    "measure_flops": "torchplug.features.throughput",
     "Logger": "torchplug.loggers",
     "Trainer": "torchplug.trainer.loop",
     "accuracy": "torchplug.trainer.loop",
-    "launch": "torchplug.core.launcher",
-    "RankFailedError": "torchplug.core.launcher",
-    "register": "torchplug.core.manager",
-    "unregister": "torchplug.core.manager",
-    "block": "torchplug.core.manager",
+    "launch": "torchplug.engine.launcher",
+    "RankFailedError": "torchplug.engine.launcher",
+    "register": "torchplug.contract.manager",
+    "unregister": "torchplug.contract.manager",
+    "block": "torchplug.contract.manager",
     "options_of": "torchplug._deprecated",
-    "TorchplugError": "torchplug.core.errors",
-    "ConfigurationError": "torchplug.core.errors",
-    "PluginError": "torchplug.core.errors",
-    "CheckpointError": "torchplug.core.errors",
+    "TorchplugError": "torchplug.contract.errors",
+    "ConfigurationError": "torchplug.contract.errors",
+    "PluginError": "torchplug.contract.errors",
+    "CheckpointError": "torchplug.contract.errors",
 }
 
 #: Author names: they belong to ``torchplug.plugin``. ``tp.NAME`` keeps working through plugin
 #: API 1.x with a DeprecationWarning saying where to import it from, and is not in ``dir()``.
 AUTHOR_NAMES = {
-    "hookimpl": "torchplug.core.spec",
-    "API_VERSION": "torchplug.core.spec",
-    "StrategyInfo": "torchplug.core.registry",
-    "PrecisionInfo": "torchplug.core.registry",
-    "Option": "torchplug.core.registry",
-    "LoggerInfo": "torchplug.core.registry",
-    "ClusterInfo": "torchplug.core.cluster",
-    "Strategy": "torchplug.core.strategy",
-    "DistributedStrategy": "torchplug.core.strategy",
+    "hookimpl": "torchplug.contract.spec",
+    "API_VERSION": "torchplug.contract.spec",
+    "StrategyInfo": "torchplug.contract.types",
+    "PrecisionInfo": "torchplug.contract.types",
+    "Option": "torchplug.contract.types",
+    "LoggerInfo": "torchplug.contract.types",
+    "ClusterInfo": "torchplug.contract.types",
+    "Strategy": "torchplug.plugins.base",
+    "DistributedStrategy": "torchplug.plugins.base",
     "DDPStrategy": "torchplug.plugins.ddp",
-    "distributed_options": "torchplug.core.strategy",
-    "Runtime": "torchplug.core.engine",
+    "distributed_options": "torchplug.plugins.base",
+    "Runtime": "torchplug.contract.types",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from torchplug._deprecated import options_of
-    from torchplug.core.batchsize import find_executable_batch_size
-    from torchplug.core.cluster import ClusterInfo
-    from torchplug.core.engine import Engine, Runtime
-    from torchplug.core.errors import (
+    from torchplug.contract.cluster import ClusterInfo
+    from torchplug.contract.errors import (
         CheckpointError,
         ConfigurationError,
         PluginError,
         TorchplugError,
     )
-    from torchplug.core.launcher import RankFailedError, launch
-    from torchplug.core.manager import block, register, unregister
-    from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
-    from torchplug.core.seeding import seed_everything, seed_worker
-    from torchplug.core.spec import API_VERSION, hookimpl
-    from torchplug.core.strategy import DistributedStrategy, Strategy, distributed_options
-    from torchplug.core.throughput import ThroughputMonitor, measure_flops
+    from torchplug.contract.manager import block, register, unregister
+    from torchplug.contract.spec import API_VERSION, hookimpl
+    from torchplug.contract.types import LoggerInfo, Option, PrecisionInfo, StrategyInfo
+    from torchplug.engine.engine import Engine, Runtime
+    from torchplug.engine.launcher import RankFailedError, launch
+    from torchplug.features.batchsize import find_executable_batch_size
+    from torchplug.features.seeding import seed_everything, seed_worker
+    from torchplug.features.throughput import ThroughputMonitor, measure_flops
     from torchplug.loggers import Logger
+    from torchplug.plugins.base import DistributedStrategy, Strategy, distributed_options
     from torchplug.plugins.ddp import DDPStrategy
     from torchplug.trainer.loop import Trainer, accuracy
 

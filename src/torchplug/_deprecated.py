@@ -7,7 +7,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torchplug.core.registry import Option
+    from torchplug.contract.types import Option
 
 
 def options_of(strategy: str) -> tuple[Option, ...]:
@@ -29,6 +29,6 @@ def options_of(strategy: str) -> tuple[Option, ...]:
         DeprecationWarning,
         stacklevel=2,
     )
-    from torchplug.core import manager
+    from torchplug.contract import manager
 
     return manager.options_of(strategy)

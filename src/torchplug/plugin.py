@@ -21,47 +21,47 @@ from torchplug import _lazy
 
 _EXPORTS = {
     # the hook marker and the API this torchplug implements
-    "hookimpl": "torchplug.core.spec",
-    "API_VERSION": "torchplug.core.spec",
-    "Contract": "torchplug.core.spec",
+    "hookimpl": "torchplug.contract.spec",
+    "API_VERSION": "torchplug.contract.spec",
+    "Contract": "torchplug.contract.spec",
     # what a plugin announces
-    "StrategyInfo": "torchplug.core.registry",
-    "PrecisionInfo": "torchplug.core.registry",
-    "LoggerInfo": "torchplug.core.registry",
-    "Option": "torchplug.core.registry",
-    "ClusterInfo": "torchplug.core.cluster",
+    "StrategyInfo": "torchplug.contract.types",
+    "PrecisionInfo": "torchplug.contract.types",
+    "LoggerInfo": "torchplug.contract.types",
+    "Option": "torchplug.contract.types",
+    "ClusterInfo": "torchplug.contract.types",
     # base classes with torch.distributed's default answers, and the options they take
-    "Strategy": "torchplug.core.strategy",
-    "DistributedStrategy": "torchplug.core.strategy",
-    "distributed_options": "torchplug.core.strategy",
+    "Strategy": "torchplug.plugins.base",
+    "DistributedStrategy": "torchplug.plugins.base",
+    "distributed_options": "torchplug.plugins.base",
     "DDPStrategy": "torchplug.plugins.ddp",
-    "Runtime": "torchplug.core.engine",
+    "Runtime": "torchplug.contract.types",
     # what every hook gets as its `engine` argument: what a backend may read and call
-    "HookContext": "torchplug.core.context",
-    "HookContextWarning": "torchplug.core.context",
+    "HookContext": "torchplug.contract.context",
+    "HookContextWarning": "torchplug.contract.context",
     # the state protocol: tensors a save gathers one at a time (ZeRO-3-style backends)
     "Deferred": "torchplug.checkpoint.deferred",
     # registering in code, and the errors a hook raises
-    "register": "torchplug.core.manager",
-    "unregister": "torchplug.core.manager",
-    "block": "torchplug.core.manager",
-    "PluginError": "torchplug.core.errors",
-    "ConfigurationError": "torchplug.core.errors",
-    "CheckpointError": "torchplug.core.errors",
+    "register": "torchplug.contract.manager",
+    "unregister": "torchplug.contract.manager",
+    "block": "torchplug.contract.manager",
+    "PluginError": "torchplug.contract.errors",
+    "ConfigurationError": "torchplug.contract.errors",
+    "CheckpointError": "torchplug.contract.errors",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from torchplug.checkpoint.deferred import Deferred
-    from torchplug.core.cluster import ClusterInfo
-    from torchplug.core.context import HookContext, HookContextWarning
-    from torchplug.core.engine import Runtime
-    from torchplug.core.errors import CheckpointError, ConfigurationError, PluginError
-    from torchplug.core.manager import block, register, unregister
-    from torchplug.core.registry import LoggerInfo, Option, PrecisionInfo, StrategyInfo
-    from torchplug.core.spec import API_VERSION, Contract, hookimpl
-    from torchplug.core.strategy import DistributedStrategy, Strategy, distributed_options
+    from torchplug.contract.cluster import ClusterInfo
+    from torchplug.contract.context import HookContext, HookContextWarning
+    from torchplug.contract.errors import CheckpointError, ConfigurationError, PluginError
+    from torchplug.contract.manager import block, register, unregister
+    from torchplug.contract.spec import API_VERSION, Contract, hookimpl
+    from torchplug.contract.types import LoggerInfo, Option, PrecisionInfo, StrategyInfo
+    from torchplug.engine.engine import Runtime
+    from torchplug.plugins.base import DistributedStrategy, Strategy, distributed_options
     from torchplug.plugins.ddp import DDPStrategy
 
 

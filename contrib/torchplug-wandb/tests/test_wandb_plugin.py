@@ -13,7 +13,7 @@ pytest.importorskip("torchplug_wandb", reason="torchplug-wandb is not installed"
 from torchplug_wandb import WandbLogger  # noqa: E402
 
 import torchplug as tp  # noqa: E402
-from torchplug.core.errors import ConfigurationError  # noqa: E402
+from torchplug.contract.errors import ConfigurationError  # noqa: E402
 
 
 def test_announcing_and_listing_the_logger_does_not_import_wandb():

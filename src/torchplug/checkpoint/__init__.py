@@ -12,9 +12,9 @@ Modules: `torchplug.checkpoint.manifest` (format, structure, schema),
 `torchplug.checkpoint.verify` (hashes and signatures),
 `torchplug.checkpoint.tensors` (the DCP tensor store and its JSON index),
 `torchplug.checkpoint.coordinate` (how ranks agree), `torchplug.checkpoint.io` (the
-save and load phases) and `torchplug.checkpoint.convert` (to safetensors). Nothing here has a
+save and load phases) and `torchplug.cli.conversion` (to safetensors). Nothing here has a
 branch for a particular backend: backends take part through the state hooks of
-`torchplug.core.spec`.
+`torchplug.contract.spec`.
 """
 
 from torchplug.checkpoint import files

@@ -21,8 +21,8 @@ from typing import Any
 import torch.distributed as dist
 
 from torchplug.checkpoint.files import describe_os_error
-from torchplug.core import torchprivate
-from torchplug.core.errors import CheckpointError
+from torchplug.contract.errors import CheckpointError
+from torchplug.util import torchprivate
 
 #: The number of saves and loads begun in this process: the same on every rank as long as every
 #: rank calls them (a save that some ranks never called is taken back, see ``_absent``).

@@ -17,17 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchplug.checkpoint import io, pretrained
-from torchplug.core.spec import hookimpl
+from torchplug.contract.context import HookContext
+from torchplug.contract.spec import hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from torchplug.core.engine import Engine
-
 
 @hookimpl(trylast=True)
 def torchplug_save(
-    engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
+    engine: HookContext, path: str, state: dict[str, Any], metadata: dict[str, Any]
 ) -> bool:
     io.save(engine, path, state, metadata)
     return True
@@ -35,13 +34,13 @@ def torchplug_save(
 
 @hookimpl(trylast=True)
 def torchplug_load(
-    engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
+    engine: HookContext, path: str, state: dict[str, Any] | None, strict: bool
 ) -> dict[str, Any]:
     return io.load(engine, path, state, strict)
 
 
 @hookimpl(trylast=True)
-def torchplug_checkpoint_metadata(engine: Engine, path: Path) -> dict[str, Any] | None:
+def torchplug_checkpoint_metadata(engine: HookContext, path: Path) -> dict[str, Any] | None:
     if not (Path(path) / "manifest.json").is_file():
         return None  # not this format: another plugin may read it
     metadata = io.read_manifest(path, engine.checkpoint_key).get("metadata")
@@ -50,6 +49,6 @@ def torchplug_checkpoint_metadata(engine: Engine, path: Path) -> dict[str, Any] 
 
 @hookimpl(trylast=True)
 def torchplug_load_pretrained(
-    engine: Engine, model: torch.nn.Module, path: Path, strict: bool
+    engine: HookContext, model: torch.nn.Module, path: Path, strict: bool
 ) -> dict[str, list[str]]:
     return pretrained.load_into(model, path, strict=strict)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torchplug.core.errors import CheckpointError
+from torchplug.contract.errors import CheckpointError
 
 _DEFERRING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "torchplug_deferring", default=False

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchplug.checkpoint.manifest import FILE_DIGESTS, MANIFEST
-from torchplug.core.errors import CheckpointError
+from torchplug.contract.errors import CheckpointError
 
 
 def describe_os_error(exc: BaseException) -> str:

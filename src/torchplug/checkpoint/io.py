@@ -30,21 +30,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchplug.checkpoint import async_save as background
 from torchplug.checkpoint import deferred, verify
 from torchplug.checkpoint import files as fs
 from torchplug.checkpoint import manifest as mf
 from torchplug.checkpoint import tensors as store
 from torchplug.checkpoint.coordinate import ARRIVING, Coordinator
-from torchplug.core import async_save as background
-from torchplug.core.context import HookContext
-from torchplug.core.errors import CheckpointError
+from torchplug.contract.context import HookContext
+from torchplug.contract.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from torchplug.core.engine import Engine
-    from torchplug.core.hooks import Hooks
+    from torchplug.contract.hooks import Hooks
 
 
-def coordinator(engine: Engine, operation: str, path: str) -> Coordinator:
+def coordinator(engine: HookContext, operation: str, path: str) -> Coordinator:
     return Coordinator(
         operation=operation,
         path=path,
@@ -75,7 +74,7 @@ def _hooks(engine: Any) -> Hooks:
     return engine.hooks if isinstance(engine, HookContext) else engine._context.hooks
 
 
-def capture(engine: Engine, key: str, obj: Any, state: dict[str, Any]) -> tuple[str, Any]:
+def capture(engine: HookContext, key: str, obj: Any, state: dict[str, Any]) -> tuple[str, Any]:
     """``(kind, payload)`` of one live state entry, through the strategy's state hooks."""
     kind = mf.kind_of(obj, key)
     if kind == "module":
@@ -129,7 +128,7 @@ def replicated(kind: str, key: str, obj: Any, payload: Any, paths: set[str]) -> 
 
 
 def save(
-    engine: Engine,
+    engine: HookContext,
     path: str,
     state: dict[str, Any],
     metadata: dict[str, Any],
@@ -291,7 +290,7 @@ def _named_os_error(exc: BaseException, directory: Path) -> BaseException:
     )
 
 
-def _remove_previous(engine: Engine, co: Coordinator, old: Path, final: Path) -> None:
+def _remove_previous(engine: HookContext, co: Coordinator, old: Path, final: Path) -> None:
     """Every rank removes the tensor files its rank wrote into the replaced checkpoint, at the
     same time; rank 0 then removes the rest. The save has happened: nothing here raises."""
     fs.remove_previous(old / mf.TENSORS / f"rank-{engine.rank}", final)
@@ -387,7 +386,7 @@ def open_checkpoint(
 
 
 def load(
-    engine: Engine,
+    engine: HookContext,
     path: str,
     state: dict[str, Any] | None,
     strict: bool = True,
@@ -444,7 +443,7 @@ def load(
 
 
 def _plan(
-    engine: Engine,
+    engine: HookContext,
     root: Path,
     body: dict[str, Any],
     key: str,

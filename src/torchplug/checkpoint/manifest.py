@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from torchplug.checkpoint.deferred import Deferred
-from torchplug.core.errors import CheckpointError
+from torchplug.contract.errors import CheckpointError
 
 FORMAT = "torchplug-checkpoint"
 #: Version 2: tensor chunks are indexed in the manifest (no pickled metadata is ever read).
@@ -45,6 +45,10 @@ MANIFEST = "manifest.json"
 #: Where a loaded manifest keeps the pins of its verified files (never written to disk).
 PINS = "torchplug_verified_files"
 TENSORS = "tensors"
+#: What `torchplug convert` writes for a plain nn.Module, and what `load_pretrained` reads: one
+#: safetensors file, or shards listed by an index (Hugging Face's layout).
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 #: The digests a file entry may record (at least one), the one new checkpoints write first.
 FILE_DIGESTS = ("blake3", "sha256")
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from torchplug.checkpoint.convert import INDEX_FILE, SINGLE_FILE
 from torchplug.checkpoint.io import unwrapped
-from torchplug.core.errors import CheckpointError
+from torchplug.checkpoint.manifest import INDEX_FILE, SINGLE_FILE
+from torchplug.contract.errors import CheckpointError
 
 
 def _safe_open() -> Any:

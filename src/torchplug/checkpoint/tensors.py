@@ -33,7 +33,7 @@ import torch
 
 from torchplug.checkpoint.files import confined, hasher, open_pinned, preferred_digest
 from torchplug.checkpoint.manifest import DTYPES, TENSORS, dtype_name
-from torchplug.core.errors import CheckpointError
+from torchplug.contract.errors import CheckpointError
 
 
 @contextlib.contextmanager

@@ -18,8 +18,8 @@ from typing import Any
 
 from torchplug.checkpoint.files import Pin, confined, expected_digest, hash_pinned
 from torchplug.checkpoint.manifest import canonical
-from torchplug.core.checkpoint_settings import KEY_ENV
-from torchplug.core.errors import CheckpointError
+from torchplug.checkpoint.settings import KEY_ENV
+from torchplug.contract.errors import CheckpointError
 
 
 def sign(body: dict[str, Any], key: bytes | None) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 
 def check(args: Any) -> int:
-    from torchplug.core.errors import TorchplugError
+    from torchplug.contract.errors import TorchplugError
     from torchplug.testing.kit import OPTIONAL_PROPERTIES, PROPERTIES, Kit
 
     unknown = [p for p in args.only or () if p not in PROPERTIES + OPTIONAL_PROPERTIES]
@@ -18,8 +18,8 @@ def check(args: Any) -> int:
             file=sys.stderr,
         )
         return 2
-    from torchplug.core import manager
-    from torchplug.core.registry import normalize_precision
+    from torchplug.contract import manager
+    from torchplug.contract.types import normalize_precision
     from torchplug.testing import bodies
 
     try:

@@ -61,10 +61,10 @@ def _ask(args: argparse.Namespace) -> None:
 
 def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     """The file's table from the flags, each value checked; a ConfigurationError otherwise."""
-    from torchplug.core import config as settings
-    from torchplug.core.errors import ConfigurationError
-    from torchplug.core.manager import get_registry
-    from torchplug.core.registry import normalize_precision
+    from torchplug.contract.errors import ConfigurationError
+    from torchplug.contract.manager import get_registry
+    from torchplug.contract.types import normalize_precision
+    from torchplug.engine import config as settings
 
     table: dict[str, Any] = {}
     registry = get_registry()
@@ -118,8 +118,8 @@ def render(table: dict[str, Any]) -> str:
 
 
 def config(args: argparse.Namespace) -> int:
-    from torchplug.core.config import _checked, _load_toml
-    from torchplug.core.errors import TorchplugError
+    from torchplug.contract.errors import TorchplugError
+    from torchplug.engine.config import _checked, _load_toml
 
     out = Path(args.output)
     if out.exists() and not args.force:

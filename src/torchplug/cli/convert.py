@@ -7,8 +7,8 @@ from typing import Any
 
 
 def convert(args: Any) -> int:
-    from torchplug.checkpoint.convert import convert as run_convert
-    from torchplug.core.errors import TorchplugError
+    from torchplug.cli.conversion import convert as run_convert
+    from torchplug.contract.errors import TorchplugError
 
     try:
         written = run_convert(

@@ -34,9 +34,11 @@ def doctor(plugins: list[str] | None = None) -> int:
     import torch
 
     import torchplug
-    from torchplug.core import cluster, config, connector, metrics
-    from torchplug.core.errors import TorchplugError
-    from torchplug.core.manager import get_registry, import_plugin_module
+    from torchplug.contract import cluster
+    from torchplug.contract.errors import TorchplugError
+    from torchplug.contract.manager import get_registry, import_plugin_module
+    from torchplug.engine import config, connector
+    from torchplug.features import metrics
 
     for module in plugins or ():
         try:

@@ -6,7 +6,7 @@ DeepSpeed's fp32 masters) for a model under each installed strategy, from parame
     torchplug estimate-memory gpt2 -n 4            # a transformers model type, default config
 
 The model is built on the meta device (no memory is allocated, nothing is downloaded); each
-strategy's sharding rule (``StrategyInfo.memory``, `torchplug.core.memory`) turns its
+strategy's sharding rule (``StrategyInfo.memory``, `torchplug.features.memory`) turns its
 parameter shapes into what the fullest rank holds.
 """
 
@@ -59,7 +59,7 @@ def load_model(text: str) -> tuple[Any, str]:
     """``(module on the meta device, what it is)`` for the ``MODEL`` argument."""
     import torch
 
-    from torchplug.core.errors import ConfigurationError
+    from torchplug.contract.errors import ConfigurationError
 
     path = Path(text)
     if path.is_dir() and (path / "config.json").is_file():
@@ -122,7 +122,7 @@ def load_model(text: str) -> tuple[Any, str]:
 
 
 def _transformers(text: str) -> Any:
-    from torchplug.core.errors import ConfigurationError
+    from torchplug.contract.errors import ConfigurationError
 
     try:
         import transformers
@@ -156,9 +156,9 @@ def estimates(
 ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """``(rows, skipped)``: one row per strategy estimated (name, bytes, notes), and each
     strategy not estimated with the reason."""
-    from torchplug.core import memory
-    from torchplug.core.errors import ConfigurationError
-    from torchplug.core.manager import get_registry
+    from torchplug.contract.errors import ConfigurationError
+    from torchplug.contract.manager import get_registry
+    from torchplug.features import memory
 
     registry = get_registry()
     specs = memory.param_specs(model)
@@ -205,13 +205,13 @@ def estimates(
 
 
 def estimate_memory(args: argparse.Namespace) -> int:
-    from torchplug.core import config as settings
-    from torchplug.core.errors import ConfigurationError, TorchplugError
-    from torchplug.core.registry import normalize_precision
+    from torchplug.contract.errors import ConfigurationError, TorchplugError
+    from torchplug.contract.types import normalize_precision
+    from torchplug.engine import config as settings
 
     try:
         if args.plugin:
-            from torchplug.core.manager import get_registry, import_plugin_module
+            from torchplug.contract.manager import get_registry, import_plugin_module
 
             for module in args.plugin:
                 import_plugin_module(get_registry(), module, strict=True)
@@ -230,7 +230,7 @@ def estimate_memory(args: argparse.Namespace) -> int:
     except TorchplugError as exc:
         print(f"torchplug estimate-memory: {exc}", file=sys.stderr)
         return 2
-    from torchplug.core import memory
+    from torchplug.features import memory
 
     specs = memory.param_specs(model)
     numel = sum(p.numel for p in specs)

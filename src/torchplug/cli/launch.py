@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torchplug.core.errors import TorchplugError, first_line
+from torchplug.contract.errors import TorchplugError, first_line
 
 #: torchplug's own launcher flags; written after the script they would reach the script instead.
 OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug", "--logger")
@@ -34,7 +34,7 @@ OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug", "--
 PLUGIN_ENV = "TORCHPLUG_PLUGIN_MODULES"
 DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
 LAUNCHED_ENV = "TORCHPLUG_LAUNCHED"
-#: The same variable as `torchplug.core.syncbn.SYNC_BATCHNORM_ENV` (core is not imported
+#: The same variable as `torchplug.features.syncbn.SYNC_BATCHNORM_ENV` (core is not imported
 #: here at module level: ``torchplug launch --help`` stays cheap).
 SYNC_BATCHNORM_ENV = "TORCHPLUG_SYNC_BATCHNORM"
 
@@ -47,7 +47,7 @@ class LaunchError(TorchplugError):
 
 def _installed_strategies() -> str:
     try:
-        from torchplug.core.manager import get_registry
+        from torchplug.contract.manager import get_registry
 
         return ", ".join(get_registry().usable_names()) or "none"
     except Exception as exc:  # help must print even with a broken plugin
@@ -206,7 +206,7 @@ def import_plugins(modules: Sequence[str]) -> None:
     ``TORCHPLUG_PLUGIN_MODULES``."""
     if not modules:
         return
-    from torchplug.core.manager import get_registry, import_plugin_module
+    from torchplug.contract.manager import get_registry, import_plugin_module
 
     registry = get_registry()
     for name in modules:
@@ -218,7 +218,7 @@ def import_plugins(modules: Sequence[str]) -> None:
 def from_file(args: Any, parser: argparse.ArgumentParser) -> None:
     """``processes`` and ``nodes`` of the config file (``torchplug config`` writes them) for
     ``-n`` and ``--nnodes`` when the command line leaves them out; the flags win."""
-    from torchplug.core.config import find_config
+    from torchplug.engine.config import find_config
 
     table, _ = find_config()
     if args.nproc_per_node is None and "processes" in table:
@@ -277,7 +277,7 @@ def check_script(args: Any) -> None:
             )
     elif not Path(script).is_file():
         near = [p.name for p in Path(script).parent.glob("*.py")] if script.endswith(".py") else []
-        from torchplug.core.errors import did_you_mean
+        from torchplug.contract.errors import did_you_mean
 
         raise LaunchError(
             f"Training script {script!r} does not exist (working directory {Path.cwd()})."
@@ -345,7 +345,7 @@ def _script_mentions(args: Any, flag: str) -> bool:
 
 def check_rendezvous(args: Any, argv: Sequence[str]) -> None:
     """Honour ``MASTER_ADDR``/``MASTER_PORT`` from the environment; check the port."""
-    from torchplug.core.cluster import master_port
+    from torchplug.contract.cluster import master_port
 
     before = argv[: argv.index(args.training_script)] if args.training_script in argv else argv
     given = {a.split("=", 1)[0].replace("_", "-") for a in before}
@@ -386,8 +386,8 @@ def check_settings(args: Any, nprocs: str) -> Any:
     name nobody registers fails there with the same did-you-mean message. Any other unknown
     name is refused here, before a process starts.
     """
-    from torchplug.core import config
-    from torchplug.core.manager import get_registry
+    from torchplug.contract.manager import get_registry
+    from torchplug.engine import config
 
     registry = get_registry()
     env = dict(os.environ)
@@ -450,7 +450,7 @@ def check_loggers(names: Sequence[str]) -> None:
     """Every ``--logger`` names an installed, usable logger."""
     if not names:
         return
-    from torchplug.core.manager import get_registry
+    from torchplug.contract.manager import get_registry
 
     registry = get_registry()
     for name in names:
@@ -522,7 +522,7 @@ def launch(argv: Sequence[str]) -> int:
     if at is not None:
         args.training_script_args = argv[at + 1 :]
     try:
-        from torchplug.core import cluster
+        from torchplug.contract import cluster
 
         import_plugins(args.plugin)
         from_file(args, parser)
@@ -550,7 +550,7 @@ def launch(argv: Sequence[str]) -> int:
         if args.strategy:
             os.environ["TORCHPLUG_LAUNCH_STRATEGY"] = info.name if info else args.strategy
         if args.precision:
-            from torchplug.core.registry import normalize_precision
+            from torchplug.contract.types import normalize_precision
 
             os.environ["TORCHPLUG_LAUNCH_PRECISION"] = normalize_precision(args.precision)
         if info is not None and info.launcher == "xla":
@@ -577,7 +577,7 @@ def _run(args: Any) -> int:
 
     from torch.distributed.run import run
 
-    from torchplug.core.preemption import STATUS_ENV
+    from torchplug.features.preemption import STATUS_ENV
 
     # torchrun's own failure report (a FAILED block per rank) is replaced by the summary below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
@@ -595,7 +595,7 @@ def _run(args: Any) -> int:
 
 
 def _run_torchrun(args: Any, run: Any, status: str) -> int:
-    from torchplug.core.preemption import last_checkpoint
+    from torchplug.features.preemption import last_checkpoint
 
     enabled = gc.isenabled()
     try:

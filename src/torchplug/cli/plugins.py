@@ -15,7 +15,7 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 def plugins(verbose: bool = False) -> int:
     """Print the strategies and precisions with their provider and status."""
-    from torchplug.core.manager import STRATEGY_HOOKS, get_registry
+    from torchplug.contract.manager import STRATEGY_HOOKS, get_registry
 
     registry = get_registry()
     by_extensions = extension_answers(registry)
@@ -152,7 +152,7 @@ UNANSWERED = "UNANSWERED"
 
 def blocked_defaults(registry: object) -> list[str]:
     """The built-in default-answer plugins (``torch_distributed``, ``checkpoint``) blocked here."""
-    from torchplug.core.manager import DEFAULT_ANSWERS
+    from torchplug.contract.manager import DEFAULT_ANSWERS
 
     return sorted(DEFAULT_ANSWERS & registry.blocked)  # type: ignore[attr-defined]
 
@@ -160,7 +160,7 @@ def blocked_defaults(registry: object) -> list[str]:
 def extension_answers(registry: object) -> dict[str, list[str]]:
     """Hook name -> the registered extensions answering it (not wrapping it), labelled; the
     extensions join every Engine, so this is read once for every strategy listed."""
-    from torchplug.core.manager import DEFAULT_ANSWERS, qualified_name
+    from torchplug.contract.manager import DEFAULT_ANSWERS, qualified_name
 
     pm = registry.pm  # type: ignore[attr-defined]
     answers: dict[str, list[str]] = {}
@@ -186,7 +186,7 @@ def hook_answers(
     default plugins among them), else, for an action hook, ``UNANSWERED`` (the Engine refuses to
     start). Empty when the class is not known: the object is known only once made.
     ``by_extensions``: `extension_answers`, when the caller lists many strategies."""
-    from torchplug.core.manager import ACTION_HOOKS, STRATEGY_HOOKS, qualified_name
+    from torchplug.contract.manager import ACTION_HOOKS, STRATEGY_HOOKS, qualified_name
 
     factory = backend_class(factory)
     if factory is None:
@@ -224,7 +224,7 @@ def cluster_environments(registry: object) -> list[list[str]]:
     (the first answer wins), each with what it answers in this process's environment."""
     import os
 
-    from torchplug.core.cluster import inside_torchrun
+    from torchplug.contract.cluster import inside_torchrun
 
     pm = registry.pm  # type: ignore[attr-defined]
     rows = []

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from torchplug.core.metrics import to_number  # noqa: F401 - public here since API 1.0
+from torchplug.features.metrics import to_number  # noqa: F401 - public here since API 1.0
 
 
 class Logger:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from torchplug.core.registry import LoggerInfo
-from torchplug.core.spec import hookimpl
+from torchplug.contract.spec import hookimpl
+from torchplug.contract.types import LoggerInfo
 
 
 def _csv(log_dir: str | os.PathLike[str]) -> object:

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from torchplug.core import capabilities, torchprivate
-from torchplug.core.cluster import ClusterInfo
-from torchplug.core.engine import Engine, Runtime
-from torchplug.core.errors import ConfigurationError
-from torchplug.core.nested import cast_floating
-from torchplug.core.registry import Option, PrecisionInfo
-from torchplug.core.spec import hookimpl
+from torchplug.contract.cluster import ClusterInfo
+from torchplug.contract.errors import ConfigurationError
+from torchplug.contract.spec import hookimpl
+from torchplug.contract.types import Option, PrecisionInfo
+from torchplug.engine.engine import Engine, Runtime
+from torchplug.util import capabilities, torchprivate
+from torchplug.util.nested import cast_floating
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

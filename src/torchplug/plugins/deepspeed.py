@@ -35,14 +35,15 @@ from typing import Any
 import torch
 
 from torchplug import checkpoint
-from torchplug.core import capabilities, memory
-from torchplug.core.cluster import ClusterInfo
-from torchplug.core.engine import Engine, Runtime
-from torchplug.core.errors import CheckpointError, ConfigurationError
-from torchplug.core.nested import cast_floating
-from torchplug.core.registry import Option, StrategyInfo
-from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
+from torchplug.contract.cluster import ClusterInfo
+from torchplug.contract.errors import CheckpointError, ConfigurationError
+from torchplug.contract.spec import hookimpl
+from torchplug.contract.types import Option, StrategyInfo
+from torchplug.engine.engine import Engine, Runtime
+from torchplug.features import memory
+from torchplug.plugins.base import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
+from torchplug.util import capabilities
+from torchplug.util.nested import cast_floating
 
 INSTALL = "pip install torchplug[deepspeed]"
 OFFLOAD = ("none", "cpu", "nvme")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchplug.core.errors import CheckpointError, ConfigurationError
+from torchplug.contract.errors import CheckpointError, ConfigurationError
 
 
 def _deepspeed_version() -> str:

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from torchplug.core import memory
-from torchplug.core.engine import Engine
-from torchplug.core.errors import ConfigurationError
-from torchplug.core.registry import Option, StrategyInfo
-from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
+from torchplug.contract.errors import ConfigurationError
+from torchplug.contract.spec import hookimpl
+from torchplug.contract.types import Option, StrategyInfo
+from torchplug.engine.engine import Engine
+from torchplug.features import memory
+from torchplug.plugins.base import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
 from torchplug.plugins.ddp import DDPStrategy
 
 INSTALL = "pip install torchplug[fairscale]"

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from torchplug.core import capabilities, memory
-from torchplug.core.cluster import ClusterInfo
-from torchplug.core.engine import Engine, Runtime
-from torchplug.core.registry import Option, StrategyInfo
-from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
+from torchplug.contract.cluster import ClusterInfo
+from torchplug.contract.spec import hookimpl
+from torchplug.contract.types import Option, StrategyInfo
+from torchplug.engine.engine import Engine, Runtime
+from torchplug.features import memory
 from torchplug.plugins import sharding
+from torchplug.plugins.base import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
 from torchplug.plugins.sharding import (
     NORM_TYPES,
     finish_wrap,
@@ -33,6 +33,7 @@ from torchplug.plugins.sharding import (
     shard_norms_in_fp32,
     shard_units,
 )
+from torchplug.util import capabilities
 
 #: Names importable from here before they moved to `torchplug.plugins.sharding`.
 __all__ = [

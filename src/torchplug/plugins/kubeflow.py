@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchplug.core.cluster import ClusterInfo, _int, master_port
-from torchplug.core.spec import hookimpl
+from torchplug.contract.cluster import ClusterInfo, _int, master_port
+from torchplug.contract.spec import hookimpl
 
 REQUIRED = ("KUBERNETES_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 

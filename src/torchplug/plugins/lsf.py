@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from torchplug.core.cluster import ClusterInfo, _int, master_port
-from torchplug.core.spec import hookimpl
+from torchplug.contract.cluster import ClusterInfo, _int, master_port
+from torchplug.contract.spec import hookimpl
 
 REQUIRED = ("LSB_JOBID", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_LOCAL_RANK")
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchplug.core.cluster import ClusterInfo, _int, job_port, master_port
-from torchplug.core.errors import ConfigurationError
-from torchplug.core.spec import hookimpl
+from torchplug.contract.cluster import ClusterInfo, _int, job_port, master_port
+from torchplug.contract.errors import ConfigurationError
+from torchplug.contract.spec import hookimpl
 
 DEFAULT_PORT = 29500
 #: Variables naming the MPI job (Open MPI / PMIx namespace, MPICH's Hydra KVS name), from which

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from torchplug.core.engine import Engine, Runtime
-from torchplug.core.errors import ConfigurationError, PluginError
-from torchplug.core.strategy import rebind_optimizer
+from torchplug.contract.errors import ConfigurationError, PluginError
+from torchplug.engine.engine import Engine, Runtime
+from torchplug.plugins.base import rebind_optimizer
 
 #: Normalisation layers: under bf16 they compute in fp32, as torch's AMP runs them (a BatchNorm's
 #: running statistics are fp32 buffers, which bf16 weights cannot be combined with).

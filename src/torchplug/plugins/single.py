@@ -6,12 +6,12 @@ from collections.abc import Callable
 
 import torch
 
-from torchplug.core import memory
-from torchplug.core.cluster import ClusterInfo
-from torchplug.core.engine import Engine, Runtime
-from torchplug.core.registry import Option, StrategyInfo
-from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import Strategy, default_device
+from torchplug.contract.cluster import ClusterInfo
+from torchplug.contract.spec import hookimpl
+from torchplug.contract.types import Option, StrategyInfo
+from torchplug.engine.engine import Engine, Runtime
+from torchplug.features import memory
+from torchplug.plugins.base import Strategy, default_device
 
 
 def check_device(value: str | None) -> str | None:

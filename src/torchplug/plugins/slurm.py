@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from torchplug.core.cluster import ClusterInfo, job_port, master_port
-from torchplug.core.spec import hookimpl
+from torchplug.contract.cluster import ClusterInfo, job_port, master_port
+from torchplug.contract.spec import hookimpl
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -28,20 +28,21 @@ from typing import Any
 
 import torch
 
-from torchplug.core import capabilities, memory
-from torchplug.core.cluster import ClusterInfo
-from torchplug.core.engine import Engine, Runtime
-from torchplug.core.errors import ConfigurationError
-from torchplug.core.registry import Option, StrategyInfo
-from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
+from torchplug.contract.cluster import ClusterInfo
+from torchplug.contract.errors import ConfigurationError
+from torchplug.contract.spec import hookimpl
+from torchplug.contract.types import Option, StrategyInfo
+from torchplug.engine.engine import Engine, Runtime
+from torchplug.features import memory
 from torchplug.plugins import sharding
+from torchplug.plugins.base import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
+from torchplug.util import capabilities
 
 STYLES = ("colwise", "rowwise", "sequence")
 #: Why ``torchplug estimate-memory`` gives no numbers for ``fsdp-tp``.
 TWO_D_NOT_MODELLED = (
     "2-D sharding (FSDP2 over the tensor-parallel shards) is not modelled; estimate 'tp' with "
-    "-n TP_SIZE and 'fsdp' with -n DP_SIZE, or measure with torchplug.core.memory.count_live"
+    "-n TP_SIZE and 'fsdp' with -n DP_SIZE, or measure with torchplug.features.memory.count_live"
 )
 
 #: Hugging Face's plan strings (``model._tp_plan``, ``config.base_model_tp_plan``) that map onto

@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from torchplug.core import scaling
-from torchplug.core.cluster import ClusterInfo
-from torchplug.core.engine import Engine, Runtime
-from torchplug.core.errors import ConfigurationError
-from torchplug.core.nested import map_tensors
-from torchplug.core.registry import StrategyInfo
-from torchplug.core.spec import hookimpl
-from torchplug.core.strategy import Strategy, rebind_optimizer
+from torchplug.contract.cluster import ClusterInfo
+from torchplug.contract.errors import ConfigurationError
+from torchplug.contract.spec import hookimpl
+from torchplug.contract.types import StrategyInfo
+from torchplug.engine import scaling
+from torchplug.engine.engine import Engine, Runtime
+from torchplug.plugins.base import Strategy, rebind_optimizer
+from torchplug.util.nested import map_tensors
 
 INSTALL = "pip install torchplug[xla]"
 

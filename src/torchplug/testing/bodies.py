@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from torchplug.core import manager
-from torchplug.core.strategy import REDUCE_OPS
+from torchplug.contract import manager
+from torchplug.plugins.base import REDUCE_OPS
 
 FEATURES = 8
 MAX_STEPS = 20

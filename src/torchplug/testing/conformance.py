@@ -37,8 +37,8 @@ def _expect(outcome: Outcome) -> None:
 def require_precision(strategy: str, precision: str | None, plugins: Sequence[str] = ()) -> None:
     """Skip the calling test when ``precision`` cannot run under ``strategy`` on this machine,
     with the registry's reason (the probe ``torchplug plugins``, ``launch`` and ``check`` use)."""
-    from torchplug.core import manager
-    from torchplug.core.registry import normalize_precision
+    from torchplug.contract import manager
+    from torchplug.contract.types import normalize_precision
     from torchplug.testing import bodies
 
     bodies.register(plugins)

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 import torchplug as tp
-from torchplug.core import manager
-from torchplug.core.errors import ConfigurationError
-from torchplug.core.registry import StrategyInfo
+from torchplug.contract import manager
+from torchplug.contract.errors import ConfigurationError
+from torchplug.contract.types import StrategyInfo
 from torchplug.testing import bodies, real_model
 from torchplug.testing.processes import RankError, RankPool, default_sys_path
 

@@ -32,7 +32,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from torchplug.core.cluster import free_port
+from torchplug.contract.cluster import free_port
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -269,7 +269,7 @@ def _cleanup() -> None:
             dist.destroy_process_group()
     except Exception:
         pass
-    from torchplug.core import manager
+    from torchplug.contract import manager
 
     manager.reset_registry(forget_blocks=True)
 

@@ -4,7 +4,8 @@ A callback is any object (or module) with some of these functions, marked with
 ``@torchplug.plugin.hookimpl``, passed as ``Trainer(callbacks=[...])``. Every callback is called
 for every event (none is ``firstresult``); what a hook returns is ignored, except that
 ``on_step_end`` may return ``True`` to stop training after that step. They are a separate
-specification from [`torchplug.core.spec`][torchplug.core.spec]: these events exist only in the
+specification from [`torchplug.contract.spec`][torchplug.contract.spec]: these events exist only in
+the
 Trainer's loop.
 """
 
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torchplug.core.spec import hookspec
+from torchplug.contract.spec import hookspec
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from torchplug.trainer.loop import Trainer
+#: `torchplug.trainer.loop.Trainer`, which imports this module: named through an alias, not an
+#: import.
+Trainer = Any
 
 
 @hookspec

@@ -24,10 +24,10 @@ from typing import Any
 import pluggy
 import torch
 
-from torchplug.core.engine import Engine
-from torchplug.core.errors import ConfigurationError
-from torchplug.core.spec import PROJECT
-from torchplug.core.throughput import ThroughputMonitor
+from torchplug.contract.errors import ConfigurationError
+from torchplug.contract.spec import PROJECT
+from torchplug.engine.engine import Engine
+from torchplug.features.throughput import ThroughputMonitor
 from torchplug.trainer import hooks
 from torchplug.trainer.progress import Progress, wanted
 

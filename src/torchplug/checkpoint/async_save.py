@@ -1,0 +1,199 @@
+"""Asynchronous saves: the state is staged in memory, then written, hashed, fsynced and
+committed by a background thread while training goes on.
+
+Staging is split by who may change a tensor. Parameters and optimizer state change only in an
+optimizer step, so they are copied by the background thread while the loop runs its next
+forward and backward, and the Engine's ``optimizer.step()`` waits for that copy first (torch
+DCP's asynchronous staging makes the same split). Everything else — buffers, which a forward
+updates (BatchNorm's statistics), and the user's own tensors — is copied before ``save``
+returns. A staged tensor whose version counter moved while it was copied (changed in place
+outside ``optimizer.step()``) fails the save rather than writing a mix of two states.
+
+Why it is safe: after staging, a save needs no collective of the process group — its phases
+agree through the c10d store (`Coordinator`), never the
+group the training loop uses — and it reads only the staged copies, which training does not
+touch. The atomic-commit and crash guarantees are the synchronous save's: the same phases run,
+only on another thread. At most one save is in flight per Engine: the next save, a load, a
+resume and ``close()`` wait for it first, and its failure (agreed on every rank, as a
+synchronous one) is raised there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from torchplug.contract.errors import CheckpointError
+
+#: The save that ``io.save`` may hand its writing to (set by ``Engine.save(async_=True)``).
+_HANDOFF: contextvars.ContextVar[PendingSave | None] = contextvars.ContextVar(
+    "torchplug_async_save", default=None
+)
+
+
+class PendingSave:
+    """One save's background part: started by `start`, awaited by `wait`."""
+
+    def __init__(self, path: str, staging: dict[str, Any] | None = None) -> None:
+        self.path = path
+        #: Host copies of an earlier async save of the same Engine (done: the Engine waits for
+        #: one save before the next), refilled in place rather than allocated anew.
+        self.staging = staging if staging is not None else {}
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        #: Set once the background part of staging is over (done or failed): what the next
+        #: optimizer step waits for.
+        self.staged = threading.Event()
+        self._after: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._done = False
+
+    def start(self, work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                work()
+                while True:  # steps queued by then(), including while these run
+                    with self._lock:
+                        if not self._after:
+                            self._done = True
+                            return
+                        step = self._after.pop(0)
+                    step()
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller at wait()
+                self.error = exc
+                with self._lock:
+                    self._done = True
+            finally:
+                self.staged.set()
+
+        self.thread = threading.Thread(target=run, name=f"torchplug-save {self.path}")
+        self.thread.start()
+
+    def then(self, step: Callable[[], None]) -> None:
+        """Run ``step`` after the save has committed: at once if nothing is in flight or it has
+        committed already, never if it failed."""
+        with self._lock:
+            if self.thread is not None and not self._done:
+                self._after.append(step)
+                return
+        if self.error is None:
+            step()
+
+    def wait_staged(self) -> None:
+        """Block until the background copy of parameters and optimizer state is over (the
+        next optimizer step may change them then); its failure is raised by `wait`."""
+        if not self.staged.is_set():
+            self.staged.wait()
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the write has committed; raise its failure as a CheckpointError."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(f"The asynchronous save of {self.path} failed: {error}")
+            raise CheckpointError(
+                f"The asynchronous save of {self.path} failed: {type(error).__name__}: {error}"
+            ) from error
+
+
+@contextlib.contextmanager
+def handing_off(pending: PendingSave) -> Iterator[None]:
+    """Within this block, ``io.save`` stages and hands its writing to ``pending``."""
+    token = _HANDOFF.set(pending)
+    try:
+        yield
+    finally:
+        _HANDOFF.reset(token)
+
+
+def taker() -> PendingSave | None:
+    """The pending save to hand the write to, if the caller asked for an async save."""
+    return _HANDOFF.get()
+
+
+#: Devices whose tensors a background thread may copy while the loop runs (an XLA tensor is
+#: staged before ``save`` returns: its lazy graph belongs to the training thread).
+_BACKGROUND_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def split(tensors: dict[str, Any], later: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``tensors`` as (staged now, staged in the background): the names in ``later`` (parameters
+    and optimizer state: only an optimizer step changes them) on a device a thread may copy
+    from go to the background, the rest (buffers, user tensors) are staged at once."""
+    now: dict[str, Any] = {}
+    background: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        movable = (
+            name in later
+            and isinstance(tensor, torch.Tensor)
+            and tensor.device.type in _BACKGROUND_DEVICES
+        )
+        (background if movable else now)[name] = tensor
+    return now, background
+
+
+def versions(tensors: dict[str, Any]) -> dict[str, int]:
+    """Each tensor's version counter (bumped by every in-place change)."""
+    return {name: tensor._version for name, tensor in tensors.items()}
+
+
+def unchanged(tensors: dict[str, Any], before: dict[str, int], path: str) -> None:
+    """Raise if a tensor staged in the background was changed in place while it was copied."""
+    moved = sorted(name for name, tensor in tensors.items() if tensor._version != before[name])
+    if moved:
+        shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
+        raise CheckpointError(
+            f"{shown} changed in place while the asynchronous save of {path} copied it (outside "
+            f"optimizer.step(), which waits for the copy), so the copy could mix two states and "
+            f"was not written. Call engine.wait_for_save() before changing saved parameters or "
+            f"optimizer state yourself, or save synchronously."
+        )
+
+
+def stage(tensors: dict[str, Any], staging: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Copies of what will be written, so training may change the originals at once: plain
+    tensors to host memory, DTensors (sharded state) as a local copy of this rank's shard.
+    ``staging`` holds an earlier save's host copies: one of the same shape and dtype is filled
+    in place (fresh memory costs a page fault per page, which was most of the time the loop
+    waited); it then holds this save's copies for the next (`keep_only` drops the ones no
+    longer saved). Memory: one host copy of this rank's state stays with the Engine between
+    async saves, as torch DCP's cached staging."""
+    from torch.distributed.tensor import DTensor
+
+    staged: dict[str, Any] = {}
+    kept = staging if staging is not None else {}
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if isinstance(tensor, DTensor):
+                staged[name] = tensor.detach().clone()
+                continue
+            old = kept.get(name)
+            if (
+                isinstance(old, torch.Tensor)
+                and old.shape == tensor.shape
+                and old.dtype == tensor.dtype
+                and old.stride() == tensor.stride()
+            ):
+                staged[name] = old.copy_(tensor.detach())
+            else:
+                staged[name] = tensor.detach().to("cpu", copy=True)
+    if staging is not None:
+        staging.update({k: v for k, v in staged.items() if not isinstance(v, DTensor)})
+    return staged
+
+
+def keep_only(staging: dict[str, Any], names: set[str]) -> None:
+    """Drop the host copies of tensors this save did not stage."""
+    for name in [n for n in staging if n not in names]:
+        del staging[name]

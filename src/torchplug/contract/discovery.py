@@ -1,0 +1,276 @@
+"""Finding plugins: torchplug's own, installed entry points, in-house modules.
+
+The registry is built in one order, as tox does: torchplug's own plugins from the explicit tuple
+`BUILTIN_PLUGINS` (so a source checkout with no installed distribution has them), then
+third-party entry points, then pluggy's ``check_pending``, then the modules named in
+``TORCHPLUG_PLUGIN_MODULES``. Environment controls, read when the registry is first built:
+
+``TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1``
+    load torchplug's own plugins only.
+``TORCHPLUG_PLUGINS=a,b``
+    allow-list of third-party entry-point plugins to load (built-ins always load).
+``TORCHPLUG_BLOCK_PLUGINS=a,b``
+    never import these plugins (built-ins included), like pytest's ``-p no:name``.
+``TORCHPLUG_PLUGIN_MODULES=a,b``
+    in-house plugin modules to import and register (``torchplug launch --plugin`` sets it).
+
+A plugin that fails to import is recorded by name with its error, and the rest keep loading.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from torchplug.contract.errors import PluginError, did_you_mean
+from torchplug.contract.validation import plugin_label
+
+#: The `torchplug.contract.registry.Registry` being filled: that module imports this one, so the
+#: annotation names it through an alias rather than an import.
+Registry = Any
+
+ENTRY_POINT_GROUP = "torchplug"
+#: In-house plugin modules to import into every registry (``torchplug launch --plugin``).
+PLUGIN_MODULES_ENV = "TORCHPLUG_PLUGIN_MODULES"
+OWN_DISTRIBUTION = "torchplug"
+
+#: torchplug's own plugins, registered from this tuple first (as tox does), then third-party
+#: entry points, then pluggy's ``check_pending``. The same names stay declared as entry points
+#: in pyproject.toml, where they are skipped; they own their names.
+BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("single", "torchplug.plugins.single"),
+    ("ddp", "torchplug.plugins.ddp"),
+    ("fsdp", "torchplug.plugins.fsdp"),
+    ("tensor_parallel", "torchplug.plugins.tensor_parallel"),
+    ("fairscale", "torchplug.plugins.fairscale"),
+    ("slurm", "torchplug.plugins.slurm"),
+    ("kubeflow", "torchplug.plugins.kubeflow"),
+    ("lsf", "torchplug.plugins.lsf"),
+    ("mpi", "torchplug.plugins.mpi"),
+    ("deepspeed", "torchplug.plugins.deepspeed"),
+    ("xla", "torchplug.plugins.xla"),
+    ("amp", "torchplug.plugins.amp"),
+    ("loggers", "torchplug.loggers.builtin"),
+    ("checkpoint", "torchplug.checkpoint.defaults"),
+    ("torch_distributed", "torchplug.plugins.torch_distributed"),
+)
+
+
+def _env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _is_own(ep: metadata.EntryPoint) -> bool:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return ep.value.startswith("torchplug.")
+    return dist.metadata["Name"].replace("_", "-").lower() == OWN_DISTRIBUTION
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plugin discovery may load: one of torchplug's own (`BUILTIN_PLUGINS`) or an installed
+    entry point."""
+
+    name: str
+    #: The module or ``module:attr`` it is loaded from (named when it fails to import).
+    target: str
+    load: Callable[[], object]
+    builtin: bool
+    #: From torchplug's own distribution (an entry point that is never hidden).
+    own: bool = True
+    entry_point: metadata.EntryPoint | None = None
+
+    def origin(self) -> tuple[str, str]:
+        """(distribution, version) recorded for the plugin."""
+        if self.builtin:
+            from torchplug.util.version import VERSION as __version__
+
+            return (OWN_DISTRIBUTION, __version__)
+        dist = getattr(self.entry_point, "dist", None)
+        return (dist.metadata["Name"], dist.version) if dist is not None else ("", "")
+
+
+def candidates() -> list[Candidate]:
+    """torchplug's own plugins from `BUILTIN_PLUGINS` (not from entry points, so a source
+    checkout without an installed distribution has them too), then the installed entry points,
+    torchplug's own first (they own their names) and those `BUILTIN_PLUGINS` lists left out."""
+    import importlib
+
+    found = [
+        Candidate(name, module, functools.partial(importlib.import_module, module), builtin=True)
+        for name, module in BUILTIN_PLUGINS
+    ]
+    points = sorted(
+        metadata.entry_points(group=ENTRY_POINT_GROUP),
+        key=lambda ep: (not _is_own(ep), ep.name),  # built-ins first: they own their names
+    )
+    for ep in points:
+        own = _is_own(ep)
+        if own and ep.name in dict(BUILTIN_PLUGINS):
+            continue  # registered from BUILTIN_PLUGINS (or blocked)
+        found.append(Candidate(ep.name, ep.value, ep.load, False, own, ep))
+    return found
+
+
+def hidden(candidate: Candidate, registry: Registry) -> str | None:
+    """Why an installed entry point is not loaded here (blocked, autoload off, not in the
+    allow-list), or ``None``. A blocked built-in is skipped without a word."""
+    name = candidate.name
+    if name in registry.blocked or registry.pm.is_blocked(name):
+        return "blocked (TORCHPLUG_BLOCK_PLUGINS or torchplug.block)"
+    if not candidate.own and _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD"):
+        return "autoload is off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
+    allow = set(_env_list("TORCHPLUG_PLUGINS"))
+    if not candidate.own and allow and name not in allow:
+        return f"not in the allow-list TORCHPLUG_PLUGINS={','.join(sorted(allow))}"
+    return None
+
+
+def discover(registry: Registry) -> None:
+    """Load every plugin `candidates` lists, in one loop: a blocked one is never imported (an
+    entry point is recorded as hidden, with the reason); one that fails to import or to
+    register is recorded by name with its error and warned about, and the rest load."""
+    for candidate in candidates():
+        name = candidate.name
+        why = hidden(candidate, registry)
+        if why is not None:
+            if not candidate.builtin:
+                registry.hidden[name] = why
+            continue
+        if registry.pm.has_plugin(name):
+            continue
+        origin = candidate.origin()
+        try:
+            plugin = candidate.load()
+        except Exception as exc:
+            registry.errors[name] = f"{type(exc).__name__}: {exc}"
+            what = "torchplug's built-in plugin" if candidate.builtin else "torchplug plugin"
+            warnings.warn(
+                f"{what} '{name}' ({candidate.target}) failed to import and is "
+                f"skipped: {type(exc).__name__}: {exc}",
+                stacklevel=2,
+            )
+            continue
+        try:
+            registry.add(plugin, name=name, origin=origin, strict=False)
+        except PluginError as exc:
+            registry.errors[name] = str(exc)
+            warnings.warn(str(exc), stacklevel=2)
+
+
+def check_pending(registry: Registry) -> None:
+    """pluggy's check that every hookimpl matches a hook of the specification; a plugin
+    that fails it is recorded and removed (one broken plugin must not break the others)."""
+    try:
+        registry.pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        name = registry.pm.get_name(exc.plugin) or str(exc.plugin)
+        label = plugin_label(exc.plugin, name)
+        registry.errors[name] = (
+            f"{exc}. Fix the hook's name as docs/hooks.md lists them, or remove its marker."
+        )
+        warnings.warn(f"torchplug plugin '{label}' is skipped: {exc}", stacklevel=2)
+        registry.remove(name)
+        check_pending(registry)
+
+
+def loading_state(registry: Registry) -> list[str]:
+    """Lines saying how plugins are loaded here (autoload, allow-list, blocks) and which
+    installed plugins that hides, for ``torchplug plugins`` and ``doctor``."""
+    autoload = (
+        "off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
+        if _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD")
+        else "on"
+    )
+    allow = ", ".join(_env_list("TORCHPLUG_PLUGINS")) or "none (every installed plugin)"
+    lines = [f"autoload: {autoload}", f"allow-list (TORCHPLUG_PLUGINS): {allow}"]
+    if registry.blocked:
+        lines.append(f"blocked: {', '.join(sorted(registry.blocked))}")
+        lines += _unmatched_blocks(registry)
+    lines += [f"hidden: {name}: {why}" for name, why in sorted(registry.hidden.items())]
+    return lines
+
+
+def _unmatched_blocks(registry: Registry) -> list[str]:
+    """A line for each blocked name that no plugin here has: a block names a plugin (an entry
+    point's name, a built-in's, a module given to ``--plugin``), not the package providing it,
+    and one naming nothing would otherwise look as if it took effect."""
+    found = candidates()
+    registered = {name for name, plugin in registry.pm.list_name_plugin() if plugin is not None}
+    known = {c.name for c in found} | registered
+    by_distribution: dict[str, list[str]] = {}
+    for candidate in found:
+        distribution = candidate.origin()[0]
+        if distribution:
+            by_distribution.setdefault(distribution.lower(), []).append(candidate.name)
+    lines = []
+    for name in sorted(set(registry.blocked) - known):
+        provides = by_distribution.get(name.lower())
+        hint = (
+            f"the package {name} provides the plugin(s) {', '.join(sorted(provides))}: block those"
+            if provides
+            else (did_you_mean(name, known) + f" Plugin names here: {', '.join(sorted(known))}")
+        ).strip()
+        lines.append(f"blocked but matching no plugin: {name} ({hint})")
+    return lines
+
+
+def import_plugin_module(registry: Registry, module: str, strict: bool = True) -> None:
+    """Import an in-house plugin module by name (the working directory on ``sys.path`` too)
+    and register it unless importing it registered it already.
+
+    ``strict``: raise what went wrong (``torchplug launch --plugin``); else record and warn, as
+    for entry-point plugins (the processes the launcher started).
+    """
+    import importlib
+
+    try:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m` does: the current directory first
+        plugin = importlib.import_module(module)
+        if not registry.pm.is_registered(plugin) and registry.pm.get_plugin(module) is None:
+            registry.add(plugin, name=module)
+    except Exception as exc:
+        if strict:
+            raise PluginError(
+                f"Plugin module '{module}' could not be loaded: {type(exc).__name__}: {exc}. "
+                f"Expected a module importable as `import {module}` from the current directory "
+                f"({os.getcwd()}) or an installed package; check the name (a module name, "
+                f"not a file path) and that it imports cleanly."
+            ) from exc
+        registry.errors[module] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"torchplug plugin module '{module}' ({PLUGIN_MODULES_ENV}) failed to load and is "
+            f"skipped: {type(exc).__name__}: {exc}",
+            stacklevel=2,
+        )
+
+
+def load_extension(module: str) -> object:
+    """``Engine(plugins=["my_pkg.guard"])``: the module of that name (a class in it is not
+    guessed: the module itself is the plugin), imported from the current directory too."""
+    import importlib
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise PluginError(
+            f"Extension plugin module '{module}' (Engine(plugins=[...])) could not be imported: "
+            f"{exc}. Expected a module importable as `import {module}` from the current "
+            f"directory ({os.getcwd()}) or an installed package; or pass the plugin object."
+        ) from exc

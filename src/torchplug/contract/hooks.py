@@ -1,0 +1,269 @@
+"""`Hooks`: the one channel from torchplug to an Engine's active set.
+
+tox's typed façade over pluggy (``tox.plugin.manager``): one method per strategy hook, which
+calls the hook with the Engine's [`HookContext`][torchplug.plugin.HookContext] and checks the
+answer against the hook's contract (its answer type, declared in `torchplug.contract.spec` and
+read here from the plugin manager's hook specifications, so this module sits below the spec that
+names its context type), so no caller
+reaches pluggy's relay or forgets a check. The Engine, its helper modules and the checkpoint
+package all call hooks through here; the per-step hooks through the plain calls `dispatch`
+resolved once for this Engine's fixed plugin set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+import torch
+
+from torchplug.contract import dispatch
+from torchplug.contract.errors import PluginError
+
+if TYPE_CHECKING:
+    from torchplug.contract.types import ClusterInfo
+
+#: Hooks called on every training step (their contracts say ``per_step``): resolved once per
+#: Engine (see `dispatch`).
+PER_STEP = (
+    "torchplug_autocast",
+    "torchplug_backward",
+    "torchplug_barrier",
+    "torchplug_clip_grad_norm",
+    "torchplug_gather",
+    "torchplug_no_sync",
+    "torchplug_optimizer_step",
+    "torchplug_place_batch",
+    "torchplug_reduce",
+)
+
+#: The answer types contracts name (`spec.Contract.answer`, a dotted name so that spec.py
+#: imports no torch).
+ANSWER_TYPES: dict[str | None, type] = {
+    "bool": bool,
+    "dict": dict,
+    "tuple": tuple,
+    "torch.Tensor": torch.Tensor,
+    "torch.nn.Module": torch.nn.Module,
+    "contextlib.AbstractContextManager": contextlib.AbstractContextManager,
+}
+
+
+class Hooks:
+    """One Engine's active set, called hook by hook with its answers checked.
+
+    Args:
+        pm: The Engine's plugin manager, holding its active set.
+        context: What every hook gets as its ``engine`` argument: the Engine's
+            `torchplug.contract.context.HookContext` (which offers this façade as ``hooks``).
+        strategy: The strategy's name, for errors.
+        provider: The plugin that announced it, for errors.
+    """
+
+    def __init__(
+        self, pm: pluggy.PluginManager, context: Any, strategy: str, provider: str
+    ) -> None:
+        self._relay = pm.hook
+        self._pm = pm
+        self._context = context
+        self._strategy = strategy
+        self._provider = provider or "?"
+        tracing = bool(getattr(pm, "tracing", False))
+        call = {name: dispatch.resolve(pm, name, tracing) for name in PER_STEP}
+        self._place_batch = call["torchplug_place_batch"]
+        self._backward = call["torchplug_backward"]
+        self._optimizer_step = call["torchplug_optimizer_step"]
+        self._clip_grad_norm = call["torchplug_clip_grad_norm"]
+        self._no_sync = call["torchplug_no_sync"]
+        self._autocast = call["torchplug_autocast"]
+        self._reduce = call["torchplug_reduce"]
+        self._gather = call["torchplug_gather"]
+        self._barrier = call["torchplug_barrier"]
+
+    def answer(self, hook: str, result: Any, expected: Any = None, what: str = "") -> Any:
+        """``result`` if it is what ``hook`` must return (its contract's answer type, unless
+        ``expected`` narrows it), else a `PluginError` naming the strategy and the hook.
+
+        Args:
+            hook: The hook that answered.
+            result: Its answer.
+            expected: A narrower type than the contract's.
+            what: That type as the error names it.
+        """
+        if expected is None:
+            declared = contract_of(self._pm, hook)
+            expected, what = ANSWER_TYPES[declared.answer], declared.answer_text
+        if not isinstance(result, expected):
+            shown = repr(result)
+            shown = shown if len(shown) < 60 else shown[:57] + "..."
+            raise PluginError(
+                f"Strategy '{self._strategy}' (plugin '{self._provider}') answered "
+                f"{hook} with {shown}; it must return {what}. Fix that hook in the plugin."
+            )
+        return result
+
+    def implementations(self, hook: str) -> list[Any]:
+        """pluggy's implementations of ``hook`` in the active set (the contract check)."""
+        return getattr(self._relay, hook).get_hookimpls()
+
+    # -- the job ----------------------------------------------------------------------------------
+
+    def setup(self, cluster: ClusterInfo) -> Any:
+        """``torchplug_setup``: the Engine checks the Runtime itself (its error says more)."""
+        return self._relay.torchplug_setup(engine=self._context, cluster=cluster)
+
+    def teardown(self) -> None:
+        """``torchplug_teardown``: every plugin's, in order."""
+        self._relay.torchplug_teardown(engine=self._context)
+
+    def init_module(self) -> contextlib.AbstractContextManager[None] | None:
+        """``torchplug_init_module``: a backend's own way to build a model, or ``None``."""
+        return self._relay.torchplug_init_module(engine=self._context)
+
+    def wrap(
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        """``torchplug_wrap``: ``(model, optimizers)``, the model an ``nn.Module``."""
+        result = self.answer(
+            "torchplug_wrap",
+            self._relay.torchplug_wrap(engine=self._context, model=model, optimizers=optimizers),
+        )
+        self.answer("torchplug_wrap", result[0], torch.nn.Module, "an nn.Module first")
+        return result
+
+    def compile(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module | None:
+        """``torchplug_compile``: the compiled model, or ``None`` when no plugin answers."""
+        compiled = self._relay.torchplug_compile(engine=self._context, model=model, options=options)
+        return None if compiled is None else self.answer("torchplug_compile", compiled)
+
+    # -- every step -------------------------------------------------------------------------------
+
+    def place_batch(self, batch: Any) -> Any:
+        """``torchplug_place_batch``: the batch where the model is."""
+        return self._place_batch(self._context, batch)
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None) -> None:
+        """``torchplug_backward``, which must answer ``True``."""
+        done = self._backward(self._context, loss, model)
+        if done is not True:  # the answer expected, checked without a call
+            self.answer("torchplug_backward", done)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> bool:
+        """``torchplug_optimizer_step``: whether the update was made."""
+        stepped = self._optimizer_step(self._context, optimizer, closure)
+        if stepped is not True:
+            self.answer("torchplug_optimizer_step", stepped)
+        return stepped
+
+    def clip_grad_norm(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> torch.Tensor:
+        """``torchplug_clip_grad_norm``: the total norm before clipping."""
+        norm = self._clip_grad_norm(self._context, model, optimizer, max_norm, norm_type)
+        return self.answer("torchplug_clip_grad_norm", norm)
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        """``torchplug_no_sync``: a context in which backward does not synchronize."""
+        return self.answer("torchplug_no_sync", self._no_sync(self._context, model))
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """``torchplug_autocast``: the precision's context for code outside the forward."""
+        return self.answer("torchplug_autocast", self._autocast(self._context))
+
+    def reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """``torchplug_reduce``: the reduced tensor."""
+        return self.answer("torchplug_reduce", self._reduce(self._context, tensor, op))
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``torchplug_gather``: every rank's tensor, stacked."""
+        return self.answer("torchplug_gather", self._gather(self._context, tensor))
+
+    def barrier(self) -> None:
+        """``torchplug_barrier``, which must answer ``True``."""
+        self.answer("torchplug_barrier", self._barrier(self._context))
+
+    # -- checkpoints and the state protocol -------------------------------------------------------
+
+    def save(self, path: str, state: dict[str, Any], metadata: dict[str, Any]) -> Any:
+        """``torchplug_save``'s answer, which the caller checks with `answer` once it has
+        recorded the asynchronous save the hook may have started (a wrong answer must not lose
+        track of a save in flight)."""
+        return self._relay.torchplug_save(
+            engine=self._context, path=path, state=state, metadata=metadata
+        )
+
+    def load(self, path: str, state: dict[str, Any] | None, strict: bool) -> dict[str, Any]:
+        """``torchplug_load``: the plain values (or everything, without ``state``)."""
+        result = self._relay.torchplug_load(
+            engine=self._context, path=path, state=state, strict=strict
+        )
+        return self.answer("torchplug_load", result)
+
+    def checkpoint_state(self) -> list[dict[str, Any]]:
+        """``torchplug_checkpoint_state``: each plugin's answer (a dict of stateful objects)."""
+        answers = self._relay.torchplug_checkpoint_state(engine=self._context)
+        return [self.answer("torchplug_checkpoint_state", a) for a in answers]
+
+    def model_state(self, model: torch.nn.Module) -> dict[str, Any]:
+        """``torchplug_model_state``: the model's state by parameter name."""
+        return self._relay.torchplug_model_state(engine=self._context, model=model)
+
+    def optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """``torchplug_optimizer_state``: the optimizer's state by parameter name."""
+        return self._relay.torchplug_optimizer_state(
+            engine=self._context, model=model, optimizer=optimizer
+        )
+
+    def load_model_state(self, model: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
+        """``torchplug_load_model_state``."""
+        self._relay.torchplug_load_model_state(
+            engine=self._context, model=model, state=state, strict=strict
+        )
+
+    def load_optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """``torchplug_load_optimizer_state``."""
+        self._relay.torchplug_load_optimizer_state(
+            engine=self._context, model=model, optimizer=optimizer, state=state
+        )
+
+    def reads_in_place(self, kind: str) -> bool:
+        """``torchplug_reads_in_place``: load straight into the live tensors, or not."""
+        return bool(self._relay.torchplug_reads_in_place(engine=self._context, kind=kind))
+
+    def checkpoint_metadata(self, path: Path) -> dict[str, Any] | None:
+        """``torchplug_checkpoint_metadata``: a checkpoint's metadata, ``None`` unanswered."""
+        metadata = self._relay.torchplug_checkpoint_metadata(engine=self._context, path=path)
+        return (
+            None
+            if metadata is None
+            else self.answer("torchplug_checkpoint_metadata", metadata, dict, "a dict")
+        )
+
+    def load_pretrained(
+        self, model: torch.nn.Module, path: Any, strict: bool
+    ) -> dict[str, list[str]] | None:
+        """``torchplug_load_pretrained``: what was loaded, ``None`` unanswered."""
+        result = self._relay.torchplug_load_pretrained(
+            engine=self._context, model=model, path=path, strict=strict
+        )
+        return (
+            None
+            if result is None
+            else self.answer("torchplug_load_pretrained", result, dict, "a dict")
+        )
+
+
+def contract_of(pm: pluggy.PluginManager, hook: str) -> Any:
+    """The `Contract` that `torchplug.contract.spec` attached to ``hook``'s specification."""
+    caller = getattr(pm.hook, hook)
+    return caller.spec.function.torchplug_contract

@@ -1,0 +1,629 @@
+"""The contract's records: what plugins announce (strategies, precision plugins, loggers, their
+options and capabilities), who a process is (`ClusterInfo`), where it runs (`Runtime`) and the
+resolved settings (`Setting`, `Settings`).
+
+These records are plain data so that announcing a strategy imports nothing heavy; the ``factory``
+that builds the backend is called only once a user selects it.
+
+Why this module is over 500 lines: each record's fields are the plugin API, documented where they
+are declared (as `spec` documents each hook), and the records are kept in one module so that a
+plugin author reads every type they build on in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torchplug.contract.errors import ConfigurationError, did_you_mean
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+#: The reduce ops ``engine.reduce`` and the ``torchplug_reduce`` hook take; ``mean`` is a sum
+#: divided by the world size.
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def missing_package(requires: tuple[str, ...], install_hint: str) -> str | None:
+    """The first package of ``requires`` that is not installed, with how to install it."""
+    for module in requires:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"package '{module}' not installed — {install_hint or f'pip install {module}'}"
+    return None
+
+
+#: Canonical precision names and the spellings accepted for each.
+#: Accelerate's ``"no"`` / ``"bf16"`` / ``"fp16"`` and Fabric's ``"32-true"`` / ``"bf16-mixed"`` /
+#: ``"16-mixed"`` are spellings of these; Fabric's ``"*-true"`` low-precision modes (weights held in
+#: bf16/fp16) are a different thing and are not accepted as aliases.
+PRECISIONS: dict[str, tuple[str, ...]] = {
+    "32": ("32", "fp32", "32-true", "float32", "no", "full"),
+    "bf16": ("bf16", "bf16-mixed", "bfloat16"),
+    "fp16": ("fp16", "16", "16-mixed", "float16"),
+}
+#: Precisions users ask for that no built-in backend runs (yet).
+UNSUPPORTED_PRECISIONS = ("fp8", "8", "8-mixed", "transformer-engine", "bf16-true", "16-true")
+
+
+def normalize_precision(value: str | int | None) -> str:
+    """Map a user's precision spelling to ``"32"``, ``"bf16"`` or ``"fp16"``."""
+    if value is None:
+        return "32"
+    text = str(value).strip().lower()
+    for canonical, spellings in PRECISIONS.items():
+        if text in spellings:
+            return canonical
+    if text in UNSUPPORTED_PRECISIONS:
+        raise ConfigurationError(
+            f"Precision {value!r} is not supported by the active backends: torchplug runs 32 "
+            f"(alias 'no', '32-true'), bf16 (mixed, 'bf16-mixed') and fp16 (mixed, '16-mixed'). "
+            f"Use precision='bf16' for the closest supported mode."
+        )
+    accepted = ", ".join(repr(s) for spellings in PRECISIONS.values() for s in spellings)
+    raise ConfigurationError(
+        f"Unknown precision {value!r}."
+        f"{did_you_mean(text, [s for v in PRECISIONS.values() for s in v])}"
+        f" Expected one of {accepted} (or None for full precision)."
+    )
+
+
+#: Seconds before a collective (or a checkpoint phase) gives up, unless the strategy's
+#: ``timeout`` option says otherwise: the one default every backend and the checkpoint share.
+DEFAULT_TIMEOUT = 1800.0
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a strategy (``Engine(strategy=..., **options)``) or precision plugin.
+
+    Args:
+        name: The option's name, as passed to ``Engine(...)``, ``torchplug launch --option
+            name=value`` or the config file.
+        type: The accepted type, or a tuple of them (``type(None)`` for an optional value); an
+            ``int`` is accepted where ``float`` is.
+        default: The value used when the option is not given.
+        help: One line shown by ``torchplug plugins --verbose`` and in error messages.
+        choices: The only values accepted, or ``None`` for any value of ``type``.
+        validate: Checks a value of the right type; returns what is wrong and what is expected (e.g.
+            "must be a positive number of seconds, got -1"), or ``None`` when the value is fine.
+            Runs wherever options are resolved, so ``torchplug launch`` and ``doctor`` catch it too.
+    """
+
+    name: str
+    type: type | tuple[type, ...]
+    default: Any
+    help: str = ""
+    choices: tuple[Any, ...] | None = None
+    validate: Callable[[Any], str | None] | None = None
+
+    def type_name(self) -> str:
+        """The accepted type(s) as shown to users, e.g. ``"float | None"``."""
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        return " | ".join("None" if t is type(None) else t.__name__ for t in types)
+
+    def check(self, owner: str, value: Any) -> Any:
+        """Return ``value`` if it fits this option, else raise an error naming the fix.
+
+        Args:
+            owner: What the option belongs to, for the message (e.g. ``"strategy 'ddp'"``).
+            value: The value given.
+
+        Raises:
+            ConfigurationError: The value has the wrong type, is not one of ``choices``, or
+                ``validate`` refuses it.
+        """
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if not ok and float in types and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ConfigurationError(
+                f"Option '{self.name}' of {owner} expects {self.type_name()}, "
+                f"got {type(value).__name__} {value!r}. Pass e.g. {self.name}={self.default!r}"
+                f" ({self.help or 'see torchplug plugins --verbose'})."
+            )
+        if self.choices is not None and value not in self.choices:
+            raise ConfigurationError(
+                f"Option '{self.name}' of {owner} must be one of "
+                f"{', '.join(repr(c) for c in self.choices)}, got {value!r}."
+                f"{did_you_mean(str(value), [str(c) for c in self.choices])}"
+            )
+        problem = self.validate(value) if self.validate is not None else None
+        if problem:
+            raise ConfigurationError(
+                f"Option '{self.name}' of {owner} {problem}. Pass a valid value, e.g. "
+                f"{self.name}={self.default!r}, or leave it out for the default."
+            )
+        return value
+
+
+def positive_number(unit: str, maximum: float) -> Callable[[Any], str | None]:
+    """A validator: a finite number above 0 and at most ``maximum`` (in ``unit``)."""
+
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None
+        if not math.isfinite(value) or not 0 < value <= maximum:
+            return f"must be a number of {unit} above 0 and at most {maximum:g}, got {value!r}"
+        return None
+
+    return check
+
+
+def resolve_options(
+    owner: str, options: tuple[Option, ...], given: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Defaults overlaid with ``given``, each checked against its declared type."""
+    known = {o.name: o for o in options}
+    resolved = {name: opt.default for name, opt in known.items()}
+    for name, value in given.items():
+        if name not in known:
+            listing = ", ".join(f"{o.name}: {o.type_name()}" for o in options) or "none"
+            raise ConfigurationError(
+                f"Unknown option '{name}' for {owner}.{did_you_mean(name, known)} "
+                f"Options of {owner}: {listing}. Remove it or use one of those."
+            )
+        resolved[name] = known[name].check(owner, value)
+    return resolved
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    """A backend as announced by its plugin through ``torchplug_register_strategies``.
+
+    Args:
+        name: The name users select it by (``Engine(strategy=name)``, ``--strategy name``).
+        factory: Called as ``factory(**options)`` when the strategy is selected; returns the plugin
+            object holding the strategy hooks. Import the backend's heavy package inside it, not
+            before.
+        description: One line shown by ``torchplug plugins``.
+        aliases: Other names that select it.
+        requires: Importable module names the strategy needs; checked without importing them.
+        install_hint: What to run when a required module is missing, e.g. ``pip install
+            torchplug[deepspeed]``.
+        options: The strategy's options (``Engine(strategy=..., **options)``), each checked by type.
+        precisions: Precisions the strategy can run. ``owns_precision`` strategies implement them
+            themselves; the others get them from a precision plugin (AMP).
+        owns_precision: The backend implements the precisions itself (e.g. DeepSpeed) instead of
+            composing with a precision plugin.
+        shards_parameters: Informational (``torchplug plugins -v``) and checked by the conformance
+            kit's ``memory`` property: each rank holds at most 3/4 of the whole parameters
+            (optimizer state).
+        shards_optimizer: Each rank holds only its shard of the optimizer state (informational and
+            checked as ``shards_parameters`` is).
+        takes_meta_modules: The backend's ``torchplug_wrap`` takes a model still on the meta device
+            (built under ``engine.init_module(empty=True)``) and the Engine materialises only each
+            rank's shards after the wrap; ``False``: the Engine materialises the whole model on the
+            CPU first.
+        supports_cpu: Runs on a machine without CUDA (the core refuses it there when ``False``).
+        supports_cuda: Runs on CUDA devices.
+        distributed: Runs several processes (needs a launcher such as torchrun when world size > 1).
+        launcher: ``"torchrun"`` or the name of a launcher the strategy brings (e.g. ``"xla"``).
+        tolerance: How far results may stray from the single-process reference (lossy communication
+            such as gradient compression declares more); ``None``: check convergence instead.
+        resume_exact: Whether a run resumed from a checkpoint repeats the uninterrupted run exactly
+            (the kit's ``resume`` property, to 1e-6, whatever ``tolerance`` says). ``False`` only
+            for a strategy whose communication keeps state that checkpoints do not carry (e.g.
+            PowerSGD's).
+        refuses: What the strategy refuses by design with a ConfigurationError, by the conformance
+            kit's names: ``"compile"`` (Engine(compile=True)), ``"clipping"``, ``"accumulation"``,
+            ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate). The kit passes
+            a declared refusal as such and fails one that is not declared.
+        deviations: Conformance-kit properties the strategy fails by design, each with the reason,
+            e.g. ``{"clipping": "local SGD clips each rank's gradients"}``: the kit still runs them
+            and reports each as ``DEVIATES`` with the reason and what it measured, not as a PASS or
+            a failure. Only what the design makes impossible belongs here; a wrong answer is a FAIL.
+        precision_options: For a strategy that owns precision: the ``Engine(precision_options=...)``
+            it understands (the backend reads the resolved values from ``engine.precision_options``
+            in setup).
+        check: Extra usability test; returns why the strategy cannot run here, or ``None``.
+        precision_check: For a strategy that owns precision: ``precision_check(precision)`` returns
+            why this machine cannot run that precision (e.g. no fp16 kernels on this CPU), or
+            ``None``. Asked before anything starts, through
+            `torchplug.util.capabilities.precision_unavailable`, so the launcher, ``check``, the kit
+            and the Engine all give the same answer. Keep it cheap: it runs in ``torchplug plugins``
+            and the launcher, never importing the backend.
+        memory: Per-rank bytes of parameters, gradients, optimizer state and fp32 masters
+            for a model's parameter shapes (``torchplug estimate-memory``): a function
+            ``MemoryQuery -> MemoryEstimate`` (ready ones in `torchplug.features.memory`, e.g.
+            ``memory.fsdp2``), raising ``NotEstimable`` where shapes alone cannot tell.
+            ``None``: derived from ``shards_parameters`` / ``shards_optimizer`` (even sharding)
+            and marked as derived, so plugins registered without it keep working.
+        extends: The name of a registered strategy whose options, capabilities and defaults this one
+            inherits: its own options are added to (or replace, by name) the parent's, and every
+            field left at its default takes the parent's value. For a subclass of the parent's
+            class. For a backend of its own on a process group (a subclass of
+            [`DistributedStrategy`][torchplug.plugin.DistributedStrategy] that extends no
+            registered strategy), the base class itself: ``extends=DistributedStrategy`` inherits
+            its options (``process_group_backend``, ``timeout``). The one way to inherit options.
+        api: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
+            [`torchplug.contract.spec.API_VERSION`][torchplug.contract.spec.API_VERSION]); outside
+            it the
+            strategy is not registered.
+        provider: Filled in by the plugin manager: which plugin and distribution announced it.
+        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
+        version: Filled in by the plugin manager: that distribution's version.
+        problem: Filled in by the plugin manager: why the strategy is broken (e.g. a misspelled hook
+            on its class), so that it is listed as broken with the reason and never selected.
+    """
+
+    name: str
+    factory: Callable[..., object]
+    description: str
+    aliases: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    install_hint: str = ""
+    options: tuple[Option, ...] = ()
+    precisions: tuple[str, ...] = ("32", "bf16", "fp16")
+    owns_precision: bool = False
+    shards_parameters: bool = False
+    shards_optimizer: bool = False
+    takes_meta_modules: bool = False
+    supports_cpu: bool = True
+    supports_cuda: bool = True
+    distributed: bool = True
+    launcher: str = "torchrun"
+    tolerance: float | None = 1e-5
+    resume_exact: bool = True
+    refuses: tuple[str, ...] = ()
+    deviations: Mapping[str, str] = field(default_factory=dict, hash=False)
+    precision_options: tuple[Option, ...] = ()
+    check: Callable[[], str | None] | None = None
+    precision_check: Callable[[str], str | None] | None = None
+    memory: Callable[[Any], Any] | None = None
+    extends: str | type = ""
+    api: str = ""
+    provider: str = ""
+    distribution: str = ""
+    version: str = ""
+    problem: str = ""
+
+    def __post_init__(self) -> None:
+        # a base class, StrategyInfo(extends=DistributedStrategy): its options, then this one's
+        if isinstance(self.extends, type):
+            declared = getattr(self.extends, "strategy_options", None)
+            if declared is None:
+                raise TypeError(
+                    f"StrategyInfo(name={self.name!r}): extends= takes the name of a registered "
+                    f"strategy (e.g. 'ddp') or DistributedStrategy, not {self.extends!r}."
+                )
+            own = {o.name for o in self.options}
+            inherited = (*(o for o in declared() if o.name not in own), *self.options)
+            object.__setattr__(self, "options", inherited)
+            object.__setattr__(self, "extends", "")
+
+    def option(self, name: str) -> Option | None:
+        """The option called ``name``, or ``None``.
+
+        Args:
+            name: The option's name.
+        """
+        return next((o for o in self.options if o.name == name), None)
+
+    def unusable_reason(self) -> str | None:
+        """Why this strategy cannot run on this machine, or ``None`` if it can (the machine's
+        reason first: installing a package does not help where the device is missing)."""
+        if self.problem:
+            return f"broken: {self.problem}"
+        device = self.device_reason()
+        if device is not None:
+            return device
+        missing = missing_package(self.requires, self.install_hint)
+        if missing is not None:
+            return missing
+        return self.check() if self.check is not None else None
+
+    def device_reason(self) -> str | None:
+        """Why the declared capabilities (``supports_cpu``, ``supports_cuda``) rule this machine
+        out, or ``None``: enforced by the core for every strategy, built-in or third-party."""
+        import torch
+
+        if not torch.cuda.is_available():
+            if not self.supports_cpu:
+                return (
+                    "it declares supports_cpu=False (it needs a CUDA GPU) and this machine has "
+                    "no usable CUDA device"
+                )
+        elif not (self.supports_cuda or self.supports_cpu):
+            return "it declares neither supports_cpu nor supports_cuda"
+        return None
+
+    def resolve_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The strategy's option defaults overlaid with ``given``, each checked.
+
+        Args:
+            given: Option values by name.
+
+        Raises:
+            ConfigurationError: An unknown option, or a value that does not fit.
+        """
+        return resolve_options(f"strategy '{self.name}'", self.options, given)
+
+    def with_provider(self, provider: str, distribution: str, version: str) -> StrategyInfo:
+        """A copy naming the plugin that announced it (the plugin manager calls this).
+
+        Args:
+            provider: The plugin's registered name.
+            distribution: The installed distribution that holds it.
+            version: That distribution's version.
+        """
+        return dataclasses.replace(
+            self, provider=provider, distribution=distribution, version=version
+        )
+
+    def inheriting(self, parent: StrategyInfo) -> StrategyInfo:
+        """This strategy with what it left at the defaults taken from ``parent`` (``extends``):
+        the parent's options first, this one's added or replacing them by name.
+
+        Args:
+            parent: The strategy named by ``extends``.
+        """
+        own = {o.name for o in self.options}
+        changes: dict[str, Any] = {
+            "options": (*(o for o in parent.options if o.name not in own), *self.options)
+        }
+        inherited = {
+            "requires",
+            "install_hint",
+            "precisions",
+            "owns_precision",
+            "shards_parameters",
+            "shards_optimizer",
+            "takes_meta_modules",
+            "supports_cpu",
+            "supports_cuda",
+            "distributed",
+            "launcher",
+            "tolerance",
+            "resume_exact",
+            "deviations",
+            "precision_options",
+            "check",
+            "precision_check",
+            "memory",
+        }
+        for f in dataclasses.fields(self):
+            if f.name in inherited and getattr(self, f.name) == f.default:
+                changes[f.name] = getattr(parent, f.name)
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class PrecisionInfo:
+    """A precision plugin (e.g. AMP), composed with backends that do not own precision.
+
+    Args:
+        name: The precision plugin's name, shown by ``torchplug plugins``.
+        factory: Called as ``factory(precision, **options)`` with ``"bf16"`` or ``"fp16"``; returns
+            the plugin object.
+        precisions: The precisions it provides (``"bf16"``, ``"fp16"``).
+        description: One line shown by ``torchplug plugins``.
+        options: Set with ``Engine(precision=..., precision_options={...})``.
+        check: ``check(precision)`` returns why this machine cannot run that precision, or ``None``
+            (see ``StrategyInfo.precision_check``); asked for every strategy it is composed with.
+        provider: Filled in by the plugin manager: which plugin announced it.
+        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
+        version: Filled in by the plugin manager: that distribution's version.
+    """
+
+    name: str
+    factory: Callable[..., object]
+    precisions: tuple[str, ...]
+    description: str = ""
+    options: tuple[Option, ...] = ()
+    check: Callable[[str], str | None] | None = None
+    provider: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def with_provider(self, provider: str, distribution: str, version: str) -> PrecisionInfo:
+        """A copy naming the plugin that announced it (the plugin manager calls this).
+
+        Args:
+            provider: The plugin's registered name.
+            distribution: The installed distribution that holds it.
+            version: That distribution's version.
+        """
+        return dataclasses.replace(
+            self, provider=provider, distribution=distribution, version=version
+        )
+
+
+@dataclass(frozen=True)
+class LoggerInfo:
+    """A metric logger (experiment tracker) as announced through ``torchplug_register_loggers``.
+
+    ``factory(log_dir)`` returns an object with ``log_metrics(metrics, step)`` and ``close()``
+    (and optionally ``log_hyperparams(params)``), see `torchplug.loggers.Logger`. It is
+    called only when a user selects the logger, on rank 0 unless ``all_ranks``.
+
+    Args:
+        name: The name users select it by (``Engine(loggers=[name])``, ``--logger name``).
+        factory: Called as ``factory(log_dir)`` when the logger is selected; returns the logger
+            object.
+        description: One line shown by ``torchplug plugins``.
+        requires: Importable module names the logger needs; checked without importing them.
+        install_hint: What to run when a required module is missing, e.g. ``pip install
+            torchplug[tensorboard]``.
+        all_ranks: Log on every rank (each rank writes its own directory ``rank-N``), not rank 0
+            only.
+        provider: Filled in by the plugin manager: which plugin announced it.
+        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
+        version: Filled in by the plugin manager: that distribution's version.
+    """
+
+    name: str
+    factory: Callable[..., object]
+    description: str = ""
+    requires: tuple[str, ...] = ()
+    install_hint: str = ""
+    all_ranks: bool = False
+    provider: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def unusable_reason(self) -> str | None:
+        """Why this logger cannot run here (a missing package), or ``None``."""
+        return missing_package(self.requires, self.install_hint)
+
+    def with_provider(self, provider: str, distribution: str, version: str) -> LoggerInfo:
+        """A copy naming the plugin that announced it (the plugin manager calls this).
+
+        Args:
+            provider: The plugin's registered name.
+            distribution: The installed distribution that holds it.
+            version: That distribution's version.
+        """
+        return dataclasses.replace(
+            self, provider=provider, distribution=distribution, version=version
+        )
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """The identity of this process within its job, as a cluster-environment plugin reads it.
+
+    Returned by ``torchplug_cluster_environment``. For a process a scheduler started as one task
+    of the job, describe that task; for a launcher process (``torchplug launch`` started once per
+    node by ``mpirun``/``srun``), describe the node: ``num_nodes``, ``node_rank``,
+    ``master_addr`` and ``master_port`` fill torchrun's multi-node flags.
+
+    Args:
+        rank: This process's rank in the whole job, 0 to ``world_size - 1``.
+        world_size: How many processes the job has in all.
+        local_rank: This process's index among the processes on its node (chooses its GPU).
+        local_world_size: How many processes run on this node.
+        node_rank: This node's index, 0 to ``num_nodes - 1``.
+        num_nodes: How many nodes the job spans.
+        master_addr: Host of rank 0, where the process group's store listens; every process must
+            agree.
+        master_port: That store's TCP port; ``None`` lets a single process pick a free one.
+        source: Which environment answered, e.g. ``"torchrun"`` or ``"SLURM"`` (shown by
+            ``doctor``).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    source: str = "single process"
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs, as the backend's ``torchplug_setup`` decided.
+
+    Args:
+        rank: This process's rank, 0 to ``world_size - 1``.
+        world_size: How many processes run the job.
+        local_rank: This process's index among the processes on its node.
+        device: The device this process computes on.
+        node_rank: This node's index.
+        data_parallel_rank: This rank's data-parallel replica, when not every rank is one
+            (tensor parallelism: the ranks of a tensor-parallel group share their batches);
+            ``None``: ``rank``.
+        data_parallel_size: The number of data-parallel replicas; ``None``: ``world_size``.
+        mesh: The job's ``torch.distributed.device_mesh.DeviceMesh``, for backends that shard
+            on one (``fsdp``: 1-D, dim ``"dp"``; ``tp``, ``fsdp-tp``: 2-D, dims ``("dp",
+            "tp")``). Built once, here, after the process group exists, so that every
+            ``engine.setup`` of the job shards over the same mesh instead of building its own;
+            ``None``: the backend uses no mesh.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    node_rank: int = 0
+    data_parallel_rank: int | None = None
+    data_parallel_size: int | None = None
+    mesh: Any = None
+
+
+@dataclass(frozen=True)
+class Setting:
+    value: Any
+    source: str
+
+
+#: What `Settings.rows` says of a shared file option the chosen strategy does not know.
+UNUSED_NOTE = "(not an option of this strategy: unused)"
+
+
+@dataclass
+class Settings:
+    strategy: Setting
+    precision: Setting
+    #: Strategy options: the config file's shared ``[options]``, overlaid by the launcher's
+    #: ``--option`` flags and the code's keyword arguments. `for_strategy` adds the
+    #: chosen strategy's own table and drops shared file options that strategy does not know.
+    options: dict[str, Setting] = field(default_factory=dict)
+    config_file: Path | None = None
+    #: ``[strategies.NAME]`` tables of the config file: name as written -> option -> setting.
+    strategy_tables: dict[str, dict[str, Setting]] = field(default_factory=dict)
+    #: Shared ``[options]`` from the file that the chosen strategy does not know (not applied).
+    ignored: dict[str, Setting] = field(default_factory=dict)
+    #: The config file's ``loggers`` (used when the code, the launcher and the environment
+    #: name none), or ``None``.
+    file_loggers: Setting | None = None
+    #: The config file's ``processes`` and ``nodes`` (read by ``torchplug launch`` for ``-n`` and
+    #: ``--nnodes`` when its command line leaves them out), by key.
+    file_sizes: dict[str, Setting] = field(default_factory=dict)
+
+    def rows(self) -> list[tuple[str, Any, str]]:
+        """``(name, value, source)`` for every setting, for ``torchplug doctor``."""
+        rows = [
+            ("strategy", self.strategy.value, self.strategy.source),
+            ("precision", self.precision.value, self.precision.source),
+        ]
+        rows += [(f"options.{k}", s.value, s.source) for k, s in sorted(self.options.items())]
+        rows += [
+            (f"options.{k}", s.value, f"{s.source} {UNUSED_NOTE}")
+            for k, s in sorted(self.ignored.items())
+        ]
+        for table, values in sorted(self.strategy_tables.items()):
+            rows += [(f"strategies.{table}.{k}", s.value, s.source) for k, s in values.items()]
+        return rows
+
+    def for_strategy(self, info: Any, canonical: Callable[[str], str | None]) -> dict[str, Setting]:
+        """The options in effect for strategy ``info``, each with its source; sets
+        `options` to them.
+
+        Highest first: code argument > ``torchplug launch --option`` > the file's
+        ``[strategies.NAME]`` table for this strategy (by name or alias) > the file's shared
+        ``[options]`` > the strategy's default. A shared ``[options]`` entry this strategy does
+        not know is left out (recorded in `ignored`) unless no installed strategy knows it
+        (then it is a typo, checked by `problems` and the Engine); a name in the strategy's
+        own table, the launcher's or the code's that it does not know is an error.
+        """
+        known = {o.name for o in info.options}
+        chosen: dict[str, Setting] = {}
+        self.ignored = {}
+        for name, setting in self.options.items():
+            if setting.source.startswith("config file") and name not in known:
+                self.ignored[name] = setting
+            elif setting.source.startswith("config file"):
+                chosen[name] = setting
+        for table, values in self.strategy_tables.items():
+            if canonical(table) == info.name:
+                chosen.update(values)
+        chosen.update(
+            {n: s for n, s in self.options.items() if not s.source.startswith("config file")}
+        )
+        self.options = chosen
+        return chosen

@@ -1,0 +1,135 @@
+"""Checking a plugin against the hook specification before pluggy sees it.
+
+Unknown ``torchplug_*`` names and marked functions under no hook's name (with a did-you-mean),
+arguments the hook does not pass (showing `hook_signature`, the specification's signature),
+wrappers that do not yield: `hook_problems` finds them on a module, an object or a class
+without making an instance, and `register_checked` refuses such a plugin naming plugin, hook
+and signature. Plugins are named ``module:qualname`` (`qualified_name`, `plugin_label`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pluggy
+
+from torchplug.contract import spec
+from torchplug.contract.errors import PluginError, did_you_mean
+
+
+def qualified_name(plugin: object) -> str:
+    """``module:qualname`` of a plugin: a module's name, a class's (or an instance's class's)
+    module and qualified name; how errors and listings name a plugin that has no name."""
+    if inspect.ismodule(plugin):
+        return plugin.__name__
+    cls = plugin if inspect.isclass(plugin) else type(plugin)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def plugin_label(plugin: object, name: str | None = None) -> str:
+    """How a plugin is named to users: its registration name (an entry point's name) when it
+    has a real one, with the ``module:qualname`` it comes from."""
+    qualified = qualified_name(plugin)
+    if not name or name.isdigit() or name == qualified:
+        return qualified
+    return f"{name} ({qualified})"
+
+
+def hook_signature(hook: str) -> str:
+    """``torchplug_wrap(engine: Engine, model: torch.nn.Module, ...) -> ...`` from the spec."""
+    function = getattr(spec, hook)
+    sig = inspect.signature(function)
+    params = ", ".join(
+        f"{p.name}: {p.annotation}" if p.annotation is not inspect.Parameter.empty else p.name
+        for p in sig.parameters.values()
+    )
+    returns = sig.return_annotation
+    shown = "" if returns is inspect.Signature.empty else f" -> {returns}"
+    return f"{hook}({params}){shown}"
+
+
+def _argnames(function: Any, drop_first: bool) -> list[str]:
+    """The arguments pluggy passes by name: those without defaults (as pluggy reads them)."""
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if drop_first and params:
+        params = params[1:]
+    return [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def hook_problems(plugin: object) -> list[str]:
+    """What in ``plugin`` (a module, class or object) does not match the hook specification:
+    unknown hook names, marked functions under no hook's name, arguments the hook does not pass,
+    wrappers that do not yield. Works on a class without making an instance, so a strategy's
+    class is checked when it is announced, long before an Engine creates it."""
+    known = sorted(n for n in dir(spec) if n.startswith("torchplug_"))
+    problems = []
+    for attr in sorted(dir(plugin)):
+        try:
+            value = inspect.getattr_static(plugin, attr)
+        except AttributeError:
+            continue
+        function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+        marked = getattr(function, f"{spec.PROJECT}_impl", None)
+        if not attr.startswith("torchplug_") and marked is None:
+            continue
+        if not callable(function):
+            continue
+        if isinstance(marked, dict) and marked.get("specname"):
+            attr = marked["specname"]  # @hookimpl(specname=...): implements that hook
+        if attr not in known:
+            if attr.startswith("torchplug_") or isinstance(marked, dict):
+                problems.append(
+                    f"'{attr}' is not a torchplug hook.{did_you_mean(attr, known)} "
+                    f"Rename it to a hook listed in docs/hooks.md, or remove its @hookimpl "
+                    f"marker (and the torchplug_ prefix) if it is a helper"
+                )
+            continue
+        # a method read from the class (getattr_static) still has its self/cls argument
+        drop_first = not inspect.ismodule(plugin) and not isinstance(value, staticmethod)
+        expected = _argnames(getattr(spec, attr), False)
+        extra = [a for a in _argnames(function, drop_first) if a not in expected]
+        if extra:
+            problems.append(
+                f"{attr} takes argument(s) {', '.join(repr(a) for a in extra)}, which the hook "
+                f"does not pass. Expected {hook_signature(attr)}; accept any of these arguments "
+                f"by name (see docs/hooks.md#{attr})"
+            )
+        if (
+            isinstance(marked, dict)
+            and marked.get("wrapper")
+            and not inspect.isgeneratorfunction(function)
+        ):
+            problems.append(
+                f"{attr} is marked @hookimpl(wrapper=True) but does not yield; a wrapper runs "
+                f"`result = yield` to call the next implementation and returns the result"
+            )
+    return problems
+
+
+def register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None = None) -> None:
+    """Register ``plugin``; refuse it, naming plugin, hook and the expected signature, when it
+    does not match the hook specification."""
+    label = plugin_label(plugin, name)
+    problems = hook_problems(plugin)
+    if problems:
+        raise PluginError(
+            f"Plugin '{label}' does not match the torchplug hook specification: "
+            + "; ".join(problems)
+            + "."
+        )
+    try:
+        pm.register(plugin, name=name)  # warns for deprecated hooks (pluggy's warn_on_impl)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(
+            f"Plugin '{label}' does not follow the torchplug hook specification: {exc}. "
+            f"Fix the hook's name or arguments as docs/hooks.md lists them."
+        ) from None

@@ -1,0 +1,131 @@
+"""The Engine's side of checkpoints: what `Engine.save`, `Engine.load` and `Engine.full_state`
+do around the active set's ``torchplug_save`` / ``torchplug_load`` and state hooks.
+
+The format itself is `torchplug.checkpoint` (its default answers are the built-in
+``checkpoint`` plugin); here are the checks of the user's arguments, the plugins' own state
+under torchplug's reserved names, the asynchronous hand-off, and the native state-dict names
+the state hooks expect. The Engine keeps the public methods and their docstrings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchplug.checkpoint import async_save
+from torchplug.contract.errors import CheckpointError, PluginError
+from torchplug.util.nested import map_tensors
+
+if TYPE_CHECKING:
+    from torchplug.engine._typing import Engine
+
+#: Checkpoint entries of torchplug's own (plugins' state): user keys may not start with it.
+RESERVED_PREFIX = "torchplug."
+
+
+def header(engine: Engine, state: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest records about this run, besides the entries themselves."""
+    from torchplug.util.version import VERSION as __version__
+
+    step = state.get("step")
+    return {
+        "strategy": {"name": engine.strategy, "options": engine.options},
+        "precision": engine.precision,
+        "world_size": engine.world_size,
+        "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+        "torchplug_version": __version__,
+    }
+
+
+def full_state(
+    engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    def full(value: torch.Tensor) -> torch.Tensor:
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        return value.detach().cpu().clone()
+
+    with engine.native_state_dicts():
+        result = {"model": map_tensors(engine._hooks.model_state(model), full)}
+        if optimizer is not None:
+            result["optimizer"] = map_tensors(engine._hooks.optimizer_state(model, optimizer), full)
+    return result
+
+
+def save(
+    engine: Engine,
+    path: str | os.PathLike[str],
+    state: dict[str, Any],
+    metadata: dict[str, Any] | None,
+    async_: bool,
+) -> None:
+    engine.wait_for_save()
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"engine.save expects a dict of what to save, e.g. {{'model': model, "
+            f"'optimizer': optimizer, 'step': step}}, got {type(state).__name__}."
+        )
+    metadata = dict(metadata or {})
+    try:
+        json.dumps(metadata, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"Checkpoint metadata must be JSON values (numbers, strings, lists, dicts): {exc}"
+        ) from None
+    reserved = sorted(k for k in state if str(k).startswith(RESERVED_PREFIX))
+    if reserved:
+        raise CheckpointError(
+            f"State keys {reserved} start with {RESERVED_PREFIX!r}, which is torchplug's own "
+            f"namespace in checkpoints (plugins' state, such as the fp16 loss scale). Rename "
+            f"them."
+        )
+    state = {**state, **plugin_state(engine)}
+    pending = async_save.PendingSave(str(path), engine._staging) if async_ else None
+    handoff = async_save.handing_off(pending) if pending else contextlib.nullcontext()
+    with engine.native_state_dicts(), handoff:
+        done = engine._hooks.save(str(Path(path)), state, metadata)
+    engine._pending_save = pending
+    engine._hooks.answer("torchplug_save", done)
+
+
+def plugin_state(engine: Engine) -> dict[str, Any]:
+    """What the active set's plugins keep in every checkpoint (``torchplug_checkpoint_state``),
+    under torchplug's reserved names."""
+    merged: dict[str, Any] = {}
+    for answer in engine._hooks.checkpoint_state():
+        for name, obj in answer.items():
+            if not (
+                callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))
+            ):
+                raise PluginError(
+                    f"torchplug_checkpoint_state answered {name!r}: {type(obj).__name__}, "
+                    f"which lacks state_dict()/load_state_dict(). Return objects that have "
+                    f"both (docs/hooks.md#torchplug_checkpoint_state)."
+                )
+            merged[f"{RESERVED_PREFIX}{name}"] = obj
+    return merged
+
+
+def load(
+    engine: Engine, path: str | os.PathLike[str], state: dict[str, Any] | None, strict: bool
+) -> dict[str, Any]:
+    engine.wait_for_save()
+    if state is not None and not isinstance(state, dict):
+        raise TypeError(
+            f"engine.load expects a dict of the objects to restore, e.g. {{'model': model, "
+            f"'optimizer': optimizer}}, got {type(state).__name__}."
+        )
+    merged = None if state is None else {**state, **plugin_state(engine)}
+    with engine.native_state_dicts():
+        answer = engine._hooks.load(str(Path(path)), merged, strict)
+    if state is not None and merged is not None:
+        state.update({k: merged[k] for k in state})  # plain values replaced, as documented
+    return {k: v for k, v in answer.items() if not str(k).startswith(RESERVED_PREFIX)}

@@ -1,0 +1,1149 @@
+"""The Engine: the one object a training script talks to, whatever the backend.
+
+A façade, split as Fabric splits Fabric: settings become a strategy, precision, options and
+active set in `torchplug.engine.connector`; ``setup`` and every change to a user's objects
+(optimizer steps, state-dict names, compile) are `torchplug.engine.wrappers`, undone by
+``close()``; collectives are
+`torchplug.engine.collectives`; the Engine's side of checkpoints is
+`torchplug.engine.checkpointing`; every hook call goes through the typed façade
+`torchplug.contract.hooks` with the narrow `torchplug.contract.context.HookContext`. What remains
+here is
+the public surface and the per-Engine state.
+
+Why this module is over 500 lines: it is the public API. Each of the Engine's ~50 public
+methods and properties keeps its Google-style docstring here (docs/api.md renders them with
+mkdocstrings, which shows no inherited or delegated members), about 500 lines of
+documentation; the code around them is the delegation to the modules above and the
+per-Engine state made in ``__init__``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchplug.checkpoint.settings import key_from, timeout_from
+from torchplug.contract import cluster as cluster_mod
+from torchplug.contract import manager
+from torchplug.contract.context import HookContext
+from torchplug.contract.errors import CheckpointError, ConfigurationError, PluginError
+from torchplug.contract.hooks import Hooks
+from torchplug.contract.types import (
+    DEFAULT_TIMEOUT,
+    Runtime,
+    StrategyInfo,
+    normalize_precision,
+)
+from torchplug.engine import checkpointing, collectives, config, connector, wrappers
+from torchplug.features import faults, profiling, sharing
+
+
+def _checked_seed(seed: Any) -> int:
+    """``Engine(seed=...)``: a whole number torch's generators take (0 to 2**64 - 1)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ConfigurationError(
+            f"seed must be a whole number from 0 to 2**64 - 1, got {type(seed).__name__} "
+            f"{seed!r}. Pass e.g. seed=0 (the default), or seed=int(your_value)."
+        )
+    return seed
+
+
+def _checked_callbacks(callbacks: Any) -> list[object]:
+    """``Engine(callbacks=...)``: an iterable of objects (a single string is a mistake)."""
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise ConfigurationError(
+            f"callbacks must be a list of objects with methods named after your events, got "
+            f"{type(callbacks).__name__} {callbacks!r}. Pass e.g. callbacks=[MyCallback()]."
+        )
+    return list(callbacks)
+
+
+#: Checkpoint entries of torchplug's own (plugins' state): user keys may not start with it.
+RESERVED_PREFIX = checkpointing.RESERVED_PREFIX
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1}}`` as ``{"optim.lr": 1}``: what MLflow and TensorBoard's hparams
+    take (flat names to plain values)."""
+    flat: dict[str, Any] = {}
+    for name, value in params.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_params(value, f"{key}."))
+        else:
+            flat[key] = value
+    return flat
+
+
+class Engine:
+    """Runs a plain PyTorch training loop on the backend chosen by name.
+
+    Every argument may be left out: the launcher, the environment (``TORCHPLUG_*``) or a
+    ``torchplug.toml`` config file fill in what the code does not say. ``with Engine(...) as
+    engine:`` calls [`close`][torchplug.Engine.close] at the end.
+
+    Args:
+        strategy: A registered strategy name or alias, or ``"auto"`` (the launcher's,
+            environment's or config file's choice, else ``ddp`` under a multi-process launcher,
+            else ``single``).
+        precision: ``None``/``"32"``, ``"bf16"`` or ``"fp16"`` (Accelerate's and Fabric's
+            spellings, such as ``"bf16-mixed"``, are accepted).
+        plugins: Extension plugins added to this Engine only: objects, or module names
+            imported as ``python -m`` would (from the current directory too).
+        precision_options: Options of the precision plugin (AMP's, e.g. the fp16 loss scaler's),
+            or of a strategy that owns precision; checked by name and type (``torchplug plugins
+            --verbose`` lists them). Refused when the run is in full precision.
+        seed: The seed every rank shares for the data order: a shuffling loader from
+            [`setup_dataloader`][torchplug.Engine.setup_dataloader] gives each rank its share of the
+            same permutation (0 to 2**64 - 1). Seed the model's initialisation with
+            [`torchplug.seed_everything`][torchplug.seed_everything].
+        checkpoint_key: A secret of at least 16 bytes (else ``TORCHPLUG_CHECKPOINT_KEY``):
+            checkpoints are signed on save and must carry a valid signature on load.
+        checkpoint_timeout: Seconds a save or load waits for every rank to arrive before
+            naming the absent ones (else ``TORCHPLUG_CHECKPOINT_TIMEOUT``, else 300).
+        checkpoint_dir: The directory [`save_checkpoint`][torchplug.Engine.save_checkpoint] writes
+            the numbered checkpoints ``step-N`` to, and [`resume`][torchplug.Engine.resume] reads
+            them from.
+        resume: ``"latest"``: [`resume`][torchplug.Engine.resume] loads the newest complete
+            checkpoint in ``checkpoint_dir`` (a restarted job carries on); ``None``: never.
+        keep_last: Keep only this many numbered checkpoints in ``checkpoint_dir`` (the newest
+            complete one is never deleted); ``None``: keep all.
+        compile: ``True`` (torch's defaults) or a dict of ``torch.compile`` arguments (``mode``,
+            ``backend``, ``fullgraph``, ``dynamic``, ``options``, ``disable``): the model is
+            compiled after the backend's wrap in [`setup`][torchplug.Engine.setup];
+            ``None``/``False``: not compiled.
+        activation_checkpointing: Module classes or class names whose activations are
+            recomputed in backward instead of stored (applied in [`setup`][torchplug.Engine.setup],
+            before the wrap).
+        sync_batchnorm: ``True`` (``torchplug launch --sync-batchnorm``): BatchNorm statistics
+            over the global batch (`torchplug.features.syncbn`; CPU included); ``None``: the
+            environment's setting.
+        loggers: The metric loggers [`log`][torchplug.Engine.log] writes to, by name (``"csv"``,
+            ``"jsonl"``, ``"tensorboard"``, or any a plugin registers) or as logger objects; rank 0
+            only.
+        log_dir: The directory the loggers (and the profiler's traces) write under.
+        callbacks: Objects whose methods [`call`][torchplug.Engine.call] runs by name (your own
+            loop's events, Fabric's ``callbacks``).
+        profile: ``True``, or a dict (``wait``, ``warmup``, ``active`` optimizer steps, ``dir``,
+            ``record_shapes``, ``profile_memory``, ``with_stack``): runs torch.profiler over
+            those steps and writes one trace per rank (`torchplug.features.profiling`).
+        **strategy_options: The strategy's options, e.g. ``Engine("ddp", timeout=600)``
+            (``torchplug plugins --verbose`` lists them).
+
+    Raises:
+        ConfigurationError: An argument, setting or option is invalid, or the strategy cannot
+            run here (the message says what to change).
+
+    Attributes:
+        runtime: Where this process runs ([`Runtime`][torchplug.Runtime]), as the backend's
+            ``torchplug_setup`` answered.
+        info: The selected strategy's record ([`StrategyInfo`][torchplug.StrategyInfo]).
+        options: The strategy's resolved options, by name.
+        precision: The precision in use: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        precision_options: The precision plugin's resolved options.
+        backend: The object holding the strategy's hooks, made by ``info.factory(**options)``.
+        plugins: The active set: the backend, the precision plugin and the extensions, in order.
+        hook: The active set's hooks, called by name:
+            ``engine.hook.torchplug_barrier`` (pluggy's relay: torchplug itself calls them
+            through its typed façade, `torchplug.contract.hooks`).
+        settings: Every setting with where it came from (code, launcher, environment, config file).
+        cluster: Who this process is in its job ([`ClusterInfo`][torchplug.ClusterInfo]).
+        seed: The seed of the data order.
+        checkpoint_key: The key checkpoints are signed and verified with (``None``: no signatures).
+        checkpoints: ``checkpoint_dir``, ``resume`` and ``keep_last``, checked.
+        compile_options: ``torch.compile`` arguments (``None``: not compiled), applied after the
+            wrap.
+        activation_checkpointing: Block classes whose activations are recomputed in backward.
+        sync_batchnorm: BatchNorm statistics over the global batch (the argument, else the
+            environment).
+        loggers: The loggers [`log`][torchplug.Engine.log] writes to (names checked at once, files
+            opened on first log).
+        callbacks: The objects [`call`][torchplug.Engine.call] runs methods of.
+        failing: Set when the Engine is left by an exception: teardown then skips its barrier.
+    """
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        precision: str | int | None = None,
+        *,
+        plugins: Iterable[object] = (),
+        precision_options: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        checkpoint_key: str | bytes | None = None,
+        checkpoint_timeout: float | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        resume: str | None = None,
+        keep_last: int | None = None,
+        compile: bool | dict[str, Any] | None = None,  # noqa: A002 - Fabric's/Accelerate's name
+        activation_checkpointing: Iterable[type | str] | None = None,
+        sync_batchnorm: bool | None = None,
+        loggers: Iterable[str | object] | str | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        callbacks: Iterable[object] = (),
+        profile: bool | Mapping[str, Any] | None = None,
+        **strategy_options: Any,
+    ) -> None:
+
+        faults.install_error_recorder()
+        self.callbacks = _checked_callbacks(callbacks)
+        #: HMAC key: checkpoints are signed on save and must carry a valid signature on load.
+        self.checkpoint_key = key_from(checkpoint_key)
+        self._checkpoint_timeout = timeout_from(checkpoint_timeout)
+        registry = manager.get_registry()
+        self.settings = config.resolve(
+            strategy,
+            None if precision is None else str(precision),
+            strategy_options,
+            canonical=lambda name: registry.canonical(name) or name.strip().lower(),
+        )
+        self.cluster = cluster_mod.detect()
+        self.info: StrategyInfo = connector.select_strategy(self.settings, registry, self.cluster)
+        self.precision = normalize_precision(self.settings.precision.value)
+        connector.check_precision(self.info, self.precision, self.settings, registry)
+        self.options = connector.strategy_options(self.settings, registry, self.info)
+        self.seed = _checked_seed(seed)
+        from torchplug.engine import scaling
+
+        #: torch.compile arguments (None: not compiled), applied after the backend's wrap.
+        self.compile_options = scaling.compile_options(compile)
+        #: Block classes whose activations are recomputed in backward instead of stored.
+        self.activation_checkpointing = scaling.block_classes(activation_checkpointing)
+        from torchplug.features import syncbn
+
+        #: BatchNorm statistics over the global batch (code argument, else the environment).
+        self.sync_batchnorm = syncbn.setting(sync_batchnorm)
+        self._meta_rng: torch.Tensor | None = None
+        self._meta_creators: dict[int, Any] = {}  # which module made each meta tensor
+        self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._optimizer_models: dict[int, weakref.ref[torch.nn.Module]] = {}
+        self._raw_steps = False
+        self._native_state = 0
+        self._closed = False
+        #: Set when the Engine is left by an exception: teardown then skips its barrier.
+        self.failing = False
+        from torchplug.engine.resume import CheckpointPolicy
+
+        self.checkpoints = CheckpointPolicy.checked(checkpoint_dir, resume, keep_last)
+        self._checker: faults.CollectiveChecker | None = None
+        from torchplug.features.metrics import LoggerSet
+
+        #: The loggers ``engine.log`` writes to (names checked now, files opened on first log).
+        self.loggers = LoggerSet(loggers, log_dir, registry, self.settings.file_loggers)
+        profile_settings = profiling.options(profile, self.loggers.log_dir)  # checked early
+        self._profiler: profiling.StepProfiler | None = None
+        self._last_loader: weakref.ref[Any] | None = None
+        self._accumulation: dict[int, int] = {}
+        self._accumulating: tuple[int, bool] | None = None
+        #: Optimizers (by id) whose real update is skipped right now (``skipping_updates``).
+        self._skipped_updates: set[int] = set()
+
+        self.precision_options: dict[str, Any]
+        self.backend, active, self.precision_options = connector.active_set(
+            self.info, self.options, self.precision, precision_options, registry, plugins
+        )
+        #: What every hook gets as its ``engine`` argument: the narrow context, not this Engine.
+        self._context = HookContext(self)
+        self._pm = manager.new_plugin_manager()
+        # torchplug's default answers first: pluggy calls the later-registered first, so any
+        # answer of the backend's or an extension's comes before them
+        defaults = registry.default_answers()
+        names = {id(plugin): name for name, plugin in defaults.items()}
+        for plugin in sorted(active, key=lambda p: id(p) not in names):
+            manager.register_checked(self._pm, plugin, name=names.get(id(plugin)))
+        self.plugins = tuple(active)
+        self.hook = self._pm.hook
+        #: Every call to a strategy hook goes through this typed façade (answers checked).
+        self._hooks = Hooks(self._pm, self._context, self.info.name, self.info.provider or "?")
+        self._undo: list[Callable[[], None]] = []
+        self._preemption: Any = None
+        self._pending_save: Any = None  # an asynchronous save in flight (core.async_save)
+        self._staging: dict[str, Any] = {}  # async saves' host copies, reused by the next one
+        self._check_contract(sorted(manager.DEFAULT_ANSWERS - defaults.keys()))
+
+        try:
+            runtime = self._hooks.setup(self.cluster)
+        except BaseException:
+            self.failing = True  # no teardown barrier: the other ranks may not be there
+            self._hooks.teardown()  # release what setup got before failing
+            raise
+        if not isinstance(runtime, Runtime):
+            raise PluginError(
+                f"Strategy '{self.info.name}' (plugin '{self.info.provider}') returned "
+                f"{runtime!r} from torchplug_setup; it must return a torchplug Runtime."
+            )
+        self.runtime = runtime
+        if profile_settings is not None:
+            self._profiler = profiling.StepProfiler(profile_settings, self.rank, self.device)
+        self._checker = collectives.debug_checker(self)
+
+    # -- the contract -----------------------------------------------------------------------------
+
+    def _check_contract(self, missing: list[str]) -> None:
+        """Refuse to start when an action hook has no answer in the active set (a backend that
+        forgot one would otherwise do nothing, silently, when that hook is called); ``missing``:
+        the built-in default-answer plugins that are blocked, named in the error."""
+        unanswered = [
+            name
+            for name in sorted(manager.ACTION_HOOKS)
+            if not any(
+                not (impl.wrapper or impl.hookwrapper) for impl in self._hooks.implementations(name)
+            )
+        ]
+        if unanswered:
+            raise PluginError(
+                f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
+                f"{manager.qualified_name(self.backend)}) leaves {len(unanswered)} hook(s) "
+                f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer in "
+                f"the active set (docs/hooks.md)"
+                + (
+                    f"; the built-in plugin(s) {', '.join(missing)}, which answer them by "
+                    f"default, are blocked: unblock them (TORCHPLUG_BLOCK_PLUGINS), or "
+                    f"implement these hooks in the backend."
+                    if missing
+                    else ": implement these hooks in the backend."
+                )
+            )
+
+    def restore_on_close(self, obj: Any, name: str) -> None:
+        """Remember ``obj.name`` as it is now; [`close`][torchplug.Engine.close] puts it back (what
+        setup patches on user objects is undone, so a model pickles again after close).
+
+        Args:
+            obj: The object a hook patches (a user's model or optimizer).
+            name: The attribute about to be set (or added) on it.
+        """
+        wrappers.remember(self._undo, obj, name)
+
+    # -- identity ---------------------------------------------------------------------------------
+
+    @property
+    def strategy(self) -> str:
+        """The selected strategy's canonical name."""
+        return self.info.name
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, 0 to ``world_size - 1``."""
+        return self.runtime.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index among the processes on its node."""
+        return self.runtime.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """This node's index."""
+        return self.runtime.node_rank
+
+    @property
+    def world_size(self) -> int:
+        """How many processes run the job."""
+        return self.runtime.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this rank trains on (its rank, unless model parallelism
+        makes several ranks share one replica)."""
+        value = self.runtime.data_parallel_rank
+        return self.runtime.rank if value is None else value
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the data is split into (``world_size`` unless model parallel)."""
+        value = self.runtime.data_parallel_size
+        return self.runtime.world_size if value is None else value
+
+    @property
+    def mesh(self) -> Any:
+        """The job's device mesh (a ``torch.distributed.device_mesh.DeviceMesh``) as the backend's
+        setup built it, shared by every model the job sets up; ``None`` for backends without one
+        (``single``, ``ddp``)."""
+        return self.runtime.mesh
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0."""
+        return self.runtime.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """Whether this is the first process on its node (local rank 0)."""
+        return self.runtime.local_rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on (batches and models go there)."""
+        return self.runtime.device
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine(strategy={self.strategy!r}, precision={self.precision!r}, "
+            f"rank={self.rank}, world_size={self.world_size}, device={str(self.device)!r})"
+        )
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def setup(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+        """Wrap ``model`` (and its optimizers) for the backend and precision.
+
+        Returns the model if no optimizer is given, else ``(model, *optimizers)``. Create the
+        optimizers on the plain model's parameters before calling this, as with plain PyTorch.
+
+        Args:
+            model: The plain model (or one built under
+                [`init_module`][torchplug.Engine.init_module]).
+            *optimizers: Optimizers made on ``model``'s parameters.
+        """
+        return wrappers.setup(self, model, optimizers)
+
+    @contextlib.contextmanager
+    def init_module(self, empty: bool = False) -> Iterator[None]:
+        """Build the model inside: on this rank's device, or with ``empty=True`` on the meta
+        device (no memory), to be materialised by [`setup`][torchplug.Engine.setup]: only each
+        rank's shard under sharding backends (fsdp, fsdp-tp, tp), the whole model elsewhere,
+        initialised by each module's ``reset_parameters()`` to the numbers an eager build would
+        have. DeepSpeed ZeRO-3 partitions the model as it is built instead (its ``zero.Init``).
+
+        Args:
+            empty: Build on the meta device (no memory), materialised by
+                [`setup`][torchplug.Engine.setup]; ``False``: on this rank's device.
+        """
+        if not empty:
+            with torch.device(self.device):
+                yield
+            return
+        own = self._hooks.init_module()
+        if own is not None:  # the backend partitions as the model is built (DeepSpeed ZeRO-3)
+            with own:
+                yield
+            return
+        from torchplug.engine import scaling
+
+        self._meta_rng = torch.get_rng_state()
+        with torch.device("meta"), scaling.recording_creators(self._meta_creators):
+            yield
+
+    def _portable_state_dict(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
+        """A ``.module`` wrapper answers ``state_dict()`` with the user's model's names
+        (`torchplug.engine.wrappers.portable_state_dict`)."""
+        wrappers.portable_state_dict(self, wrapped, model)
+
+    @contextlib.contextmanager
+    def native_state_dicts(self) -> Iterator[None]:
+        """Inside, modules returned by [`setup`][torchplug.Engine.setup] answer ``state_dict()``
+        with the backend's own names (``module.<name>``): what the state hooks and torch's DCP
+        state-dict API expect from the wrapper."""
+        self._native_state += 1
+        try:
+            yield
+        finally:
+            self._native_state -= 1
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers set up so far, in order."""
+        return list(self._optimizers)
+
+    def model_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Any:
+        """The (wrapped) model whose parameters ``optimizer`` updates.
+
+        Args:
+            optimizer: An optimizer returned by [`setup`][torchplug.Engine.setup] (or one whose
+                parameters a module of ``state`` owns).
+            state: A checkpoint state dict, searched for the model when ``optimizer`` was not set up
+                with one.
+
+        Raises:
+            CheckpointError: No model is known for ``optimizer``.
+        """
+        ref = self._optimizer_models.get(id(optimizer))
+        model = ref() if ref is not None else None
+        if model is not None:
+            return model
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for candidate in state.values():
+            if isinstance(candidate, torch.nn.Module) and any(
+                id(p) in owned for p in candidate.parameters()
+            ):
+                return candidate
+        raise CheckpointError(
+            "Cannot tell which model this optimizer belongs to: it was not set up with "
+            "engine.setup(model, optimizer) and no model in the state owns its parameters. "
+            "Put the model in the same state dict, or set both up together."
+        )
+
+    @contextlib.contextmanager
+    def skipping_updates(self, optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
+        """Inside, with ``skip``, the optimizer's real step does nothing (the backend's step
+        around it still runs): how a wrapper skips an update without replacing the backend.
+
+        Args:
+            optimizer: The optimizer whose update is skipped.
+            skip: Skip it (``False``: run it, e.g. inside an outer skip).
+        """
+        key = id(optimizer)  # kept by the Engine: nothing rides on the user's optimizer
+        previous = key in self._skipped_updates
+        if skip:
+            self._skipped_updates.add(key)
+        else:
+            self._skipped_updates.discard(key)
+        try:
+            yield
+        finally:
+            if previous:
+                self._skipped_updates.add(key)
+            else:
+                self._skipped_updates.discard(key)
+
+    @contextlib.contextmanager
+    def real_optimizer_steps(self) -> Iterator[None]:
+        """Inside, ``optimizer.step()`` bypasses the hook (zero steps that create state)."""
+        previous, self._raw_steps = self._raw_steps, True
+        try:
+            yield
+        finally:
+            self._raw_steps = previous
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` (JSON values: names, paths, flags) from rank ``src`` on every rank.
+
+        Sent as UTF-8 bytes in a tensor: unlike ``broadcast_object_list`` it needs neither pickle
+        nor numpy (which an install made as the README says does not have).
+
+        Args:
+            obj: A JSON-serialisable value (read on rank ``src`` only).
+            src: The rank whose ``obj`` every rank receives.
+        """
+        return collectives.broadcast_object(self, obj, src)
+
+    def unwrap(self, obj: Any) -> Any:
+        """The user's original module behind a module this Engine returned (else ``obj``).
+
+        Args:
+            obj: A module [`setup`][torchplug.Engine.setup] returned, or anything else (returned as
+                it is).
+        """
+        if isinstance(obj, torch.nn.Module):
+            try:
+                return self._originals.get(obj, obj)
+            except TypeError:
+                return obj
+        return obj
+
+    def setup_dataloader(
+        self,
+        loader: Iterable[Any],
+        *,
+        use_distributed_sampler: bool = True,
+        move_to_device: bool = True,
+        split_batches: bool = False,
+    ) -> Any:
+        """Give each rank its own share of ``loader``'s batches, moved to
+        [`device`][torchplug.Engine.device].
+
+        Args:
+            loader: a DataLoader (or any iterable of batches).
+            use_distributed_sampler: give a map-style loader with the default sampler a
+                DistributedSampler (shuffle kept, one seed on every rank); else shard by batch.
+            move_to_device: put each batch on [`device`][torchplug.Engine.device] (``place_batch``).
+            split_batches: ``batch_size`` is the global batch: each rank takes
+                ``batch_size / data_parallel_size`` of it (must divide evenly), so the step sees
+                the same samples on any number of ranks; ``False`` (default): ``batch_size`` is
+                per rank, and the global batch grows with the ranks.
+        """
+        from torchplug.features.data import EngineDataLoader
+
+        return EngineDataLoader(
+            loader,  # type: ignore[arg-type]
+            self.place_batch if move_to_device else None,
+            num_replicas=self.data_parallel_size,
+            rank=self.data_parallel_rank,
+            seed=self.seed,
+            use_distributed_sampler=use_distributed_sampler,
+            gather=self.gather if self.world_size > 1 else None,
+            on_batch=self._note_loader,
+            split_batches=split_batches,
+        )
+
+    def _note_loader(self, loader: Any) -> None:
+        self._last_loader = weakref.ref(loader)
+
+    def place_batch(self, batch: Any) -> Any:
+        """Put a batch where the backend wants it (device, and sharding for SPMD backends).
+
+        Args:
+            batch: Tensors, possibly nested in lists, tuples and dicts.
+        """
+        return self._hooks.place_batch(batch)
+
+    # -- training step ----------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
+        """``loss.backward()`` as the backend and precision need it (scaling, sharding).
+
+        Inside [`accumulate`][torchplug.Engine.accumulate] the loss is divided by the number of
+        accumulated steps, so the accumulated gradient is the mean over the micro-batches, as one
+        large batch would give.
+
+        Args:
+            loss: The scalar loss of this rank's batch.
+            model: The model the loss came from, when several were set up (some backends need it).
+        """
+        if self._accumulating is not None:
+            loss = loss / self._accumulating[0]
+        self._hooks.backward(loss, model)
+
+    def clip_grad_norm_(
+        self,
+        model: torch.nn.Module,
+        max_norm: float,
+        norm_type: float = 2.0,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> torch.Tensor:
+        """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm.
+
+        Args:
+            model: The model [`setup`][torchplug.Engine.setup] returned.
+            max_norm: The largest total norm the gradients may have.
+            norm_type: The norm's order (``2.0``: Euclidean; ``float("inf")``: the largest value).
+            optimizer: The model's optimizer, which a precision plugin needs to unscale fp16
+                gradients first.
+
+        Returns:
+            The total norm of the gradients before clipping.
+        """
+        return self._hooks.clip_grad_norm(model, optimizer, max_norm, norm_type)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+        """Skip gradient synchronization in backward (gradient accumulation steps).
+
+        Args:
+            model: The model [`setup`][torchplug.Engine.setup] returned.
+            enabled: ``False`` makes it a no-op (synchronize as usual).
+        """
+        if not enabled:
+            yield
+            return
+        with self._hooks.no_sync(model):
+            yield
+
+    @contextlib.contextmanager
+    def accumulate(self, model: torch.nn.Module, steps: int) -> Iterator[None]:
+        """Accumulate gradients over ``steps`` micro-batches; wrap each micro-batch's step in it.
+
+        The loop stays as it was:
+
+        ```python
+        for x, y in loader:
+            with engine.accumulate(model, steps=4):
+                engine.backward(loss_fn(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+        ```
+
+        On the first ``steps - 1`` calls backward skips gradient synchronization (the backend's
+        ``no_sync``; DeepSpeed marks them as no accumulation boundary), and ``optimizer.step()``
+        and ``optimizer.zero_grad()`` do nothing; on every ``steps``-th call all three run. Each
+        loss is divided by ``steps``, so the update equals one on the ``steps`` times larger
+        batch. ``optimizer.step_was_skipped`` is ``True`` after an accumulation step (step a
+        scheduler only when it is ``False``). The count is kept per model.
+
+        Args:
+            model: The model [`setup`][torchplug.Engine.setup] returned (the count is kept per
+                model).
+            steps: Micro-batches per optimizer update (1: every step updates).
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigurationError(
+                f"engine.accumulate: steps={steps!r} is not a number of micro-batches; expected a "
+                f"whole number of 1 or more. Fix: e.g. engine.accumulate(model, steps=4)."
+            )
+        if self._accumulating is not None:
+            raise ConfigurationError(
+                "engine.accumulate() was entered inside another engine.accumulate(). Use one "
+                "block per micro-batch."
+            )
+        key = id(model)
+        count = self._accumulation.get(key, 0) + 1
+        sync = count % steps == 0
+        self._accumulation[key] = 0 if sync else count
+        for optimizer in self._optimizers:
+            self._attach_zero_grad(optimizer)
+        self._accumulating = (steps, sync)
+        try:
+            with self.no_sync(model, enabled=not sync):
+                yield
+        finally:
+            self._accumulating = None
+
+    def _attach_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.zero_grad()`` that does nothing on an accumulation step."""
+        wrappers.skip_zero_grad(self, optimizer)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Apply the active precision to code outside the model's forward (e.g. the loss)."""
+        return self._hooks.autocast()
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
+        """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result.
+
+        Args:
+            tensor: This rank's tensor (or number).
+            op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        """
+        return collectives.reduce(self, tensor, op)
+
+    def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
+        """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``.
+
+        Args:
+            tensor: This rank's tensor (or number), the same shape on every rank.
+        """
+        return collectives.gather(self, tensor)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, items: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's contiguous part of ``items`` (a list, tuple, tensor along dimension
+        0, or a dict of those), as Accelerate's: 5 prompts on 2 ranks are ``[0, 1, 2]`` and
+        ``[3, 4]``. Parts follow the data-parallel rank (a tensor-parallel group shares one).
+        ``apply_padding=True`` makes every part as long as the longest by repeating its last
+        item, so a later [`gather`][torchplug.Engine.gather] lines up; drop the repeats after
+        gathering.
+
+        ``with engine.split_between_processes(prompts) as mine: outputs = generate(mine)``
+
+        Args:
+            items: A list, tuple, tensor, or dict of those, the same on every rank.
+            apply_padding: Make every part as long as the longest.
+        """
+        yield sharing.split(items, self.data_parallel_rank, self.data_parallel_size, apply_padding)
+
+    def pad_across_processes(
+        self, tensor: torch.Tensor, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
+    ) -> torch.Tensor:
+        """``tensor`` padded with ``pad_index`` along ``dim`` to the largest size any rank has
+        there (a collective: every rank calls it), so tensors of different lengths (generated
+        tokens) can be gathered. ``pad_first``: pad before the data (left padding).
+
+        Args:
+            tensor: This rank's tensor.
+            dim: The dimension to pad.
+            pad_index: The value padded with.
+            pad_first: Pad before the data instead of after it.
+        """
+        return collectives.pad_across_processes(self, tensor, dim, pad_index, pad_first)
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``hook_name(*args, **kwargs)`` on every object of ``Engine(callbacks=...)`` that
+        has that method, in the order given, and return what each returned (Fabric's
+        ``fabric.call``): events of your own loop, such as
+        ``engine.call("on_validation_end", metrics=metrics)``. A callback without the method is
+        skipped; an attribute of that name that is not callable is an error. The Trainer's
+        callback objects work here too (their hooks are plain methods). Local to this rank.
+
+        Args:
+            hook_name: The method name to call on each callback.
+            *args: Passed to each callback's method.
+            **kwargs: Passed to each callback's method.
+        """
+        results = []
+        for callback in self.callbacks:
+            method = getattr(callback, hook_name, None)
+            if method is None:
+                continue
+            if not callable(method):
+                raise ConfigurationError(
+                    f"engine.call({hook_name!r}): callback {type(callback).__name__} has an "
+                    f"attribute {hook_name!r} that is not callable ({type(method).__name__}). "
+                    f"Rename it, or make it a method."
+                )
+            results.append(method(*args, **kwargs))
+        return results
+
+    def any(self, flag: bool | torch.Tensor) -> bool:
+        """True on every rank if ``flag`` is true on any rank: a stop trigger for your own loop
+        (``if engine.any(loss.isnan()): break`` leaves every rank together).
+
+        Args:
+            flag: This rank's flag (a bool or a one-element tensor).
+        """
+        return collectives.agree(self, flag, "max")
+
+    def all(self, flag: bool | torch.Tensor) -> bool:
+        """True on every rank if ``flag`` is true on every rank.
+
+        Args:
+            flag: This rank's flag (a bool or a one-element tensor).
+        """
+        return collectives.agree(self, flag, "min")
+
+    def gather_for_metrics(self, data: Any, padding: int | None = None) -> Any:
+        """Every rank's ``data`` joined along the first dimension, without the padding.
+
+        A distributed sampler repeats a few samples so that every rank gets as many; a plain
+        [`gather`][torchplug.Engine.gather] would count them twice (a 7-item eval set on 2 ranks
+        gathers 8). This drops the repeats in the batch last handed out by a loader from
+        [`setup_dataloader`][torchplug.Engine.setup_dataloader] (or the last ``padding`` rows, when
+        given), then gathers: ``data`` is a tensor or tensors nested in tuples, lists and dicts
+        (returned in the same structure), and first dimensions may differ between ranks (the last
+        batch). A 0-d tensor or a number becomes one row per rank. Under tensor parallelism the
+        ranks of one data-parallel replica hold the same data: each replica's values appear once.
+        Call it on every rank.
+
+        Args:
+            data: This rank's tensor, or tensors nested in tuples, lists and dicts.
+            padding: How many of this rank's last rows are padding; ``None``: what the last loader's
+                sampler added.
+        """
+        return collectives.gather_for_metrics(self, data, padding)
+
+    def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Send ``metrics`` (name -> number or one-element tensor) to the loggers at ``step``.
+
+        Rank 0 writes (loggers that declare ``all_ranks`` write on every rank); other ranks
+        return at once, so reduce values first (``engine.reduce``) if they differ per rank.
+        Without ``step``, the step after the last one logged. Call it on any rank: it is not a
+        collective.
+
+        Args:
+            metrics: Metric names and values (numbers or one-element tensors).
+            step: The step the values belong to; ``None``: the step after the last one logged.
+        """
+        if not isinstance(metrics, Mapping):
+            raise TypeError(
+                f"engine.log expects a dict of metric names to numbers, e.g. "
+                f"engine.log({{'loss': 0.5}}, step=10), got {type(metrics).__name__}."
+            )
+        self.loggers.log(self.rank, metrics, step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Record the run's hyperparameters with every logger (rank 0's, and loggers that log
+        on every rank): csv/jsonl write them beside the metrics, TensorBoard in its hparams
+        tab, MLflow as the run's params. Nested mappings are flattened to ``"a.b"`` keys.
+
+        Args:
+            params: Hyperparameter names and values (nested mappings are flattened).
+        """
+        if not isinstance(params, Mapping):
+            raise ConfigurationError(
+                f"engine.log_hyperparams expects a dict of names to values, e.g. "
+                f"engine.log_hyperparams({{'lr': 3e-4, 'batch_size': 32}}), got "
+                f"{type(params).__name__}."
+            )
+        self.loggers.log_hyperparams(self.rank, flatten_params(params))
+
+    @property
+    def preempted(self) -> bool:
+        """``True`` on every rank once any rank has been sent SIGTERM or SIGUSR1 (a scheduler's
+        notice: preemption, ``scancel``, ``srun --signal=USR1@90``, ``torchplug launch`` passing
+        on its own SIGTERM): time to save a checkpoint and leave the loop.
+
+        The first read installs the handler (chained to one the script set; removed at close):
+        until then, and in a script that never reads it, those signals end the process as
+        usual. Ranks see a signal at different moments, so the answer is agreed on: a
+        collective, read at the same point on every rank (e.g. once per step)."""
+        from torchplug.features.preemption import Preemption
+
+        if self._preemption is None:
+            self._preemption = Preemption()
+            if self._preemption.arm():
+                self._undo.insert(0, self._preemption.disarm)
+        notice = self._preemption
+        if notice.agreed:
+            return True
+        seen = notice.received is not None
+        if self.world_size > 1:
+            seen = bool(self.reduce(float(seen), "max").item())
+        notice.agreed = seen
+        return seen
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives here."""
+        collectives.barrier(self)
+
+    @property
+    def collective_timeout(self) -> float:
+        """Seconds a collective, or a checkpoint's agreement between ranks, waits before it
+        gives up: the strategy's ``timeout`` option, else `DEFAULT_TIMEOUT` (one setting,
+        read here by everything that waits on the other ranks)."""
+        return float(self.options.get("timeout") or DEFAULT_TIMEOUT)
+
+    @property
+    def accumulating(self) -> tuple[int, bool] | None:
+        """Inside ``engine.accumulate(model, steps)``: ``(steps, whether this micro-batch
+        synchronizes)``; ``None`` outside it. For backends whose step depends on it."""
+        return self._accumulating
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only.
+
+        Args:
+            *args: As ``print``'s.
+            **kwargs: As ``print``'s.
+        """
+        if self.is_main:
+            builtins.print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the block on rank 0 first, then on the others (downloads, cache building)."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def checkpoint_header(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What the manifest records about this run, besides the entries themselves.
+
+        Args:
+            state: The state being saved.
+        """
+        return checkpointing.header(self, state)
+
+    def full_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """Unsharded model (and optimizer) state by parameter name, on every rank, on the CPU:
+        ``{"model": {name: tensor}, "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
+        "param_groups": [{..., "params": [names]}]}}`` (``"optimizer"`` only when given). The
+        same under every strategy, so two runs compare with ``torch.equal`` key by key.
+
+        A collective under sharding strategies: call it on every rank.
+
+        Args:
+            model: The model [`setup`][torchplug.Engine.setup] returned.
+            optimizer: Its optimizer, to include its state too.
+        """
+        return checkpointing.full_state(self, model, optimizer)
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        *,
+        async_: bool = False,
+    ) -> None:
+        """Write ``state`` (modules, optimizers, tensors, JSON values) as a checkpoint at ``path``.
+
+        Call it on every rank. The previous checkpoint at ``path`` stays intact until the new one
+        is complete. ``metadata`` (JSON values) is recorded in the manifest for your own use.
+        A failure on any rank raises a CheckpointError on every rank naming the rank and the
+        error; a save that some ranks never call fails after ``checkpoint_timeout`` seconds.
+
+        With ``async_=True`` it returns once buffers and values are copied (staged) in memory;
+        parameters and optimizer state are copied by a background thread while the loop runs
+        its next forward and backward (the next ``optimizer.step()`` waits for that copy), then
+        writing, hashing, fsync and the commit go on there while training continues. Change
+        saved parameters or optimizer state in place only through ``optimizer.step()`` until
+        then (or call [`wait_for_save`][torchplug.Engine.wait_for_save] first): a tensor changed
+        during its copy fails the save instead of writing a mix of two states. The next save,
+        load or resume and [`close`][torchplug.Engine.close] wait for it, and raise its failure,
+        on every rank. A backend that writes its own format (DeepSpeed's
+        ``native_checkpoint``) saves synchronously.
+
+        Args:
+            path: The checkpoint directory to write (replaced once the new one is complete).
+            state: What to save, by name: modules, optimizers, tensors, JSON values.
+            metadata: JSON values recorded in the manifest for your own use.
+            async_: Return once buffers and values are staged in memory; parameters and
+                optimizer state are copied, and the write goes on, in the background.
+
+        Raises:
+            CheckpointError: The save failed on any rank (on every rank), or some rank did not call
+                it within ``checkpoint_timeout``.
+        """
+        checkpointing.save(self, path, state, metadata, async_)
+
+    def wait_for_save(self) -> None:
+        """Wait until an asynchronous save (``save(..., async_=True)``) has committed; raise its
+        failure as a CheckpointError (on every rank). Nothing to do without one in flight."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.wait()
+
+    def after_save(self, step: Callable[[], None]) -> None:
+        """Run ``step`` once the last save has committed: now for a synchronous one, in the
+        background after the commit for an asynchronous one (used for checkpoint rotation).
+
+        Args:
+            step: A function of no arguments.
+        """
+        pending = self._pending_save
+        if pending is None:
+            step()
+        else:
+            pending.then(step)
+
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any] | None = None,
+        *,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Load a checkpoint into ``state``'s objects in place; call it on every rank.
+
+        Returns the plain values of entries not restored into an object (and replaces them in
+        ``state``). Without ``state``: every plain value, and a summary of modules and
+        optimizers. An entry that cannot be restored into the object given for it (a module's
+        state into a dict, another backend's optimizer format) is an error unless
+        ``strict=False``, which also loads the common part of a module whose keys differ.
+
+        Args:
+            path: The checkpoint directory [`save`][torchplug.Engine.save] wrote.
+            state: The objects to restore in place, by the names they were saved under; ``None``:
+                return what the checkpoint holds.
+            strict: Refuse entries that cannot be restored into the objects given, and module keys
+                that differ.
+
+        Returns:
+            The plain values of entries not restored into an object.
+
+        Raises:
+            CheckpointError: The checkpoint is missing, incomplete, fails verification, or does not
+                fit ``state``.
+        """
+        return checkpointing.load(self, path, state, strict)
+
+    def load_pretrained(
+        self, model: torch.nn.Module, path: str | os.PathLike[str], *, strict: bool = True
+    ) -> dict[str, list[str]]:
+        """Copy safetensors weights (a file, or a directory with ``model.safetensors`` or the
+        shards of ``model.safetensors.index.json``, as ``save_pretrained`` writes them) into a
+        model this Engine set up, under any strategy whose parameters are plain tensors or
+        DTensors; no collective. Each rank reads only the block of its own shards, so a model
+        built with ``init_module(empty=True)`` and set up sharded is never whole on a rank.
+
+        Returns ``{"loaded", "missing", "unexpected"}`` (tensor names); a model tensor the
+        files lack is an error unless ``strict=False``. Call it after
+        [`setup`][torchplug.Engine.setup].
+
+        Args:
+            model: A model this Engine set up.
+            path: A ``.safetensors`` file, or a directory as ``save_pretrained`` writes it.
+            strict: Refuse a model tensor the files lack.
+
+        Returns:
+            The names of the tensors loaded, missing and unexpected: ``{"loaded", "missing",
+                "unexpected"}``.
+        """
+        result = self._hooks.load_pretrained(self.unwrap(model), path, strict)
+        if result is None:
+            raise PluginError(
+                f"No plugin of strategy '{self.info.name}''s active set loads pretrained weights "
+                f"(torchplug_load_pretrained). The built-in 'checkpoint' plugin does: unblock it "
+                f"(TORCHPLUG_BLOCK_PLUGINS), or answer the hook in the backend."
+            )
+        return result
+
+    @property
+    def checkpoint_timeout(self) -> float:
+        """Seconds a save or load waits for every rank to arrive before naming the absent ones."""
+        return self._checkpoint_timeout
+
+    # -- fault tolerance --------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, state: dict[str, Any], step: int | None = None, *, async_: bool = False
+    ) -> Path:
+        """Save ``state`` and every rank's RNG state as ``checkpoint_dir/step-N``.
+
+        ``N`` is ``step`` or ``state["step"]``. With ``keep_last`` the oldest numbered
+        checkpoints beyond that count are deleted, never the newest complete one. Put the
+        loader from [`setup_dataloader`][torchplug.Engine.setup_dataloader] in ``state`` to resume
+        mid-epoch. ``async_=True`` returns once the state is staged in memory (see
+        [`save`][torchplug.Engine.save]).
+
+        Args:
+            state: What to save, as for [`save`][torchplug.Engine.save]; its ``"step"`` names the
+                checkpoint when ``step`` is not given.
+            step: The step number ``N`` of ``checkpoint_dir/step-N``.
+            async_: Return once the state is staged in memory (see [`save`][torchplug.Engine.save]).
+
+        Returns:
+            The path of the checkpoint written.
+        """
+        from torchplug.engine import resume
+
+        return resume.save_checkpoint(self, state, step, async_)
+
+    def resume(self, state: dict[str, Any]) -> int | None:
+        """With ``resume="latest"``: load the newest complete checkpoint in ``checkpoint_dir``
+        into ``state`` (RNG states included); return its step, or ``None`` if there is none.
+
+        Call it once after setup; a job restarted by ``torchplug launch --max-restarts`` then
+        carries on where its last checkpoint left it.
+
+        Args:
+            state: The objects to restore in place, as for [`load`][torchplug.Engine.load].
+
+        Returns:
+            The checkpoint's step, or ``None`` when there is none (or ``resume`` is not
+                ``"latest"``).
+        """
+        from torchplug.engine import resume
+
+        return resume.resume(self, state)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the backend (process group and the like). Called by ``with Engine(...)``."""
+        if not self._closed:
+            self._closed = True
+            failed_save = None
+            try:
+                failed_save = self._finish_saving()
+                if self._profiler is not None:
+                    self._profiler.stop()
+                self._staging.clear()
+                self.loggers.close()
+                self._hooks.teardown()
+            finally:
+                while self._undo:  # what setup patched on user objects, newest first
+                    self._undo.pop()()
+            if failed_save is not None:
+                raise failed_save
+
+    def _finish_saving(self) -> CheckpointError | None:
+        """At close: an asynchronous save in flight is finished first. Its failure is returned
+        (raised once the Engine is released), unless the Engine is closing because of another
+        error (then it is a warning)."""
+        try:
+            self.wait_for_save()
+        except CheckpointError as exc:
+            if not self.failing:
+                return exc
+            import warnings
+
+            warnings.warn(str(exc), stacklevel=3)
+        return None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None:
+            self.failing = True  # other ranks may sit in a collective: no teardown barrier
+            if isinstance(exc[0], BaseException):
+                faults.note(exc[0])
+        self.close()

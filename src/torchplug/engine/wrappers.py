@@ -1,0 +1,250 @@
+"""Every change the Engine makes to a user's objects, and how `Engine.close` undoes it.
+
+`Engine.setup` runs here (`setup`: activation checkpointing and SyncBatchNorm before the
+wrap, rank 0's weights on every rank or a meta model materialised, the backend's wrap, compile),
+and what it patches lives here, each patch an instance attribute recorded with `remember` first,
+so that ``close()`` puts the object back as it was (a model pickles again after close):
+
+* ``optimizer.step`` routed through the ``torchplug_optimizer_step`` hook (`route_step`), with
+  the two private names torch's LR schedulers read (``_wrapped_by_lr_sched`` on the step,
+  ``_opt_called`` on the optimizer; ``tests/test_contract.py`` pins them for the installed
+  torch);
+* ``optimizer.zero_grad`` doing nothing on accumulation micro-steps (`skip_zero_grad`);
+* a ``.module`` wrapper's ``state_dict``/``load_state_dict`` answering with the user's names
+  (`portable_state_dict`);
+* ``torch.compile`` in place (`compile_in_place`).
+
+Plugins that patch user objects themselves (AMP's forward, XLA's, FSDP's) record each patch
+with `Engine.restore_on_close`, which lands in the same list.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchplug.contract.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from torchplug.engine._typing import Engine
+
+
+def remember(undo: list[Callable[[], None]], obj: Any, name: str) -> None:
+    """Append to ``undo`` a function that puts ``obj.name`` back as it is now (removed when it
+    was not in the instance's ``__dict__``)."""
+    had = name in getattr(obj, "__dict__", {})
+    previous = obj.__dict__.get(name) if had else None
+
+    def restore() -> None:
+        if had:
+            setattr(obj, name, previous)
+        else:
+            obj.__dict__.pop(name, None)
+
+    undo.append(restore)
+
+
+def compile_in_place(engine: Engine, model: torch.nn.Module, options: dict[str, Any]) -> None:
+    """``model.compile(**options)``, undone by close."""
+    engine.restore_on_close(model, "_compiled_call_impl")
+    model.compile(**options)
+
+
+def setup(
+    engine: Engine, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]
+) -> Any:
+    """What `Engine.setup` does, in its order: activation checkpointing and SyncBatchNorm
+    before the wrap, rank 0's model on every rank (or a meta model materialised), the backend's
+    wrap, compile, then the returned model's state-dict names and the optimizers' steps."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"Engine.setup expects an nn.Module first, got {type(model).__name__}. "
+            f"Call engine.setup(model, optimizer)."
+        )
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"Engine.setup expects optimizers after the model, got {type(opt).__name__}."
+            )
+    from torchplug.engine import scaling
+
+    if engine.activation_checkpointing:  # before the wrap, as FSDP2 wants it
+        scaling.checkpoint_activations(engine, model, engine.activation_checkpointing)
+    if engine.sync_batchnorm and engine.data_parallel_size > 1:
+        from torchplug.features import syncbn
+
+        engine._undo += syncbn.convert(model, engine.device)  # before the wrap sees the layers
+    meta = scaling.is_meta(model)
+    if not meta:
+        scaling.replicate_from_rank_zero(model, engine.device)
+    if meta and not engine.info.takes_meta_modules:
+        # replicated: the whole model, on the CPU as an eager build; the wrap moves it
+        materialize(engine, model, optimizers, torch.device("cpu"))
+    wrapped, wrapped_optimizers = engine._hooks.wrap(model, list(optimizers))
+    if meta and scaling.is_meta(wrapped):
+        materialize(engine, wrapped, wrapped_optimizers, engine.device)  # sharded: its shards
+    if engine.compile_options is not None:
+        compiled = engine._hooks.compile(wrapped, engine.compile_options)
+        if compiled is None:
+            compile_in_place(engine, wrapped, engine.compile_options)
+        else:
+            wrapped = compiled
+    engine._originals[wrapped] = engine.unwrap(model)
+    portable_state_dict(engine, wrapped, engine.unwrap(model))
+    for opt in wrapped_optimizers:
+        if route_step(engine, opt):
+            engine._optimizers.append(opt)
+        engine._optimizer_models[id(opt)] = weakref.ref(wrapped)
+    return (wrapped, *wrapped_optimizers) if optimizers else wrapped
+
+
+def materialize(
+    engine: Engine,
+    model: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    device: torch.device,
+) -> None:
+    """Allocate a meta-device model and run its initialisation; optimizers made on the
+    meta parameters are pointed at the real ones."""
+    from torchplug.engine import scaling
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    scaling.materialize(model, device, engine._meta_rng, engine._meta_creators)
+    params = dict(model.named_parameters())
+    for optimizer in optimizers:
+        rebind_optimizer(optimizer, names, params, "materialising creates the parameters")
+
+
+def portable_state_dict(engine: Engine, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Make a wrapper's ``state_dict()`` / ``load_state_dict()`` those of the user's model.
+
+    DDP, FairScale and DeepSpeed hold the model as ``wrapper.module``, so their state dicts
+    name every entry ``module.<name>``; a user's ``torch.save(model.state_dict())`` would
+    then load under no other strategy. Like Fabric's module wrapper, the returned module
+    answers with the inner model's names instead. Only these two methods are replaced, on
+    the wrapper instance (no per-step cost, nothing on the forward path); torchplug's own
+    checkpoints use the state hooks, which see the wrapper's native methods (inside
+    `Engine.native_state_dicts`). ``close()`` puts the originals back.
+    """
+    if wrapped is model or getattr(wrapped, "module", None) is not model:
+        return  # not a `.module` wrapper of the user's model: its names are already plain
+    engine_ref = weakref.ref(engine)
+    native_state_dict = wrapped.state_dict
+    native_load = wrapped.load_state_dict
+
+    def native() -> bool:
+        engine = engine_ref()
+        return engine is not None and engine._native_state > 0
+
+    @functools.wraps(native_state_dict)
+    def state_dict(*args: Any, **kwargs: Any) -> Any:
+        if native():
+            return native_state_dict(*args, **kwargs)
+        return model.state_dict(*args, **kwargs)
+
+    @functools.wraps(native_load)
+    def load_state_dict(*args: Any, **kwargs: Any) -> Any:
+        if native():
+            return native_load(*args, **kwargs)
+        return model.load_state_dict(*args, **kwargs)
+
+    for name, function in (("state_dict", state_dict), ("load_state_dict", load_state_dict)):
+        engine.restore_on_close(wrapped, name)
+        object.__setattr__(wrapped, name, function)
+
+
+def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
+    """Route ``optimizer.step()`` through the ``torchplug_optimizer_step`` hook; ``False`` when
+    it is routed through ``engine`` already."""
+    if getattr(optimizer, "_torchplug_engine", None) is engine:
+        return False
+    real_step = optimizer.step
+    inside = False
+    engine_ref = weakref.ref(engine)
+
+    def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        # Re-entered from inside the hook (a backend or GradScaler calling optimizer.step()):
+        # that call is the real step.
+        nonlocal inside
+        engine = engine_ref()
+        opt._opt_called = True  # what torch's LR schedulers look for (see below)
+        if inside and engine is not None and id(opt) in engine._skipped_updates:
+            return None  # a precision plugin found inf/NaN gradients: no update
+        if inside or engine is None or engine._raw_steps:
+            return real_step(closure) if closure is not None else real_step()
+        if engine._accumulating is not None and not engine._accumulating[1]:
+            opt.step_was_skipped = True  # an accumulation step: no update yet
+            return None
+        if engine._pending_save is not None:  # an async save still copying what we change
+            engine._pending_save.wait_staged()
+        inside = True
+        try:
+            stepped = engine._hooks.optimizer_step(opt, closure)
+        finally:
+            inside = False
+        if engine._profiler is not None:
+            engine._profiler.step()
+        opt.step_was_skipped = stepped is False
+        return None
+
+    # LR schedulers wrap optimizer.step to notice a scheduler stepped before the optimizer;
+    # this step does their bookkeeping itself, for schedulers made before setup and after.
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    for name in ("step", "step_was_skipped", "_torchplug_engine"):
+        engine.restore_on_close(optimizer, name)
+    # A bound method, as torch's LR schedulers expect to find on an optimizer.
+    optimizer.step = types.MethodType(step, optimizer)
+    optimizer.step_was_skipped = False
+    optimizer._torchplug_engine = engine
+    return True
+
+
+def skip_zero_grad(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad()`` that does nothing on an accumulation step."""
+    if getattr(optimizer, "_torchplug_zero_grad", False):
+        return
+    real_zero_grad = optimizer.zero_grad
+    engine_ref = weakref.ref(engine)
+
+    def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        engine = engine_ref()
+        if engine is not None and engine._accumulating and not engine._accumulating[1]:
+            return
+        real_zero_grad(set_to_none=set_to_none)
+
+    for name in ("zero_grad", "_torchplug_zero_grad"):
+        engine.restore_on_close(optimizer, name)
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+    optimizer._torchplug_zero_grad = True
+
+
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    params: dict[str, torch.nn.Parameter],
+    why: str,
+) -> None:
+    """Point ``optimizer`` at the parameters that replaced the ones it was made with.
+
+    ``names`` maps the old parameters' ids to their names, ``params`` the names to the new ones.
+    Backends whose ``setup`` creates new parameter objects (sharding, another device type) call
+    it so that an optimizer created before ``engine.setup`` keeps working.
+    """
+    if optimizer.state:
+        raise ConfigurationError(
+            f"The optimizer has already stepped; {why}, so its state would no longer match. Call "
+            f"engine.setup(model, optimizer) before the first step."
+        )
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [params[names[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise ConfigurationError(
+                "The optimizer holds parameters that are not the model's. Create it from "
+                "model.parameters() and pass both to engine.setup(model, optimizer)."
+            ) from None
