@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         default=None,
-        help="output directory (default: benchmarks/results for a full run, the table the "
-        "README shows; benchmarks/results/smoke or /partial for --smoke or --only runs, which "
-        "git ignores, so they never overwrite it)",
+        help="output directory (default: benchmarks/results for a full run, the table "
+        "docs/benchmarks.md shows; benchmarks/results/smoke or /partial for --smoke or --only "
+        "runs, which git ignores, so they never overwrite it)",
     )
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib)")
     args = parser.parse_args(argv)

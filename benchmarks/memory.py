@@ -4,14 +4,12 @@
         --out R.jsonl
 
 Measured from the tensors themselves after two AdamW steps by
-``torchplug.features.memory.count_live``
-(the counting ``torchplug estimate-memory``'s tests check its estimates against): every live
-tensor's storage is counted once (views of one flat buffer, as DeepSpeed makes, count once),
-split into what the model's parameters hold, what their gradients hold (DeepSpeed's gradient
-partitions included), the optimizer's state (reached through the optimizer), DeepSpeed's fp32
-master partitions, and other buffers that appeared since before setup (buckets). Peak RSS is
-reported beside it. One strategy per job, so that peak RSS is that strategy's own.
-"""
+``torchplug.features.memory.count_live`` (the counting ``torchplug estimate-memory``'s tests check
+its estimates against): every live tensor's storage is counted once (views of one flat buffer, as
+DeepSpeed makes, count once), split into what the model's parameters hold, what their gradients hold
+(DeepSpeed's gradient partitions included), the optimizer's state (reached through the optimizer),
+DeepSpeed's fp32 master partitions, and other buffers that appeared since before setup (buckets).
+Peak RSS is reported beside it. One strategy per job, so that peak RSS is that strategy's own. """
 
 from __future__ import annotations
 

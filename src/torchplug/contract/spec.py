@@ -129,7 +129,7 @@ def hooks_where(**wanted: Any) -> frozenset[str]:
 
     Args:
         **wanted: [`Contract`][torchplug.contract.spec.Contract] fields and the values they must
-        have.
+            have.
     """
     return frozenset(
         name

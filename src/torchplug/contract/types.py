@@ -249,8 +249,7 @@ class StrategyInfo:
             its options (``process_group_backend``, ``timeout``). The one way to inherit options.
         api: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
             [`torchplug.contract.spec.API_VERSION`][torchplug.contract.spec.API_VERSION]); outside
-            it the
-            strategy is not registered.
+            it the strategy is not registered.
         provider: Filled in by the plugin manager: which plugin and distribution announced it.
         distribution: Filled in by the plugin manager: the installed distribution of that plugin.
         version: Filled in by the plugin manager: that distribution's version.

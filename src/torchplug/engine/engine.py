@@ -7,8 +7,7 @@ active set in `torchplug.engine.connector`; ``setup`` and every change to a user
 `torchplug.engine.collectives`; the Engine's side of checkpoints is
 `torchplug.engine.checkpointing`; every hook call goes through the typed façade
 `torchplug.contract.hooks` with the narrow `torchplug.contract.context.HookContext`. What remains
-here is
-the public surface and the per-Engine state.
+here is the public surface and the per-Engine state.
 
 Why this module is over 500 lines: it is the public API. Each of the Engine's ~50 public
 methods and properties keeps its Google-style docstring here (docs/api.md renders them with

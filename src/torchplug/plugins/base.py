@@ -76,8 +76,8 @@ class Strategy:
     def torchplug_optimizer_step(
         self, engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
     ) -> bool:
-        """Calls the default answer, "
-        "`torchplug.plugins.torch_distributed.torchplug_optimizer_step`."""
+        """Calls the default answer,
+        `torchplug.plugins.torch_distributed.torchplug_optimizer_step`."""
         return defaults.torchplug_optimizer_step(engine, optimizer, closure)
 
     @_inherited
@@ -89,8 +89,8 @@ class Strategy:
         max_norm: float,
         norm_type: float,
     ) -> torch.Tensor:
-        """Calls the default answer, "
-        "`torchplug.plugins.torch_distributed.torchplug_clip_grad_norm`."""
+        """Calls the default answer,
+        `torchplug.plugins.torch_distributed.torchplug_clip_grad_norm`."""
         return defaults.torchplug_clip_grad_norm(engine, model, optimizer, max_norm, norm_type)
 
     @_inherited
@@ -122,8 +122,8 @@ class Strategy:
 
     @_inherited
     def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
-        """Calls the default answer, "
-        "`torchplug.plugins.torch_distributed.torchplug_reads_in_place`."""
+        """Calls the default answer,
+        `torchplug.plugins.torch_distributed.torchplug_reads_in_place`."""
         return defaults.torchplug_reads_in_place(engine, kind)
 
     @_inherited
@@ -135,16 +135,16 @@ class Strategy:
     def torchplug_load_model_state(
         self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
     ) -> bool:
-        """Calls the default answer, "
-        "`torchplug.plugins.torch_distributed.torchplug_load_model_state`."""
+        """Calls the default answer,
+        `torchplug.plugins.torch_distributed.torchplug_load_model_state`."""
         return defaults.torchplug_load_model_state(engine, model, state, strict)
 
     @_inherited
     def torchplug_optimizer_state(
         self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
-        """Calls the default answer, "
-        "`torchplug.plugins.torch_distributed.torchplug_optimizer_state`."""
+        """Calls the default answer,
+        `torchplug.plugins.torch_distributed.torchplug_optimizer_state`."""
         return defaults.torchplug_optimizer_state(engine, model, optimizer)
 
     @_inherited
@@ -155,8 +155,8 @@ class Strategy:
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
     ) -> bool:
-        """Calls the default answer, "
-        "`torchplug.plugins.torch_distributed.torchplug_load_optimizer_state`."""
+        """Calls the default answer,
+        `torchplug.plugins.torch_distributed.torchplug_load_optimizer_state`."""
         return defaults.torchplug_load_optimizer_state(engine, model, optimizer, state)
 
 

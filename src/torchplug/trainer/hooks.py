@@ -5,8 +5,7 @@ A callback is any object (or module) with some of these functions, marked with
 for every event (none is ``firstresult``); what a hook returns is ignored, except that
 ``on_step_end`` may return ``True`` to stop training after that step. They are a separate
 specification from [`torchplug.contract.spec`][torchplug.contract.spec]: these events exist only in
-the
-Trainer's loop.
+the Trainer's loop.
 """
 
 from __future__ import annotations
