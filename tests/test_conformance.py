@@ -114,3 +114,45 @@ def test_a_backend_ignoring_a_skip_from_an_extension_is_caught_by_nan_skip(ranks
     assert not outcome.passed and "step_was_skipped" in outcome.detail, outcome
     (outcome,) = check("ddp", pool=ranks, only=["nan_skip"])
     assert outcome.passed, outcome
+
+
+def test_the_pytest_face_has_one_test_per_kit_property():
+    """Issue 33 item 8: `Conformance`'s tests are made from the kit's property list (a third
+    party's suite once lacked ``nan_skip`` because the methods were written out by hand)."""
+    from torchplug.testing.conformance import Conformance
+    from torchplug.testing.kit import PROPERTIES
+
+    tests = {name for name in dir(Conformance) if name.startswith("test_")}
+    assert tests == {f"test_{name}" for name in PROPERTIES}
+
+
+@pytest.mark.slow
+def test_the_pytest_face_reports_a_declared_deviation_as_xfail_and_nan_skip_runs(tmp_path):
+    """Issue 35: a property the strategy declares a deviation for is an xfail with its reason
+    through `Conformance`, as `torchplug check` says DEVIATES; an undeclared failure is a
+    failure; and ``test_nan_skip`` exists and catches a backend that steps through a skip."""
+    from broken_strategy import DECLARES_DEVIATION
+
+    (tmp_path / "test_third_party.py").write_text(
+        "from torchplug.testing.conformance import Conformance\n"
+        "class TestDeclared(Conformance):\n"
+        f"    strategy = {DECLARES_DEVIATION!r}\n"
+        "    plugins = ['broken_strategy']\n"
+        "class TestUndeclared(Conformance):\n"
+        "    strategy = 'local-clip'\n"
+        "    plugins = ['broken_strategy']\n"
+        "class TestIgnoresSkip(Conformance):\n"
+        "    strategy = 'ignores-skip'\n"
+        "    plugins = ['broken_strategy']\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rxXf", "-p", "no:cacheprovider",
+         "-k", "clipping or nan_skip", str(tmp_path / "test_third_party.py")],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=1800,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert "XFAIL test_third_party.py::TestDeclared::test_clipping" in out, out[-3000:]
+    assert "each rank clips its own gradients" in out, out[-3000:]
+    assert "FAILED test_third_party.py::TestUndeclared::test_clipping" in out, out[-3000:]
+    assert "FAILED test_third_party.py::TestIgnoresSkip::test_nan_skip" in out, out[-3000:]

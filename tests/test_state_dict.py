@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import torchplug as tp
+from torchplug.engine import wrappers
 
 
 def make() -> torch.nn.Module:
@@ -68,7 +69,7 @@ def test_state_dict_methods_are_restored_by_close():
     engine = tp.Engine("single")
     wrapper = torch.nn.Module()
     wrapper.module = make()  # a `.module` wrapper, as DDP, FairScale and DeepSpeed return
-    engine._portable_state_dict(wrapper, wrapper.module)
+    wrappers.portable_state_dict(engine, wrapper, wrapper.module)
     assert list(wrapper.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     with engine.native_state_dicts():
         assert list(wrapper.state_dict())[0] == "module.0.weight"

@@ -434,11 +434,6 @@ class Engine:
         with torch.device("meta"), scaling.recording_creators(self._meta_creators):
             yield
 
-    def _portable_state_dict(self, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
-        """A ``.module`` wrapper answers ``state_dict()`` with the user's model's names
-        (`torchplug.engine.wrappers.portable_state_dict`)."""
-        wrappers.portable_state_dict(self, wrapped, model)
-
     @contextlib.contextmanager
     def native_state_dicts(self) -> Iterator[None]:
         """Inside, modules returned by [`setup`][torchplug.Engine.setup] answer ``state_dict()``

@@ -10,7 +10,6 @@ packages add ``mlflow`` and ``wandb``. A logger object is anything with
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,7 +41,3 @@ class Logger:
 
     def close(self) -> None:  # noqa: B027 - optional
         """Flush and release files (optional)."""
-
-
-def is_finite(value: float) -> bool:
-    return math.isfinite(value)

@@ -503,9 +503,6 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def _module(self) -> torch.nn.Module:
-        return self._engine_for("engine.save/load").module
-
     def _ds_optimizer(self, optimizer: Any) -> Any:
         if not any(optimizer is o for o in self.optimizers):
             raise CheckpointError(

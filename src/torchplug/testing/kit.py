@@ -883,15 +883,23 @@ class Kit:
                     f"StrategyInfo(deviations=...).",
                 )
             )
-        for name in only:
-            try:
-                outcome = getattr(self, name)()
-            except RankError as exc:
-                outcome = Outcome(name, False, f"a rank failed: {_last_line(str(exc))}")
-            except Exception as exc:
-                outcome = Outcome(name, False, f"{type(exc).__name__}: {exc}")
-            outcomes.append(self.declared(outcome))
+        outcomes.extend(self.outcome(name) for name in only)
         return outcomes
+
+    def outcome(self, name: str) -> Outcome:
+        """Property ``name`` run once, as `check` and the pytest face report it: a rank's or the
+        property's own failure is a FAIL naming it, and a declared deviation is reported as one.
+
+        Args:
+            name: One of `PROPERTIES` or `OPTIONAL_PROPERTIES`.
+        """
+        try:
+            outcome = getattr(self, name)()
+        except RankError as exc:
+            outcome = Outcome(name, False, f"a rank failed: {_last_line(str(exc))}")
+        except Exception as exc:
+            outcome = Outcome(name, False, f"{type(exc).__name__}: {exc}")
+        return self.declared(outcome)
 
     def declared(self, outcome: Outcome) -> Outcome:
         """A failure of a property the strategy declares a deviation for, as that deviation
