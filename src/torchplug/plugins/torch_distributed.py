@@ -26,7 +26,7 @@ from torchplug.contract.spec import hookimpl
 from torchplug.features.data import move_to_device
 
 if TYPE_CHECKING:
-    from torchplug.contract.context import HookContext as Engine
+    from torchplug.contract.context import HookContext
 
 #: The reduce ops ``engine.reduce`` accepts (checked there), as torch.distributed ops; ``mean``
 #: is a sum divided by the world size.
@@ -38,26 +38,28 @@ REDUCE_OPS = {
 }
 
 
-def _distributed(engine: Engine) -> bool:
+def _distributed(engine: HookContext) -> bool:
     return engine.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
 @hookimpl(trylast=True)
 def torchplug_wrap(
-    engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
 ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
     """A full replica on this rank's device, the optimizers unchanged."""
     return model.to(engine.device), optimizers
 
 
 @hookimpl(trylast=True)
-def torchplug_place_batch(engine: Engine, batch: Any) -> Any:
+def torchplug_place_batch(engine: HookContext, batch: Any) -> Any:
     """The batch on this rank's device (left alone on the CPU)."""
     return batch if engine.device.type == "cpu" else move_to_device(batch, engine.device)
 
 
 @hookimpl(trylast=True)
-def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None) -> bool:
+def torchplug_backward(
+    engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
+) -> bool:
     """``loss.backward()``."""
     loss.backward()
     return True
@@ -65,7 +67,7 @@ def torchplug_backward(engine: Engine, loss: torch.Tensor, model: torch.nn.Modul
 
 @hookimpl(trylast=True)
 def torchplug_optimizer_step(
-    engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
+    engine: HookContext, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
 ) -> bool:
     """``optimizer.step()`` (with the closure, if one was given)."""
     optimizer.step(closure) if closure is not None else optimizer.step()
@@ -74,7 +76,7 @@ def torchplug_optimizer_step(
 
 @hookimpl(trylast=True)
 def torchplug_clip_grad_norm(
-    engine: Engine,
+    engine: HookContext,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     max_norm: float,
@@ -86,20 +88,20 @@ def torchplug_clip_grad_norm(
 
 @hookimpl(trylast=True)
 def torchplug_no_sync(
-    engine: Engine, model: torch.nn.Module
+    engine: HookContext, model: torch.nn.Module
 ) -> contextlib.AbstractContextManager[None]:
     """Nothing to skip: no gradient synchronisation happens outside the backend."""
     return contextlib.nullcontext()
 
 
 @hookimpl(trylast=True)
-def torchplug_autocast(engine: Engine) -> contextlib.AbstractContextManager[None]:
+def torchplug_autocast(engine: HookContext) -> contextlib.AbstractContextManager[None]:
     """Full precision: no autocast (the precision plugin answers first when one is active)."""
     return contextlib.nullcontext()
 
 
 @hookimpl(trylast=True)
-def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Tensor:
+def torchplug_reduce(engine: HookContext, tensor: torch.Tensor, op: str) -> torch.Tensor:
     """A copy of ``tensor`` all-reduced over the default process group."""
     result = tensor.detach().clone()
     if op == "mean" and not result.is_floating_point():
@@ -112,7 +114,7 @@ def torchplug_reduce(engine: Engine, tensor: torch.Tensor, op: str) -> torch.Ten
 
 
 @hookimpl(trylast=True)
-def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor:
+def torchplug_gather(engine: HookContext, tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's ``tensor``, stacked along a new first dimension in rank order."""
     tensor = tensor.detach().contiguous()
     if not _distributed(engine):
@@ -123,7 +125,7 @@ def torchplug_gather(engine: Engine, tensor: torch.Tensor) -> torch.Tensor:
 
 
 @hookimpl(trylast=True)
-def torchplug_barrier(engine: Engine) -> bool:
+def torchplug_barrier(engine: HookContext) -> bool:
     """``dist.barrier()`` when there is more than one rank."""
     if _distributed(engine):
         dist.barrier()
@@ -138,13 +140,13 @@ def torchplug_barrier(engine: Engine) -> bool:
 
 
 @hookimpl(trylast=True)
-def torchplug_reads_in_place(engine: Engine, kind: str) -> bool:
+def torchplug_reads_in_place(engine: HookContext, kind: str) -> bool:
     """True: DCP's state dicts name this rank's live tensors (or their shards)."""
     return True
 
 
 @hookimpl(trylast=True)
-def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+def torchplug_model_state(engine: HookContext, model: torch.nn.Module) -> dict[str, Any]:
     """``get_model_state_dict(model)`` (DCP): full tensors, or DTensor shards when sharded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -153,7 +155,7 @@ def torchplug_model_state(engine: Engine, model: torch.nn.Module) -> dict[str, A
 
 @hookimpl(trylast=True)
 def torchplug_load_model_state(
-    engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+    engine: HookContext, model: torch.nn.Module, state: dict[str, Any], strict: bool
 ) -> bool:
     """``set_model_state_dict`` (DCP), strict as asked."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -164,7 +166,7 @@ def torchplug_load_model_state(
 
 @hookimpl(trylast=True)
 def torchplug_optimizer_state(
-    engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    engine: HookContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """``get_optimizer_state_dict`` (DCP), keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -175,7 +177,7 @@ def torchplug_optimizer_state(
 
 @hookimpl(trylast=True)
 def torchplug_load_optimizer_state(
-    engine: Engine,
+    engine: HookContext,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
