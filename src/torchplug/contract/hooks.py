@@ -67,6 +67,8 @@ class Hooks:
     ) -> None:
         self._relay = pm.hook
         self._pm = pm
+        #: Each hook's contract, read from its specification once (answers are checked per step).
+        self._contracts: dict[str, Any] = {}
         self._context = context
         self._strategy = strategy
         self._provider = provider or "?"
@@ -93,7 +95,9 @@ class Hooks:
             what: That type as the error names it.
         """
         if expected is None:
-            declared = contract_of(self._pm, hook)
+            declared = self._contracts.get(hook)
+            if declared is None:
+                declared = self._contracts[hook] = contract_of(self._pm, hook)
             expected, what = ANSWER_TYPES[declared.answer], declared.answer_text
         if not isinstance(result, expected):
             shown = repr(result)
