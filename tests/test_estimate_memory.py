@@ -79,7 +79,11 @@ def test_rules_are_exact_where_the_rule_is_exact():
     specs = memory.param_specs(memory_body.build())
     numel = sum(p.numel for p in specs)
     query = memory.MemoryQuery(specs, 2, "32", "adamw")
-    ddp = memory.ddp(query)
+    from torchplug.plugins.ddp import ddp_memory
+    from torchplug.plugins.deepspeed.memory import zero
+    from torchplug.plugins.fsdp import fsdp2_memory
+
+    ddp = ddp_memory(query)
     assert ddp.params == ddp.grads == 4 * numel
     assert ddp.optimizer == 2 * 4 * numel + 4 * len(specs)  # exp_avg, exp_avg_sq, step
     padded = (
@@ -89,12 +93,12 @@ def test_rules_are_exact_where_the_rule_is_exact():
         + 4 * (161 * 333 + 161)  # fc2 321 rows -> 161
         + 4 * (3 * 321 + 3)  # out 5 rows -> 3
     )
-    assert memory.fsdp2(query).params == padded
+    assert fsdp2_memory(query).params == padded
     sgd = memory.replicated(memory.MemoryQuery(specs, 2, "32", "sgd"))
     assert sgd.optimizer == 0
     momentum = memory.replicated(memory.MemoryQuery(specs, 2, "32", "sgd-momentum"))
     assert momentum.optimizer == 4 * numel
-    zero3 = memory.zero(3)(memory.MemoryQuery(specs, 4, "bf16", "adamw"))
+    zero3 = zero(3)(memory.MemoryQuery(specs, 4, "bf16", "adamw"))
     parts = sum(math.ceil(p.numel / 4) for p in specs)
     assert zero3.grads == 2 * parts and zero3.masters == 4 * parts
     assert zero3.optimizer == 2 * 4 * parts + 4

@@ -195,6 +195,66 @@ def test_nothing_below_the_plugins_imports_a_backend_package():
     assert not offenders
 
 
+#: Issue 33 item 4: what a module under plugins/ may import of torchplug besides the authors' face
+#: (``torchplug.plugin``) and its own package. ``plugins.base`` is what the face's ``Strategy``
+#: is: its ``super()`` answers delegate to the default plugin, ``torch_distributed``.
+PLUGIN_EXCEPTIONS = {"torchplug.plugins.base": {"torchplug.plugins.torch_distributed"}}
+
+
+def plugin_imports(src: Path = SRC) -> list[tuple[str, str]]:
+    """Every (module, import) under ``plugins/`` that reaches past the authors' face: a torchplug
+    module other than ``torchplug.plugin``, the module's own package (``plugins.deepspeed.*``
+    for ``plugins/deepspeed/``) and `PLUGIN_EXCEPTIONS`."""
+    found = []
+    for path in sorted((src / "torchplug" / "plugins").rglob("*.py")):
+        name = (
+            module_name(path)
+            if src == SRC
+            else ".".join(path.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        )
+        if name == "torchplug.plugins":
+            continue
+        own = ".".join(name.split(".")[:3])  # torchplug.plugins.<plugin>
+        for target in imports(path, name, src):
+            if target.split(".")[0] != "torchplug" or target == "torchplug.plugin":
+                continue
+            if target == own or target.startswith(own + "."):
+                continue  # its own package
+            if target in PLUGIN_EXCEPTIONS.get(name, ()):
+                continue
+            found.append((name, target))
+    return found
+
+
+def test_built_in_plugins_import_only_the_authors_face():
+    """Built-ins are written as a third party writes a plugin: ``from torchplug.plugin import
+    ...`` (plus torch and their own package), nothing from contract/, engine/, features/ or
+    another built-in."""
+    offenders = plugin_imports()
+    assert not offenders, (
+        f"reach past torchplug.plugin (put what they need on the face): {offenders}"
+    )
+
+
+def test_a_plugin_reaching_past_the_face_fails(tmp_path):
+    import shutil
+
+    copy = tmp_path / "src"
+    shutil.copytree(SRC / "torchplug", copy / "torchplug", ignore=shutil.ignore_patterns("*.pyc"))
+    assert not plugin_imports(copy)
+    (copy / "torchplug" / "plugins" / "planted.py").write_text(
+        "from torchplug.plugin import hookimpl\n"
+        "def f():\n    from torchplug.engine.engine import Engine\n"
+    )
+    (copy / "torchplug" / "plugins" / "deepspeed" / "planted.py").write_text(
+        "from torchplug.plugins.deepspeed import state\nfrom torchplug.plugins import ddp\n"
+    )
+    assert plugin_imports(copy) == [
+        ("torchplug.plugins.deepspeed.planted", "torchplug.plugins.ddp"),
+        ("torchplug.plugins.planted", "torchplug.engine.engine"),
+    ]
+
+
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     """The checker itself: an import inside a function and a relative import are found (a
     checker that saw only module-level imports passed the old layering while core imported the

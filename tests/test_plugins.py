@@ -289,6 +289,43 @@ def test_allow_list_loads_only_named_third_party_plugins(fake_distribution, monk
     assert imported(fake_distribution) == ["fakeplug"]
 
 
+def test_built_ins_are_the_entry_points_pyproject_declares_and_nothing_else():
+    """Issue 33 item 4: one list. torchplug's own plugins are found through the entry points of
+    its distribution, as a third party's are; no second, hand-kept list in the code."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    from torchplug.contract import discovery
+
+    root = Path(__file__).resolve().parent.parent
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert manager.builtin_modules() == declared["torchplug"]
+    assert not hasattr(discovery, "BUILTIN_PLUGINS")
+    registry = manager.get_registry()
+    assert all(registry.pm.has_plugin(name) for name in declared["torchplug"])
+
+
+def test_the_allow_list_applies_to_built_ins_too_but_the_minimal_defaults(
+    fake_distribution, monkeypatch
+):
+    """Allow-listing a third-party plugin leaves torchplug's own backends out as well, each
+    named with the reason; the defaults every Engine needs stay, and a selected built-in that
+    was left out says so."""
+    monkeypatch.setenv("TORCHPLUG_PLUGINS", "fakeplug,fsdp")
+    registry = manager.get_registry()
+    assert {"fake", "fsdp", "single"} <= set(registry.strategies)
+    assert "ddp" not in registry.strategies and "tp" not in registry.strategies
+    assert "not in the allow-list" in registry.hidden["ddp"]
+    assert "torch_distributed" not in registry.hidden and "checkpoint" not in registry.hidden
+    with pytest.raises(tp.ConfigurationError, match=r"ddp \(not in the allow-list"):
+        tp.Engine("ddp")
+    engine = tp.Engine("single")  # the minimal defaults answer its hooks
+    model = engine.setup(torch.nn.Linear(2, 1))
+    assert model(torch.ones(1, 2)).shape == (1, 1)
+    engine.close()
+
+
 def test_blocked_plugins_are_never_imported(fake_distribution, monkeypatch):
     monkeypatch.setenv("TORCHPLUG_BLOCK_PLUGINS", "broken")
     tp.block("fakeplug")

@@ -92,13 +92,18 @@ def test_concurrent_registration_loses_nothing():
     assert not {f"threaded-{i}" for i in range(1, 16, 2)} & names
 
 
-def test_built_ins_are_registered_without_any_entry_point(monkeypatch):
-    """A source checkout with no installed distribution has no entry points at all."""
-    monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
+def test_built_ins_are_entry_points_and_a_checkout_not_installed_is_told_to_install(monkeypatch):
+    """Issue 33 item 4: one list of built-ins, the entry points (no second list in the code). A
+    source checkout put on ``sys.path`` without being installed has no entry points at all, and
+    is told how to fix that instead of finding no strategy."""
     registry = manager.get_registry()
     assert {"single", "ddp", "fsdp", "deepspeed", "fairscale-oss"} <= set(registry.strategies)
     assert {"bf16", "fp16"} <= set(registry.precisions)
     assert registry.strategies["ddp"].distribution == "torchplug"
+    monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
+    manager.reset_registry()
+    with pytest.raises(tp.PluginError, match=r"not found.*Install torchplug.*pip install -e \."):
+        manager.get_registry()
 
 
 def test_ddp_options_are_declared_once_with_torchs_defaults():

@@ -7,6 +7,11 @@ written with, in one place (``torchplug`` itself is the users' face: Engine, Tra
         @hookimpl
         def torchplug_wrap(self, engine, model, optimizers): ...
 
+Built-in backends are written with this face alone, exactly as a third party's are: besides
+the hook marker, the records, the base classes and the errors, it holds what a backend needs
+(timeouts, ports, capability probes, device moves, mesh sharding, memory-rule helpers, and the
+calls a backend with its own checkpoint files makes), each documented in the API reference.
+
 Names are imported on first use, as in ``torchplug`` itself: a plugin module that imports this
 at its top stays cheap to import when ``torchplug plugins`` announces it (no torch until a name
 that needs it is used). The author names among them used through ``torchplug`` (``tp.hookimpl``,
@@ -30,12 +35,12 @@ _EXPORTS = {
     "LoggerInfo": "torchplug.contract.types",
     "Option": "torchplug.contract.types",
     "ClusterInfo": "torchplug.contract.types",
+    "Runtime": "torchplug.contract.types",
     # base classes with torch.distributed's default answers, and the options they take
     "Strategy": "torchplug.plugins.base",
     "DistributedStrategy": "torchplug.plugins.base",
     "distributed_options": "torchplug.plugins.base",
     "DDPStrategy": "torchplug.plugins.ddp",
-    "Runtime": "torchplug.contract.types",
     # what every hook gets as its `engine` argument: what a backend may read and call
     "HookContext": "torchplug.contract.context",
     "HookContextWarning": "torchplug.contract.context",
@@ -48,21 +53,104 @@ _EXPORTS = {
     "PluginError": "torchplug.contract.errors",
     "ConfigurationError": "torchplug.contract.errors",
     "CheckpointError": "torchplug.contract.errors",
+    "did_you_mean": "torchplug.contract.errors",
+    # options: validators and the collective timeout every process-group backend defaults to
+    "positive_number": "torchplug.contract.types",
+    "DEFAULT_TIMEOUT": "torchplug.contract.types",
+    # cluster environments: ports and the scheduler's variables
+    "free_port": "torchplug.contract.cluster",
+    "job_port": "torchplug.contract.cluster",
+    "master_port": "torchplug.contract.cluster",
+    "env_int": "torchplug.contract.cluster",
+    # what this machine can run (a strategy's precision_check)
+    "cuda_lacks": "torchplug.util.capabilities",
+    "cpu_kernels_missing": "torchplug.util.capabilities",
+    "gpu_check": "torchplug.util.capabilities",
+    "found_inf": "torchplug.util.torchprivate",
+    # moving a model, its optimizer and batches
+    "default_device": "torchplug.plugins.base",
+    "move_to_device": "torchplug.features.data",
+    "map_tensors": "torchplug.util.nested",
+    "cast_floating": "torchplug.util.nested",
+    "rebind_optimizer": "torchplug.engine.wrappers",
+    "record_ties": "torchplug.engine.scaling",
+    "restore_ties": "torchplug.engine.scaling",
+    # sharding on a device mesh (FSDP2, tensor parallel and their combinations)
+    "job_mesh": "torchplug.plugins.sharding",
+    "with_mesh": "torchplug.plugins.sharding",
+    "fully_shard_kwargs": "torchplug.plugins.sharding",
+    "shard": "torchplug.plugins.sharding",
+    "finish_wrap": "torchplug.plugins.sharding",
+    "compile_units": "torchplug.plugins.sharding",
+    "without_gradient_sync": "torchplug.plugins.sharding",
+    "shard_units": "torchplug.plugins.sharding",
+    "shard_norms_in_fp32": "torchplug.plugins.sharding",
+    "make_contiguous": "torchplug.plugins.sharding",
+    "NORM_TYPES": "torchplug.plugins.sharding",
+    # memory rules (StrategyInfo(memory=...)): what a rule is asked and answers
+    "MemoryQuery": "torchplug.features.memory",
+    "MemoryEstimate": "torchplug.features.memory",
+    "ParamSpec": "torchplug.features.memory",
+    "NotEstimable": "torchplug.features.memory",
+    "not_estimable": "torchplug.features.memory",
+    "replicated": "torchplug.features.memory",
+    "even_sharding": "torchplug.features.memory",
+    "ceil_div": "torchplug.features.memory",
+    "state_bytes": "torchplug.features.memory",
+    # a backend's own checkpoint files inside the portable checkpoint (DeepSpeed's)
+    "portable_save": "torchplug.checkpoint.native",
+    "portable_load": "torchplug.checkpoint.native",
+    "portable_manifest": "torchplug.checkpoint.native",
+    "native_part": "torchplug.checkpoint.native",
 }
 
 __all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they import this face)
     from torchplug.checkpoint.deferred import Deferred
-    from torchplug.contract.cluster import ClusterInfo
+    from torchplug.checkpoint.native import (
+        native_part,
+        portable_load,
+        portable_manifest,
+        portable_save,
+    )
+    from torchplug.contract.cluster import env_int, free_port, job_port, master_port
     from torchplug.contract.context import HookContext, HookContextWarning
-    from torchplug.contract.errors import CheckpointError, ConfigurationError, PluginError
+    from torchplug.contract.errors import (
+        CheckpointError,
+        ConfigurationError,
+        PluginError,
+        did_you_mean,
+    )
     from torchplug.contract.manager import block, register, unregister
     from torchplug.contract.spec import API_VERSION, Contract, hookimpl
-    from torchplug.contract.types import LoggerInfo, Option, PrecisionInfo, StrategyInfo
-    from torchplug.engine.engine import Runtime
-    from torchplug.plugins.base import DistributedStrategy, Strategy, distributed_options
-    from torchplug.plugins.ddp import DDPStrategy
+    from torchplug.contract.types import (
+        DEFAULT_TIMEOUT,
+        ClusterInfo,
+        LoggerInfo,
+        Option,
+        PrecisionInfo,
+        Runtime,
+        StrategyInfo,
+        positive_number,
+    )
+    from torchplug.engine.scaling import record_ties, restore_ties
+    from torchplug.engine.wrappers import rebind_optimizer
+    from torchplug.features.data import move_to_device
+    from torchplug.features.memory import (
+        MemoryEstimate,
+        MemoryQuery,
+        NotEstimable,
+        ParamSpec,
+        ceil_div,
+        even_sharding,
+        not_estimable,
+        replicated,
+        state_bytes,
+    )
+    from torchplug.util.capabilities import cpu_kernels_missing, cuda_lacks, gpu_check
+    from torchplug.util.nested import cast_floating, map_tensors
+    from torchplug.util.torchprivate import found_inf
 
 
 __getattr__, __dir__ = _lazy.exports("torchplug.plugin", _EXPORTS, globals())

@@ -2,13 +2,12 @@
 ``torchplug_checkpoint_metadata`` (its manifest's metadata) and ``torchplug_load_pretrained``
 (safetensors into any set-up model).
 
-A built-in plugin registered like any other (``manager.BUILTIN_PLUGINS``, entry point
-``checkpoint``): it joins every Engine's active set, registered before the backend and marked
-``trylast``, so a backend that has a format of its own answers first (DeepSpeed's native
-checkpoint) and every other backend needs nothing, whether or not it subclasses
-``torchplug.plugin.Strategy``. Blocking it (``TORCHPLUG_BLOCK_PLUGINS=checkpoint``) leaves the two
-hooks for the backend to answer; an Engine whose active set then answers neither refuses to
-start, naming them.
+A built-in plugin registered like any other (its entry point ``checkpoint``): it joins every
+Engine's active set, registered before the backend and marked ``trylast``, so a backend that has a
+format of its own answers first (DeepSpeed's native checkpoint) and every other backend needs
+nothing, whether or not it subclasses ``torchplug.plugin.Strategy``. Blocking it
+(``TORCHPLUG_BLOCK_PLUGINS=checkpoint``) leaves the two hooks for the backend to answer; an Engine
+whose active set then answers neither refuses to start, naming them.
 """
 
 from __future__ import annotations

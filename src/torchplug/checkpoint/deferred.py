@@ -57,6 +57,12 @@ class Deferred:
     def __repr__(self) -> str:
         return f"Deferred(shape={tuple(self.shape)}, dtype={self.dtype})"
 
+    @staticmethod
+    def wanted() -> bool:
+        """Whether the caller of a state hook takes `Deferred` values (a save capturing): a
+        state hook returns them only then, full tensors otherwise."""
+        return _DEFERRING.get()
+
 
 def wanted() -> bool:
     """Whether the caller of a state hook takes `Deferred` values (a save capturing)."""

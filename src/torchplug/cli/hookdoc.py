@@ -89,7 +89,7 @@ def _default(name: str) -> str:
     from torchplug.contract import cluster, manager
     from torchplug.plugins.base import DistributedStrategy, Strategy
 
-    modules = dict(manager.BUILTIN_PLUGINS)
+    modules = manager.builtin_modules()
     for plugin in sorted(manager.DEFAULT_ANSWERS):  # built-in plugins, loaded as plugins are
         module = importlib.import_module(modules[plugin])
         if callable(getattr(module, name, None)):

@@ -18,7 +18,7 @@ from torchplug.contract.spec import API_VERSION
 ATTRIBUTE = "TORCHPLUG_API"
 
 #: Which torchplug release first provided each plugin API version (for "upgrade to ..." hints).
-API_RELEASES: dict[str, str] = {"1.0": "0.1.0", "1.1": "0.1.0"}
+API_RELEASES: dict[str, str] = {"1.0": "0.1.0", "1.1": "0.1.0", "1.2": "0.1.0"}
 
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)(?:\.(\d+|\*))?\s*$")
 

@@ -18,13 +18,25 @@ from torchplug.contract.types import ClusterInfo
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (for a master port of one's own)."""
+    """A TCP port free on ``host`` now (for a master port of one's own).
+
+    Args:
+        host: The address to bind.
+    """
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-def _int(env: Mapping[str, str], key: str, default: int) -> int:
+def env_int(env: Mapping[str, str], key: str, default: int) -> int:
+    """``env[key]`` as an integer, ``default`` when unset or empty; a ConfigurationError naming
+    the variable when it is not a number (a cluster environment reading its scheduler's ids).
+
+    Args:
+        env: The environment read.
+        key: The variable.
+        default: The value when it is unset or empty.
+    """
     value = env.get(key, "")
     try:
         return int(value) if value.strip() else default
@@ -39,14 +51,23 @@ def _int(env: Mapping[str, str], key: str, default: int) -> int:
 def job_port(*ids: str) -> int:
     """A TCP port every process of one job (step) derives alike from the scheduler's ids, and
     that another job or step (other ids) gets a different one of 30,000 with high probability:
-    concurrent steps of one allocation must never meet at one rendezvous."""
+    concurrent steps of one allocation must never meet at one rendezvous.
+
+    Args:
+        *ids: The scheduler's ids of this job and step (e.g. ``SLURM_JOB_ID``, ``SLURM_STEP_ID``).
+    """
     import zlib
 
     return 20000 + zlib.crc32("/".join(ids).encode()) % 30000
 
 
 def master_port(value: str | None, name: str = "MASTER_PORT") -> int | None:
-    """``value`` as a TCP port (1-65535), or ``None`` when unset; else a ConfigurationError."""
+    """``value`` as a TCP port (1-65535), or ``None`` when unset; else a ConfigurationError.
+
+    Args:
+        value: The variable's value.
+        name: The variable's name, for the error.
+    """
     if value is None or not value.strip():
         return None
     try:
@@ -97,14 +118,14 @@ def torchrun_environment(env: Mapping[str, str]) -> ClusterInfo:
     """The identity torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) give, or a single
     process when they are absent."""
     if "RANK" in env and "WORLD_SIZE" in env:
-        world = _int(env, "WORLD_SIZE", 1)
-        local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+        world = env_int(env, "WORLD_SIZE", 1)
+        local_world = env_int(env, "LOCAL_WORLD_SIZE", world)
         return ClusterInfo(
-            rank=_int(env, "RANK", 0),
+            rank=env_int(env, "RANK", 0),
             world_size=world,
-            local_rank=_int(env, "LOCAL_RANK", 0),
+            local_rank=env_int(env, "LOCAL_RANK", 0),
             local_world_size=local_world,
-            node_rank=_int(env, "GROUP_RANK", 0),
+            node_rank=env_int(env, "GROUP_RANK", 0),
             num_nodes=max(1, world // max(1, local_world)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=master_port(env.get("MASTER_PORT")),
@@ -128,3 +149,6 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterInfo:
         return checked(torchrun_environment(env))
     answer = get_registry().pm.hook.torchplug_cluster_environment(env=env)
     return checked(answer) if answer is not None else ClusterInfo()
+
+
+_int = env_int  # the name API 1.x cluster plugins imported

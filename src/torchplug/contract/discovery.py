@@ -1,16 +1,17 @@
 """Finding plugins: torchplug's own, installed entry points, in-house modules.
 
-The registry is built in one order, as tox does: torchplug's own plugins from the explicit tuple
-`BUILTIN_PLUGINS` (so a source checkout with no installed distribution has them), then
-third-party entry points, then pluggy's ``check_pending``, then the modules named in
-``TORCHPLUG_PLUGIN_MODULES``. Environment controls, read when the registry is first built:
+Every plugin is found the one way: its entry point in the ``torchplug`` group. torchplug's own
+are declared in its pyproject.toml exactly as a third party declares its own, and load first
+(they own their names), then third-party entry points, then pluggy's ``check_pending``, then the
+modules named in ``TORCHPLUG_PLUGIN_MODULES``. Environment controls, read when the registry is
+first built:
 
 ``TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1``
-    load torchplug's own plugins only.
+    load torchplug's own plugins only (entry points of other distributions are left out).
 ``TORCHPLUG_PLUGINS=a,b``
-    allow-list of third-party entry-point plugins to load (built-ins always load).
+    allow-list: load only these plugins, torchplug's own included, besides `MINIMAL_PLUGINS`.
 ``TORCHPLUG_BLOCK_PLUGINS=a,b``
-    never import these plugins (built-ins included), like pytest's ``-p no:name``.
+    never import these plugins (torchplug's own included), like pytest's ``-p no:name``.
 ``TORCHPLUG_PLUGIN_MODULES=a,b``
     in-house plugin modules to import and register (``torchplug launch --plugin`` sets it).
 
@@ -19,7 +20,6 @@ A plugin that fails to import is recorded by name with its error, and the rest k
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import warnings
@@ -42,26 +42,10 @@ ENTRY_POINT_GROUP = "torchplug"
 PLUGIN_MODULES_ENV = "TORCHPLUG_PLUGIN_MODULES"
 OWN_DISTRIBUTION = "torchplug"
 
-#: torchplug's own plugins, registered from this tuple first (as tox does), then third-party
-#: entry points, then pluggy's ``check_pending``. The same names stay declared as entry points
-#: in pyproject.toml, where they are skipped; they own their names.
-BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("single", "torchplug.plugins.single"),
-    ("ddp", "torchplug.plugins.ddp"),
-    ("fsdp", "torchplug.plugins.fsdp"),
-    ("tensor_parallel", "torchplug.plugins.tensor_parallel"),
-    ("fairscale", "torchplug.plugins.fairscale"),
-    ("slurm", "torchplug.plugins.slurm"),
-    ("kubeflow", "torchplug.plugins.kubeflow"),
-    ("lsf", "torchplug.plugins.lsf"),
-    ("mpi", "torchplug.plugins.mpi"),
-    ("deepspeed", "torchplug.plugins.deepspeed"),
-    ("xla", "torchplug.plugins.xla"),
-    ("amp", "torchplug.plugins.amp"),
-    ("loggers", "torchplug.loggers.builtin"),
-    ("checkpoint", "torchplug.checkpoint.defaults"),
-    ("torch_distributed", "torchplug.plugins.torch_distributed"),
-)
+#: torchplug's own plugins every Engine needs, loaded whatever the allow-list says (a block
+#: still applies): the hooks' default answers, the portable checkpoint's save and load, and the
+#: default strategy.
+MINIMAL_PLUGINS = frozenset({"torch_distributed", "checkpoint", "single"})
 
 
 def _env_list(name: str) -> list[str]:
@@ -81,8 +65,8 @@ def _is_own(ep: metadata.EntryPoint) -> bool:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A plugin discovery may load: one of torchplug's own (`BUILTIN_PLUGINS`) or an installed
-    entry point."""
+    """A plugin discovery may load: an installed entry point, torchplug's own or another
+    distribution's."""
 
     name: str
     #: The module or ``module:attr`` it is loaded from (named when it fails to import).
@@ -104,37 +88,47 @@ class Candidate:
 
 
 def candidates() -> list[Candidate]:
-    """torchplug's own plugins from `BUILTIN_PLUGINS` (not from entry points, so a source
-    checkout without an installed distribution has them too), then the installed entry points,
-    torchplug's own first (they own their names) and those `BUILTIN_PLUGINS` lists left out."""
-    import importlib
-
-    found = [
-        Candidate(name, module, functools.partial(importlib.import_module, module), builtin=True)
-        for name, module in BUILTIN_PLUGINS
-    ]
+    """Every entry point of the ``torchplug`` group, torchplug's own first (they own their
+    names), each name once. A checkout put on ``sys.path`` without being installed has no entry
+    points: an error says to install it."""
     points = sorted(
         metadata.entry_points(group=ENTRY_POINT_GROUP),
         key=lambda ep: (not _is_own(ep), ep.name),  # built-ins first: they own their names
     )
+    found: list[Candidate] = []
+    seen: set[str] = set()
     for ep in points:
+        if ep.name in seen and _is_own(ep):
+            continue  # the same distribution seen twice on sys.path (an editable install)
+        seen.add(ep.name)
         own = _is_own(ep)
-        if own and ep.name in dict(BUILTIN_PLUGINS):
-            continue  # registered from BUILTIN_PLUGINS (or blocked)
-        found.append(Candidate(ep.name, ep.value, ep.load, False, own, ep))
+        found.append(Candidate(ep.name, ep.value, ep.load, own, own, ep))
+    if not any(c.own for c in found):
+        raise PluginError(
+            "torchplug's own plugins were not found: they are entry points of the installed "
+            "torchplug distribution, and none is installed for this Python. Install torchplug "
+            "(pip install torchplug, or pip install -e . in a checkout) instead of putting its "
+            "source on PYTHONPATH."
+        )
     return found
+
+
+def builtin_modules() -> dict[str, str]:
+    """torchplug's own plugins: entry-point name -> module (what ``hookdoc`` documents)."""
+    return {c.name: c.target for c in candidates() if c.own}
 
 
 def hidden(candidate: Candidate, registry: Registry) -> str | None:
     """Why an installed entry point is not loaded here (blocked, autoload off, not in the
-    allow-list), or ``None``. A blocked built-in is skipped without a word."""
+    allow-list), or ``None``. torchplug's own are subject to the block and allow lists as any
+    plugin is, `MINIMAL_PLUGINS` to the block list only."""
     name = candidate.name
     if name in registry.blocked or registry.pm.is_blocked(name):
         return "blocked (TORCHPLUG_BLOCK_PLUGINS or torchplug.block)"
     if not candidate.own and _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD"):
         return "autoload is off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
     allow = set(_env_list("TORCHPLUG_PLUGINS"))
-    if not candidate.own and allow and name not in allow:
+    if allow and name not in allow and not (candidate.own and name in MINIMAL_PLUGINS):
         return f"not in the allow-list TORCHPLUG_PLUGINS={','.join(sorted(allow))}"
     return None
 
@@ -147,8 +141,8 @@ def discover(registry: Registry) -> None:
         name = candidate.name
         why = hidden(candidate, registry)
         if why is not None:
-            if not candidate.builtin:
-                registry.hidden[name] = why
+            if not (candidate.own and why.startswith("blocked")):
+                registry.hidden[name] = why  # (a blocked built-in is skipped without a word)
             continue
         if registry.pm.has_plugin(name):
             continue

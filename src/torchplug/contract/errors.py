@@ -38,6 +38,11 @@ def first_line(message: object, limit: int = 300, rest: str = "the traceback has
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    """Return ``" Did you mean 'x'?"`` for the closest candidate, or an empty string."""
+    """Return ``" Did you mean 'x'?"`` for the closest candidate, or an empty string.
+
+    Args:
+        word: What the user wrote.
+        candidates: The names that exist.
+    """
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
     return f" Did you mean '{close[0]}'?" if close else ""

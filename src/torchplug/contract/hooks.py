@@ -192,6 +192,11 @@ class Hooks:
         """``torchplug_barrier``, which must answer ``True``."""
         self.answer("torchplug_barrier", self._barrier(self._context))
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``torchplug_broadcast``: rank ``src``'s ``tensor``, written into it on every rank."""
+        result = self._relay.torchplug_broadcast(engine=self._context, tensor=tensor, src=src)
+        return self.answer("torchplug_broadcast", result)
+
     # -- checkpoints and the state protocol -------------------------------------------------------
 
     def save(self, path: str, state: dict[str, Any], metadata: dict[str, Any]) -> Any:

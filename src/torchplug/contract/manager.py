@@ -24,12 +24,13 @@ import pluggy
 
 from torchplug.contract import discovery, spec
 from torchplug.contract.discovery import (  # noqa: F401 - re-exported: imported from here
-    BUILTIN_PLUGINS,
     ENTRY_POINT_GROUP,
+    MINIMAL_PLUGINS,
     OWN_DISTRIBUTION,
     PLUGIN_MODULES_ENV,
     _env_list,
     _truthy,
+    builtin_modules,
     import_plugin_module,
     load_extension,
 )

@@ -60,7 +60,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 """Marks a plugin function as a torchplug hook implementation: ``@hookimpl``, or with pluggy's
 options, e.g. ``@hookimpl(wrapper=True)``, ``@hookimpl(trylast=True)``."""
 
-API_VERSION = "1.1"
+API_VERSION = "1.2"
 """The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
 version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
 removes or changes them. A plugin declares the range it supports, e.g.
@@ -549,6 +549,38 @@ def torchplug_barrier(engine: HookContext) -> bool | None:
     Args:
         engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
             (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+    """
+
+
+@hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    required=True,
+    answer="torch.Tensor",
+    answer_text="a tensor",
+    called=(
+        "On every rank (a collective), by the Engine: before the backend wraps a model "
+        "(`engine.setup`: rank 0's parameters and buffers, tensor by tensor), when a meta-device "
+        "model is materialised (rank 0's RNG state) (API 1.2)."
+    ),
+)
+def torchplug_broadcast(engine: HookContext, tensor: torch.Tensor, src: int) -> torch.Tensor | None:
+    """Give every rank rank ``src``'s ``tensor``: write it into ``tensor`` in place on every rank
+    and return ``tensor``.
+
+    Every collective the Engine itself needs goes through this hook, `torchplug_reduce`,
+    `torchplug_gather` and `torchplug_barrier`, never through torch.distributed directly, so a
+    backend whose collectives are its own (XLA's, a private process group, torchft's managed
+    groups, mpi4py) is never bypassed. A backend that owns a tensor's placement (a parameter it
+    has already partitioned) returns it unchanged. The default answer (the ``torch_distributed``
+    plugin) broadcasts over the default process group, staging through the device for
+    backends that take device tensors only (nccl).
+
+    Args:
+        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
+            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        tensor: This rank's tensor; the same shape and dtype on every rank.
+        src: The rank whose value every rank gets.
     """
 
 

@@ -78,9 +78,9 @@ def normalize_precision(value: str | int | None) -> str:
     )
 
 
-#: Seconds before a collective (or a checkpoint phase) gives up, unless the strategy's
-#: ``timeout`` option says otherwise: the one default every backend and the checkpoint share.
 DEFAULT_TIMEOUT = 1800.0
+"""Seconds before a collective (or a checkpoint phase) gives up, unless the strategy's
+``timeout`` option says otherwise: the one default every backend and the checkpoint share."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,12 @@ class Option:
 
 
 def positive_number(unit: str, maximum: float) -> Callable[[Any], str | None]:
-    """A validator: a finite number above 0 and at most ``maximum`` (in ``unit``)."""
+    """A validator: a finite number above 0 and at most ``maximum`` (in ``unit``).
+
+    Args:
+        unit: The unit the message names (``"seconds"``, ``"MiB"``).
+        maximum: The largest value accepted.
+    """
 
     def check(value: Any) -> str | None:
         if value is None:

@@ -229,8 +229,7 @@ class Engine:
         self._raw_steps = False
         self._native_state = 0
         self._closed = False
-        #: Set when the Engine is left by an exception: teardown then skips its barrier.
-        self.failing = False
+        self._failing = False
         from torchplug.engine.resume import CheckpointPolicy
 
         self.checkpoints = CheckpointPolicy.checked(checkpoint_dir, resume, keep_last)
@@ -273,7 +272,7 @@ class Engine:
         try:
             runtime = self._hooks.setup(self.cluster)
         except BaseException:
-            self.failing = True  # no teardown barrier: the other ranks may not be there
+            self._failing = True  # no teardown barrier: the other ranks may not be there
             self._hooks.teardown()  # release what setup got before failing
             raise
         if not isinstance(runtime, Runtime):
@@ -325,6 +324,12 @@ class Engine:
         wrappers.remember(self._undo, obj, name)
 
     # -- identity ---------------------------------------------------------------------------------
+
+    @property
+    def failing(self) -> bool:
+        """Whether this Engine, or the process, is going down with an exception: teardown then
+        skips its barrier (the other ranks may sit in a collective that never completes)."""
+        return self._failing or faults.failing
 
     @property
     def strategy(self) -> str:
@@ -1137,7 +1142,7 @@ class Engine:
 
     def __exit__(self, kind: object, *exc: object) -> None:
         if kind is not None:
-            self.failing = True  # other ranks may sit in a collective: no teardown barrier
+            self._failing = True  # other ranks may sit in a collective: no teardown barrier
             if isinstance(exc[0], BaseException):
                 faults.note(exc[0])
         self.close()

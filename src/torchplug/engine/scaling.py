@@ -18,7 +18,7 @@ model-wide ``init_weights()`` holds the whole model on the CPU while it runs).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
@@ -117,37 +117,26 @@ def checkpoint_activations(
 # -- meta-device initialisation --------------------------------------------------------------------
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
+#: A collective broadcast, ``(tensor, src) -> tensor`` written in place on every rank: the
+#: ``torchplug_broadcast`` hook of the Engine's active set (core calls no torch.distributed).
+Broadcast = Callable[[torch.Tensor, int], torch.Tensor]
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-
-def replicate_from_rank_zero(model: torch.nn.Module, device: torch.device) -> None:
+def replicate_from_rank_zero(model: torch.nn.Module, broadcast: Broadcast, world_size: int) -> None:
     """Give every rank rank 0's parameters and buffers before the backend wraps the model, as
     DDP does for itself: a script whose ranks built the model from different seeds (no seed,
     or one per rank) would otherwise shard a mix of differently initialised models under fsdp
-    or tp. Models a backend has already partitioned (DeepSpeed's ``zero.Init``) or distributed
-    (DTensor) are left to it."""
-    if not _distributed():
+    or tp. Each tensor goes through the backend's ``torchplug_broadcast``, which leaves alone
+    what it has partitioned already (DeepSpeed's ``zero.Init``); DTensors are distributed
+    already and are skipped."""
+    if world_size <= 1:
         return
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    tensors = [*model.parameters(), *model.buffers()]
-    if any(isinstance(t, DTensor) or hasattr(t, "ds_id") for t in tensors):
-        # Parameters already partitioned or distributed are the backend's; the plain tensors
-        # beside them (buffers, which zero.Init does not partition) are still each rank's own.
-        tensors = [t for t in tensors if not isinstance(t, DTensor) and not hasattr(t, "ds_id")]
-    on_device = dist.get_backend() not in ("gloo", "mpi")  # nccl/xccl take device tensors only
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if not isinstance(t, DTensor)]
     with torch.no_grad():
         for tensor in dict.fromkeys(tensors):  # a tied tensor once
-            if on_device and tensor.device != device:
-                staged = tensor.detach().to(device)
-                dist.broadcast(staged, 0)
-                tensor.copy_(staged)
-            else:
-                dist.broadcast(tensor.detach(), 0)
+            broadcast(tensor, 0)
 
 
 def is_meta(model: torch.nn.Module) -> bool:
@@ -333,6 +322,7 @@ def materialize(
     device: torch.device,
     rng_state: torch.Tensor | None,
     creators: dict[int, Any] | None = None,
+    broadcast: Broadcast | None = None,
 ) -> None:
     """Allocate a meta-device model on ``device`` and initialise it in place (sharded
     parameters: only this rank's shard is kept; each module's full tensors live, on the CPU,
@@ -346,14 +336,8 @@ def materialize(
     borrowed = {(id(module), name) for module, name, _, _ in ties}
     saved = torch.get_rng_state()
     if rng_state is not None:
-        if _distributed():  # every rank materialises rank 0's model, whatever it seeded
-            import torch.distributed as dist
-
-            staged = rng_state.clone()
-            if dist.get_backend() not in ("gloo", "mpi"):
-                staged = staged.to(device)
-            dist.broadcast(staged, 0)
-            rng_state = staged.cpu()
+        if broadcast is not None:  # every rank materialises rank 0's model, whatever it seeded
+            rng_state = broadcast(rng_state.clone(), 0).cpu()
         torch.set_rng_state(rng_state)
     try:
         if how == "hf":
@@ -376,7 +360,12 @@ def record_ties(
     the slot it is tied to: the tensor's creator (``creators``, from
     `recording_creators`) where known, else the first slot in module order.
     ``to_empty``, and ``.to()`` onto a device whose tensors are of another kind (XLA), make each
-    slot's tensor on its own and would untie them silently; `restore_ties` after."""
+    slot's tensor on its own and would untie them silently; `restore_ties` after.
+
+    Args:
+        model: The model whose slots are read.
+        creators: Which slot created each tensor (by the tensor's id), where known.
+    """
     slots_of: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for module in model.modules():
         for slots in (module._parameters, module._buffers):  # noqa: SLF001
@@ -397,6 +386,11 @@ def record_ties(
 
 
 def restore_ties(ties: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> None:
+    """Tie again what `record_ties` recorded: each slot holds its owner's tensor once more.
+
+    Args:
+        ties: What `record_ties` returned.
+    """
     for module, name, owner, owner_name in ties:
         slots = module._parameters if name in module._parameters else module._buffers  # noqa: SLF001
         held = owner._parameters if owner_name in owner._parameters else owner._buffers  # noqa: SLF001

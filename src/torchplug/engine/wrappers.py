@@ -81,7 +81,7 @@ def setup(
         engine._undo += syncbn.convert(model, engine.device)  # before the wrap sees the layers
     meta = scaling.is_meta(model)
     if not meta:
-        scaling.replicate_from_rank_zero(model, engine.device)
+        scaling.replicate_from_rank_zero(model, engine._hooks.broadcast, engine.world_size)
     if meta and not engine.info.takes_meta_modules:
         # replicated: the whole model, on the CPU as an eager build; the wrap moves it
         materialize(engine, model, optimizers, torch.device("cpu"))
@@ -114,7 +114,8 @@ def materialize(
     from torchplug.engine import scaling
 
     names = {id(p): name for name, p in model.named_parameters()}
-    scaling.materialize(model, device, engine._meta_rng, engine._meta_creators)
+    broadcast = engine._hooks.broadcast if engine.world_size > 1 else None
+    scaling.materialize(model, device, engine._meta_rng, engine._meta_creators, broadcast)
     params = dict(model.named_parameters())
     for optimizer in optimizers:
         rebind_optimizer(optimizer, names, params, "materialising creates the parameters")
@@ -234,6 +235,12 @@ def rebind_optimizer(
     ``names`` maps the old parameters' ids to their names, ``params`` the names to the new ones.
     Backends whose ``setup`` creates new parameter objects (sharding, another device type) call
     it so that an optimizer created before ``engine.setup`` keeps working.
+
+    Args:
+        optimizer: An optimizer made on the old parameters.
+        names: Old parameters' ids -> their names.
+        params: Names -> the new parameters.
+        why: What replaced them, for the error when the optimizer already stepped.
     """
     if optimizer.state:
         raise ConfigurationError(

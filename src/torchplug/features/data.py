@@ -25,7 +25,12 @@ from torchplug.util.nested import map_tensors
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to ``device``."""
+    """Move every tensor in a (nested) batch to ``device``.
+
+    Args:
+        batch: A tensor or containers of tensors.
+        device: Where to move them.
+    """
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 

@@ -4,26 +4,21 @@ and the tests that check the estimates against it).
 
 An estimate needs no allocation: a model built on the meta device gives the shapes and dtypes,
 and each strategy's sharding rule turns them into the bytes its fullest rank holds. A strategy
-declares its rule as ``StrategyInfo(memory=...)`` (a function ``MemoryQuery -> MemoryEstimate``,
-the ready ones below); one registered without it (plugin API 1.0) gets a rule derived from its
-``shards_parameters`` / ``shards_optimizer`` flags, marked as derived.
+declares its rule as ``StrategyInfo(memory=...)`` (a function ``MemoryQuery -> MemoryEstimate``)
+and each built-in's rule lives with its plugin; here are the shared types, the two generic rules
+(`replicated`, `even_sharding`) and the rule derived from ``shards_parameters`` /
+``shards_optimizer`` for a strategy registered without one (plugin API 1.0), marked as derived.
 
 What is counted is the model state a training step keeps: parameters, gradients, optimizer state
 and (DeepSpeed) fp32 master copies. Activations, communication buckets and allocator caches are
 not; each rule says in its notes what else its backend allocates.
 
 This module imports torch only inside functions: plugins import it while registering.
-
-Why this module is over 500 lines: every built-in strategy's rule (ddp, fsdp's padded dim-0
-shards, ZeRO-1/2/3 with their flat buffers and fp32 masters, FairScale, tp) is here beside the
-shared query and estimate types and the live-tensor counter that checks them; split, each rule
-would be a few dozen lines away from the types it fills.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -35,14 +30,19 @@ from typing import Any
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 #: Bytes of the ``step`` scalar Adam and AdamW keep per parameter (SGD's momentum keeps none).
 STEP_BYTES = 4
-#: Bytes per element of the dtypes a precision keeps weights in (DeepSpeed's own precision).
-LOW_PRECISION_BYTES = {"bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter as a rule sees it: its name, shape, bytes per element, and the class name
-    of the module holding it (``"Linear"``, ``"Embedding"``: how tensor parallelism splits it)."""
+    of the module holding it (``"Linear"``, ``"Embedding"``: how tensor parallelism splits it).
+
+    Args:
+        name: The parameter's name in the model.
+        shape: Its shape.
+        itemsize: Bytes per element.
+        module: The class name of the module holding it.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -58,7 +58,16 @@ class ParamSpec:
 class MemoryQuery:
     """What a strategy's memory rule is asked: the model's parameters (each once, tied ones
     once), the world size, the precision (``"32"``, ``"bf16"``, ``"fp16"``), the optimizer
-    (a key of `OPTIMIZER_STATES`) and the strategy's resolved options."""
+    (a key of `OPTIMIZER_STATES`) and the strategy's resolved options.
+
+    Args:
+        params: The model's parameters, each once (tied ones once).
+        world_size: The ranks the model is spread over.
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        optimizer: A key of ``OPTIMIZER_STATES`` (``"adamw"``, ``"sgd"``, ...).
+        options: The strategy's resolved options.
+        model_tp_plan: The model's own tensor-parallel plan, if it has one.
+    """
 
     params: tuple[ParamSpec, ...]
     world_size: int
@@ -82,7 +91,15 @@ class MemoryQuery:
 class MemoryEstimate:
     """Bytes on the fullest rank; ``masters``: the fp32 copies of the weights an optimizer steps
     beside the model's own (DeepSpeed keeps its partition of them, in every precision);
-    ``notes``: what the rule assumes or leaves out."""
+    ``notes``: what the rule assumes or leaves out.
+
+    Args:
+        params: Bytes of parameters on the fullest rank.
+        grads: Bytes of gradients.
+        optimizer: Bytes of optimizer state (with each tensor's ``step``).
+        masters: Bytes of fp32 master copies that are not the parameters (DeepSpeed).
+        notes: What else the backend allocates, or how the rule decided, in words.
+    """
 
     params: int
     grads: int
@@ -129,12 +146,26 @@ def model_tp_plan(module: Any) -> Mapping[str, Any] | None:
     return plan if isinstance(plan, Mapping) else None
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up: the elements per rank of ``a`` split over ``b`` ranks.
+
+    Args:
+        a: The elements to split.
+        b: The ranks they are split over.
+    """
     return -(-a // b)
 
 
-def _state_bytes(query: MemoryQuery, numels: Iterable[int], itemsize: int, tensors: int) -> int:
-    """Optimizer state over ``numels`` elements held as ``tensors`` stepped tensors."""
+def state_bytes(query: MemoryQuery, numels: Iterable[int], itemsize: int, tensors: int) -> int:
+    """Bytes of optimizer state over ``numels`` elements of ``itemsize`` bytes, held as
+    ``tensors`` stepped tensors (each with its ``step`` scalar).
+
+    Args:
+        query: The question asked (optimizer and precision).
+        numels: Element counts of the stepped tensors.
+        itemsize: Bytes per element of the state.
+        tensors: How many stepped tensors hold them.
+    """
     states = query.states
     if not states:
         return 0
@@ -146,199 +177,28 @@ def _state_bytes(query: MemoryQuery, numels: Iterable[int], itemsize: int, tenso
 
 def replicated(query: MemoryQuery) -> MemoryEstimate:
     """Every rank holds everything (DDP, single device): parameters, gradients and optimizer
-    state of the whole model, in the parameters' dtype (AMP autocasts; weights stay as built)."""
+    state of the whole model, in the parameters' dtype (AMP autocasts; weights stay as built).
+
+    Args:
+        query: The question asked.
+    """
     params = sum(p.numel * p.itemsize for p in query.params)
     state = sum(query.states * p.numel * p.itemsize for p in query.params)
     steps = query.step_bytes * len(query.params) if query.states else 0
     return MemoryEstimate(params, params, state + steps)
 
 
-def ddp(query: MemoryQuery) -> MemoryEstimate:
-    """`replicated`, plus DDP's gradient buckets (inside its C++ reducer, not counted)."""
-    estimate = replicated(query)
-    note = (
-        "DDP's reducer also keeps gradient buckets of the gradients' size (not counted; "
-        "gradient_as_bucket_view=True makes the gradients views into them)"
-    )
-    if query.options.get("gradient_as_bucket_view"):
-        note = "gradients are views into DDP's buckets (gradient_as_bucket_view=True)"
-    return MemoryEstimate(estimate.params, estimate.grads, estimate.optimizer, notes=(note,))
-
-
-def fsdp2_shard_numel(shape: tuple[int, ...], world_size: int) -> tuple[int, int]:
-    """FSDP2's dim-0 sharding of one parameter over ``world_size`` ranks: ``(padded, rank0)``
-    elements, where ``padded`` is each rank's storage (dim 0 padded up to a multiple of the
-    world size, so every rank's shard has ``ceil(dim0 / world_size)`` rows) and ``rank0`` the
-    elements rank 0, the fullest, holds (optimizer state is made the size of the unpadded
-    shard)."""
-    if not shape:
-        return 1, 1
-    rows = _ceil_div(shape[0], world_size)
-    rest = math.prod(shape[1:])
-    return rows * rest, min(rows, shape[0]) * rest
-
-
-def fsdp2(query: MemoryQuery) -> MemoryEstimate:
-    """torch FSDP2 (``fully_shard``): each parameter split on dim 0 over the ranks; parameters
-    and gradients stored padded, optimizer state the size of the rank's unpadded rows. Sharded
-    weights and gradients stay in the parameters' dtype under bf16 (FSDP computes in bf16 and
-    reduces in fp32); the gathered bf16 copies exist only around each unit's forward/backward."""
-    w = query.world_size
-    params = grads = state = 0
-    for p in query.params:
-        padded, rank0 = fsdp2_shard_numel(p.shape, w)
-        params += padded * p.itemsize
-        grads += padded * p.itemsize
-        state += query.states * rank0 * p.itemsize
-    steps = query.step_bytes * len(query.params) if query.states else 0
-    notes = ["each unit's parameters are all-gathered whole around its forward and backward"]
-    if query.options.get("cpu_offload"):
-        notes.append("cpu_offload: parameters, gradients and optimizer state are on the CPU")
-    return MemoryEstimate(params, grads, state + steps, notes=tuple(notes))
-
-
 def even_sharding(query: MemoryQuery) -> MemoryEstimate:
     """Derived for a strategy that declares ``shards_parameters``: everything split evenly
-    (``ceil(numel / world_size)`` per parameter) over the ranks."""
+    (``ceil(numel / world_size)`` per parameter) over the ranks.
+
+    Args:
+        query: The question asked.
+    """
     w = query.world_size
-    params = sum(_ceil_div(p.numel, w) * p.itemsize for p in query.params)
+    params = sum(ceil_div(p.numel, w) * p.itemsize for p in query.params)
     state = query.states * params + (query.step_bytes * len(query.params) if query.states else 0)
     return MemoryEstimate(params, params, state)
-
-
-def _owner_shares(query: MemoryQuery) -> list[list[ParamSpec]]:
-    """FairScale OSS's partition: each parameter, in order, to the rank holding the fewest
-    elements so far (whole parameters; ties to the lowest rank)."""
-    sizes = [0] * query.world_size
-    owned: list[list[ParamSpec]] = [[] for _ in range(query.world_size)]
-    for p in query.params:
-        rank = sizes.index(min(sizes))
-        sizes[rank] += p.numel
-        owned[rank].append(p)
-    return owned
-
-
-def sharded_optimizer(query: MemoryQuery) -> MemoryEstimate:
-    """FairScale OSS (ZeRO-1 style): whole parameters and gradients on every rank, each
-    parameter's optimizer state on one owner rank (the fullest owner counted)."""
-    full = replicated(query)
-    state = max(
-        _state_bytes(query, (p.numel for p in share), share[0].itemsize if share else 4, len(share))
-        for share in _owner_shares(query)
-    )
-    return MemoryEstimate(full.params, full.grads, state)
-
-
-def sharded_gradients(query: MemoryQuery) -> MemoryEstimate:
-    """FairScale ShardedDDP + OSS: whole parameters, each parameter's optimizer state on its
-    owner. With ``reduce_buffer_size=0`` a rank frees the gradients it does not own once they
-    are reduced (keeping its share); with reduce buckets (the default) every gradient stays."""
-    estimate = sharded_optimizer(query)
-    if query.options.get("reduce_buffer_size", 1):
-        note = "gradients stay whole with reduce buckets (reduce_buffer_size=0: the owned share)"
-        return MemoryEstimate(estimate.params, estimate.grads, estimate.optimizer, notes=(note,))
-    shares = _owner_shares(query)
-    fullest = max(shares, key=lambda share: sum(p.numel for p in share))
-    grads = sum(p.numel * p.itemsize for p in fullest)
-    note = "gradients of parameters owned elsewhere are freed once reduced"
-    return MemoryEstimate(estimate.params, grads, estimate.optimizer, notes=(note,))
-
-
-def _zero_dtype_bytes(query: MemoryQuery) -> int:
-    """DeepSpeed casts the model to bf16/fp16 under those precisions; fp32 stays as built."""
-    return LOW_PRECISION_BYTES.get(query.precision, 0)
-
-
-#: ``stage3_param_persistence_threshold``: ZeRO-3 keeps parameters of at most this many
-#: elements whole on every rank after their first all-gather (DeepSpeed's default).
-ZERO3_PERSISTENCE = 100_000
-#: ``sub_group_size``: ZeRO-3 steps its flat fp32 partition in sub-groups of this many elements.
-ZERO3_SUB_GROUP = 1_000_000_000
-#: ZeRO-1/2 pad each flat group to a multiple of this many elements times the world size.
-ZERO12_ALIGNMENT = 2
-
-
-def zero(stage: int, **fixed: Any) -> MemoryRule:
-    """DeepSpeed ZeRO stage ``stage`` (the ``deepspeed-zeroN`` names), with options the name
-    fixes (``offload_optimizer="cpu"``)."""
-
-    def rule(query: MemoryQuery) -> MemoryEstimate:
-        options = {**query.options, **fixed}
-        return _zero(stage, dataclasses.replace(query, options=options))
-
-    rule.__doc__ = f"DeepSpeed ZeRO-{stage}."
-    return rule
-
-
-def deepspeed(query: MemoryQuery) -> MemoryEstimate:
-    """DeepSpeed with the ``stage`` option (default 2, as the strategy's), or the stage of the
-    DeepSpeed ``config`` given."""
-    stage = _ds_config(query).get("zero_optimization", {}).get("stage")
-    return _zero(int(stage if stage is not None else query.options.get("stage", 2) or 2), query)
-
-
-def _ds_config(query: MemoryQuery) -> dict[str, Any]:
-    """The user's DeepSpeed config (option ``config``: a dict or a JSON file), else ``{}``."""
-    import json
-    from pathlib import Path
-
-    config = query.options.get("config")
-    if isinstance(config, (str, Path)) and Path(config).is_file():
-        with contextlib.suppress(ValueError, OSError):
-            config = json.loads(Path(config).read_text())
-    return config if isinstance(config, dict) else {}
-
-
-def _zero(stage: int, query: MemoryQuery) -> MemoryEstimate:
-    w = query.world_size
-    low = _zero_dtype_bytes(query)
-    notes: list[str] = []
-    offload_opt = query.options.get("offload_optimizer", "none") not in (None, "none")
-    offload_par = query.options.get("offload_params", "none") not in (None, "none")
-    if stage == 3:
-        # each parameter partitioned on its own: ceil(numel / W) elements per rank
-        parts = [_ceil_div(p.numel, w) for p in query.params]
-        dtype = [low or p.itemsize for p in query.params]
-        partition = sum(n * b for n, b in zip(parts, dtype, strict=True))
-        zero_config = _ds_config(query).get("zero_optimization", {})
-        threshold = int(zero_config.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE))
-        persistent = sum(
-            p.numel * b for p, b in zip(query.params, dtype, strict=True) if p.numel <= threshold
-        )
-        params = partition + persistent
-        grads = partition  # the flat gradient partition, in the model's dtype
-        elements = sum(parts)
-        masters = 4 * elements  # the fp32 partition the optimizer steps: a copy, in fp32 too
-        groups = max(1, _ceil_div(elements, ZERO3_SUB_GROUP))
-        state = _state_bytes(query, [elements], 4, groups)
-        if persistent:
-            notes.append(
-                f"parameters of at most {threshold:,} elements stay whole on every rank "
-                f"after the first forward (stage3_param_persistence_threshold)"
-            )
-        notes.append("plus DeepSpeed's reduce/prefetch buckets (reduce_bucket_size), not counted")
-        if offload_par:
-            notes.append("offload_params: the parameter partitions are on the CPU")
-    else:
-        numel = sum(p.numel for p in query.params)
-        padded = _ceil_div(numel, ZERO12_ALIGNMENT * w) * ZERO12_ALIGNMENT * w
-        elements = padded // w
-        itemsize = low or max((p.itemsize for p in query.params), default=4)
-        params = padded * itemsize  # the weights live in one flat, padded buffer
-        # Whole gradients at the end of backward: ZeRO-1 reduces them at the step; ZeRO-2 moves
-        # them into the rank's partition bucket by bucket, so only a model larger than one
-        # reduce bucket peaks lower (about the partition plus a bucket)
-        grads = numel * itemsize
-        masters = 4 * elements  # the fp32 partition is a copy, whatever the precision
-        state = _state_bytes(query, [elements], 4, 1)
-        if stage == 2:
-            notes.append(
-                "gradients: whole while backward fills a reduce bucket (reduce_bucket_size, "
-                "5e8 elements by default); beyond that, the partition plus one bucket"
-            )
-    if offload_opt:
-        notes.append("offload_optimizer: fp32 masters, gradients' fp32 copy and state on the CPU")
-    return MemoryEstimate(params, grads, state, masters, notes=tuple(notes))
 
 
 def derived_rule(shards_parameters: bool, shards_optimizer: bool) -> MemoryRule:
@@ -509,7 +369,11 @@ class NotEstimable(Exception):
 
 
 def not_estimable(reason: str) -> MemoryRule:
-    """A rule that says why a strategy's per-rank bytes cannot be told from shapes alone."""
+    """A rule that says why a strategy's per-rank bytes cannot be told from shapes alone.
+
+    Args:
+        reason: Why; what ``torchplug estimate-memory`` shows instead of numbers.
+    """
 
     def rule(query: MemoryQuery) -> MemoryEstimate:
         raise NotEstimable(reason)

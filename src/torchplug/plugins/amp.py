@@ -15,13 +15,18 @@ from typing import Any
 
 import torch
 
-from torchplug.contract.cluster import ClusterInfo
-from torchplug.contract.errors import ConfigurationError
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import Option, PrecisionInfo
-from torchplug.engine.engine import Engine, Runtime
-from torchplug.util import capabilities, torchprivate
-from torchplug.util.nested import cast_floating
+from torchplug.plugin import (
+    ClusterInfo,
+    ConfigurationError,
+    HookContext,
+    Option,
+    PrecisionInfo,
+    Runtime,
+    cast_floating,
+    cuda_lacks,
+    found_inf,
+    hookimpl,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,7 +52,9 @@ class MixedPrecision:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
     @hookimpl(wrapper=True)
-    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Generator[None, Any, Any]:
+    def torchplug_setup(
+        self, engine: HookContext, cluster: ClusterInfo
+    ) -> Generator[None, Any, Any]:
         runtime: Runtime = yield
         self.device_type = runtime.device.type
         if (
@@ -65,7 +72,7 @@ class MixedPrecision:
 
     @hookimpl(wrapper=True)
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> Generator[None, Any, Any]:
         wrapped, optimizers = yield
         forward = wrapped.forward
@@ -80,7 +87,7 @@ class MixedPrecision:
         return wrapped, optimizers
 
     @hookimpl(tryfirst=True)
-    def torchplug_autocast(self, engine: Engine) -> contextlib.AbstractContextManager[None]:
+    def torchplug_autocast(self, engine: HookContext) -> contextlib.AbstractContextManager[None]:
         return self.context()
 
 
@@ -94,14 +101,14 @@ class ScaledMixedPrecision(MixedPrecision):
     """
 
     @hookimpl
-    def torchplug_checkpoint_state(self, engine: Engine) -> dict[str, Any]:
+    def torchplug_checkpoint_state(self, engine: HookContext) -> dict[str, Any]:
         """The GradScaler's loss scale and growth tracker travel with every checkpoint: a
         resumed fp16 run scales (and skips) exactly as the uninterrupted one."""
         return {"amp.grad_scaler": self.scaler} if self.scaler is not None else {}
 
     @hookimpl(wrapper=True)
     def torchplug_backward(
-        self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
+        self, engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
     ) -> Generator[None, Any, Any]:
         if self.scaler is not None:
             self._update_scale()  # a step of some optimizers is still pending its update
@@ -116,7 +123,7 @@ class ScaledMixedPrecision(MixedPrecision):
     @hookimpl(wrapper=True)
     def torchplug_optimizer_step(
         self,
-        engine: Engine,
+        engine: HookContext,
         optimizer: torch.optim.Optimizer,
         closure: Callable[[], Any] | None,
     ) -> Generator[None, Any, Any]:
@@ -132,7 +139,7 @@ class ScaledMixedPrecision(MixedPrecision):
             )
         with contextlib.suppress(RuntimeError):  # already unscaled for clipping this step
             self.scaler.unscale_(optimizer)
-        skipped = torchprivate.found_inf(self.scaler, optimizer)
+        skipped = found_inf(self.scaler, optimizer)
         with engine.skipping_updates(optimizer, skipped):
             stepped = yield
         self._stepped.add(id(optimizer))
@@ -145,7 +152,7 @@ class ScaledMixedPrecision(MixedPrecision):
     @hookimpl(wrapper=True)
     def torchplug_clip_grad_norm(
         self,
-        engine: Engine,
+        engine: HookContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
@@ -168,7 +175,7 @@ def precision_check(precision: str) -> str | None:
     on every CPU (torch falls back to its reference kernels without oneDNN's); a GPU needs
     bfloat16 support for bf16."""
     if precision == "bf16" and torch.cuda.is_available():
-        return capabilities.cuda_lacks("bf16")
+        return cuda_lacks("bf16")
     return None
 
 

@@ -12,24 +12,29 @@ import atexit
 import contextlib
 import datetime
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchplug.contract.cluster import free_port
-from torchplug.contract.errors import ConfigurationError
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import DEFAULT_TIMEOUT, Option
-from torchplug.engine.wrappers import rebind_optimizer  # noqa: F401 - re-exported for backends
+from torchplug.plugin import (
+    DEFAULT_TIMEOUT,
+    ClusterInfo,
+    ConfigurationError,
+    HookContext,
+    Option,
+    Runtime,
+    did_you_mean,
+    free_port,
+    hookimpl,
+    positive_number,
+    rebind_optimizer,  # noqa: F401 - the name API 1.x backends imported from here
+)
 from torchplug.plugins import torch_distributed as defaults
-
-if TYPE_CHECKING:
-    from torchplug.contract.cluster import ClusterInfo
-    from torchplug.engine.engine import Engine, Runtime
 
 #: The reduce ops ``engine.reduce`` accepts (kept here for API 1.x importers).
 REDUCE_OPS = defaults.REDUCE_OPS
@@ -55,26 +60,29 @@ class Strategy:
 
     @_inherited
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_wrap`."""
         return defaults.torchplug_wrap(engine, model, optimizers)
 
     @_inherited
-    def torchplug_place_batch(self, engine: Engine, batch: Any) -> Any:
+    def torchplug_place_batch(self, engine: HookContext, batch: Any) -> Any:
         """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_place_batch`."""
         return defaults.torchplug_place_batch(engine, batch)
 
     @_inherited
     def torchplug_backward(
-        self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
+        self, engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
     ) -> bool:
         """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_backward`."""
         return defaults.torchplug_backward(engine, loss, model)
 
     @_inherited
     def torchplug_optimizer_step(
-        self, engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
+        self,
+        engine: HookContext,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any] | None,
     ) -> bool:
         """Calls the default answer,
         `torchplug.plugins.torch_distributed.torchplug_optimizer_step`."""
@@ -83,7 +91,7 @@ class Strategy:
     @_inherited
     def torchplug_clip_grad_norm(
         self,
-        engine: Engine,
+        engine: HookContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
@@ -95,45 +103,52 @@ class Strategy:
 
     @_inherited
     def torchplug_no_sync(
-        self, engine: Engine, model: torch.nn.Module
+        self, engine: HookContext, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
         """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_no_sync`."""
         return defaults.torchplug_no_sync(engine, model)
 
     @_inherited
-    def torchplug_autocast(self, engine: Engine) -> contextlib.AbstractContextManager[None]:
+    def torchplug_autocast(self, engine: HookContext) -> contextlib.AbstractContextManager[None]:
         """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_autocast`."""
         return defaults.torchplug_autocast(engine)
 
     @_inherited
-    def torchplug_reduce(self, engine: Engine, tensor: torch.Tensor, op: str) -> torch.Tensor:
+    def torchplug_reduce(self, engine: HookContext, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_reduce`."""
         return defaults.torchplug_reduce(engine, tensor, op)
 
     @_inherited
-    def torchplug_gather(self, engine: Engine, tensor: torch.Tensor) -> torch.Tensor:
+    def torchplug_gather(self, engine: HookContext, tensor: torch.Tensor) -> torch.Tensor:
         """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_gather`."""
         return defaults.torchplug_gather(engine, tensor)
 
     @_inherited
-    def torchplug_barrier(self, engine: Engine) -> bool:
+    def torchplug_barrier(self, engine: HookContext) -> bool:
         """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_barrier`."""
         return defaults.torchplug_barrier(engine)
 
     @_inherited
-    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+    def torchplug_broadcast(
+        self, engine: HookContext, tensor: torch.Tensor, src: int
+    ) -> torch.Tensor:
+        """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_broadcast`."""
+        return defaults.torchplug_broadcast(engine, tensor, src)
+
+    @_inherited
+    def torchplug_reads_in_place(self, engine: HookContext, kind: str) -> bool:
         """Calls the default answer,
         `torchplug.plugins.torch_distributed.torchplug_reads_in_place`."""
         return defaults.torchplug_reads_in_place(engine, kind)
 
     @_inherited
-    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+    def torchplug_model_state(self, engine: HookContext, model: torch.nn.Module) -> dict[str, Any]:
         """Calls the default answer, `torchplug.plugins.torch_distributed.torchplug_model_state`."""
         return defaults.torchplug_model_state(engine, model)
 
     @_inherited
     def torchplug_load_model_state(
-        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+        self, engine: HookContext, model: torch.nn.Module, state: dict[str, Any], strict: bool
     ) -> bool:
         """Calls the default answer,
         `torchplug.plugins.torch_distributed.torchplug_load_model_state`."""
@@ -141,7 +156,7 @@ class Strategy:
 
     @_inherited
     def torchplug_optimizer_state(
-        self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, engine: HookContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         """Calls the default answer,
         `torchplug.plugins.torch_distributed.torchplug_optimizer_state`."""
@@ -150,7 +165,7 @@ class Strategy:
     @_inherited
     def torchplug_load_optimizer_state(
         self,
-        engine: Engine,
+        engine: HookContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
@@ -161,7 +176,11 @@ class Strategy:
 
 
 def default_device(local_rank: int = 0) -> torch.device:
-    """The accelerator for this local rank if there is one, else the CPU."""
+    """The accelerator for this local rank if there is one, else the CPU.
+
+    Args:
+        local_rank: This process's rank on its node.
+    """
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -176,8 +195,6 @@ def check_process_group_backend(value: str | None) -> str | None:
 
     Accepts a backend name (``gloo``) or the per-device form ``cpu:gloo,cuda:nccl``.
     """
-    from torchplug.contract.errors import did_you_mean
-
     if value is None:
         return None
     known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
@@ -224,8 +241,6 @@ def distributed_options() -> tuple[Option, ...]:
 def _distributed_options() -> tuple[Option, ...]:
     """The options of every DistributedStrategy (torchplug's own strategies use this name; the
     public one is deprecated)."""
-    from torchplug.contract.types import positive_number
-
     return (
         Option(
             "process_group_backend",
@@ -266,10 +281,8 @@ class DistributedStrategy(Strategy):
         return _distributed_options()
 
     @hookimpl
-    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+    def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
         """The default answer to [`torchplug_setup`][torchplug_setup] (see the hook reference)."""
-        from torchplug.engine.engine import Runtime
-
         device = default_device(cluster.local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -306,12 +319,10 @@ class DistributedStrategy(Strategy):
         )
 
     @hookimpl
-    def torchplug_teardown(self, engine: Engine) -> None:
+    def torchplug_teardown(self, engine: HookContext) -> None:
         """The default answer to [`torchplug_teardown`][torchplug_teardown]
         (see the hook reference)."""
-        from torchplug.features import faults
-
-        self._release(failing=engine.failing or faults.failing)
+        self._release(failing=engine.failing)
 
     def _release(self, failing: bool = False) -> None:
         """Destroy the process group this strategy created (at close, or at interpreter exit)."""
@@ -332,10 +343,9 @@ class DistributedStrategy(Strategy):
 
     def _release_at_exit(self) -> None:
         """atexit: a script that never calls close() still destroys its process group, before
-        the interpreter tears down gloo's threads (which aborts: 'terminate called ...')."""
-        from torchplug.features import faults
-
-        self._release(failing=faults.failing)
+        the interpreter tears down gloo's threads (which aborts: 'terminate called ...'). An
+        uncaught exception ending the interpreter (``sys.last_value``) means no barrier."""
+        self._release(failing=getattr(sys, "last_value", None) is not None)
 
 
 def _attempt_store(

@@ -8,12 +8,19 @@ from typing import Any
 
 import torch
 
-from torchplug.contract.errors import ConfigurationError
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import Option, StrategyInfo, positive_number
-from torchplug.engine.engine import Engine
-from torchplug.features import memory
-from torchplug.plugins.base import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
+from torchplug.plugin import (
+    DEFAULT_TIMEOUT,
+    ConfigurationError,
+    DistributedStrategy,
+    HookContext,
+    MemoryEstimate,
+    MemoryQuery,
+    Option,
+    StrategyInfo,
+    hookimpl,
+    positive_number,
+    replicated,
+)
 
 #: DDP's own options, declared once: the registration, the defaults and what is passed to torch.
 DDP_OPTIONS: tuple[Option, ...] = (
@@ -60,7 +67,7 @@ class DDPStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         """The default answer to [`torchplug_wrap`][torchplug_wrap] (see the hook reference)."""
         from torch.nn.parallel import DistributedDataParallel
@@ -71,7 +78,7 @@ class DDPStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_no_sync(
-        self, engine: Engine, model: torch.nn.Module
+        self, engine: HookContext, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
         """The default answer to [`torchplug_no_sync`][torchplug_no_sync]
         (see the hook reference)."""
@@ -84,6 +91,18 @@ class DDPStrategy(DistributedStrategy):
         return no_sync()
 
 
+def ddp_memory(query: MemoryQuery) -> MemoryEstimate:
+    """`replicated`, plus DDP's gradient buckets (inside its C++ reducer, not counted)."""
+    estimate = replicated(query)
+    note = (
+        "DDP's reducer also keeps gradient buckets of the gradients' size (not counted; "
+        "gradient_as_bucket_view=True makes the gradients views into them)"
+    )
+    if query.options.get("gradient_as_bucket_view"):
+        note = "gradients are views into DDP's buckets (gradient_as_bucket_view=True)"
+    return MemoryEstimate(estimate.params, estimate.grads, estimate.optimizer, notes=(note,))
+
+
 @hookimpl
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     register(
@@ -92,7 +111,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("distributed-data-parallel",),
             factory=DDPStrategy,
             description="torch DistributedDataParallel: full replicas, gradients all-reduced.",
-            options=(*_distributed_options(), *DDP_OPTIONS),
-            memory=memory.ddp,
+            options=(*DistributedStrategy.strategy_options(), *DDP_OPTIONS),
+            memory=ddp_memory,
         )
     )

@@ -24,18 +24,26 @@ from typing import Any
 
 import torch
 
-from torchplug.contract.errors import ConfigurationError
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import Option, StrategyInfo
-from torchplug.engine.engine import Engine
-from torchplug.features import memory
-from torchplug.plugins.base import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
-from torchplug.plugins.ddp import DDPStrategy
+from torchplug.plugin import (
+    DEFAULT_TIMEOUT,
+    ConfigurationError,
+    DDPStrategy,
+    DistributedStrategy,
+    HookContext,
+    MemoryEstimate,
+    MemoryQuery,
+    Option,
+    ParamSpec,
+    StrategyInfo,
+    hookimpl,
+    replicated,
+    state_bytes,
+)
 
 INSTALL = "pip install torchplug[fairscale]"
 
 
-def to_oss(optimizer: torch.optim.Optimizer, engine: Engine) -> torch.optim.Optimizer:
+def to_oss(optimizer: torch.optim.Optimizer, engine: HookContext) -> torch.optim.Optimizer:
     """The same optimizer (class, groups, hyper-parameters) with its state sharded by OSS."""
     from fairscale.optim import OSS
 
@@ -75,13 +83,13 @@ class OSSCheckpointing:
     """Optimizer state through OSS consolidation, stored by parameter name (portable)."""
 
     @hookimpl
-    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+    def torchplug_reads_in_place(self, engine: HookContext, kind: str) -> bool:
         # OSS holds only its shard: loading reads the full optimizer state into fresh tensors.
         return kind != "optimizer"
 
     @hookimpl
     def torchplug_optimizer_state(
-        self, engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, engine: HookContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         optimizer.consolidate_state_dict(recipient_rank=0)  # a collective
         box = [optimizer.state_dict() if engine.is_main else None]  # tensors: torch's own way
@@ -98,7 +106,7 @@ class OSSCheckpointing:
     @hookimpl
     def torchplug_load_optimizer_state(
         self,
-        engine: Engine,
+        engine: HookContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
@@ -128,7 +136,7 @@ class OSSCheckpointing:
 class OSSStrategy(OSSCheckpointing, DDPStrategy):
     @hookimpl
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         ddp_model, _ = DDPStrategy.torchplug_wrap(self, engine, model, optimizers)
         return ddp_model, [to_oss(o, engine) for o in optimizers]
@@ -146,7 +154,7 @@ class SDPStrategy(OSSCheckpointing, DistributedStrategy):
 
     @hookimpl
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         from fairscale.nn.data_parallel import ShardedDataParallel
 
@@ -167,14 +175,14 @@ class SDPStrategy(OSSCheckpointing, DistributedStrategy):
 
     @hookimpl
     def torchplug_no_sync(
-        self, engine: Engine, model: torch.nn.Module
+        self, engine: HookContext, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
         return model.no_sync()
 
     @hookimpl
     def torchplug_clip_grad_norm(
         self,
-        engine: Engine,
+        engine: HookContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
@@ -189,12 +197,12 @@ class SDPStrategy(OSSCheckpointing, DistributedStrategy):
         return torch.linalg.vector_norm(torch.stack(norms), ord=norm_type)
 
     @hookimpl
-    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+    def torchplug_model_state(self, engine: HookContext, model: torch.nn.Module) -> dict[str, Any]:
         return super().torchplug_model_state(engine, getattr(model, "module", model))
 
     @hookimpl
     def torchplug_load_model_state(
-        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+        self, engine: HookContext, model: torch.nn.Module, state: dict[str, Any], strict: bool
     ) -> bool:
         return super().torchplug_load_model_state(
             engine, getattr(model, "module", model), state, strict
@@ -220,7 +228,7 @@ def _keep_gradient_buffers(optimizer: torch.optim.Optimizer) -> None:
 class FairScaleFSDPStrategy(DistributedStrategy):
     @hookimpl
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         from fairscale.nn import FullyShardedDataParallel
 
@@ -233,6 +241,44 @@ class FairScaleFSDPStrategy(DistributedStrategy):
         return FullyShardedDataParallel(model.to(engine.device)), optimizers
 
 
+def _owner_shares(query: MemoryQuery) -> list[list[ParamSpec]]:
+    """FairScale OSS's partition: each parameter, in order, to the rank holding the fewest
+    elements so far (whole parameters; ties to the lowest rank)."""
+    sizes = [0] * query.world_size
+    owned: list[list[ParamSpec]] = [[] for _ in range(query.world_size)]
+    for p in query.params:
+        rank = sizes.index(min(sizes))
+        sizes[rank] += p.numel
+        owned[rank].append(p)
+    return owned
+
+
+def sharded_optimizer(query: MemoryQuery) -> MemoryEstimate:
+    """FairScale OSS (ZeRO-1 style): whole parameters and gradients on every rank, each
+    parameter's optimizer state on one owner rank (the fullest owner counted)."""
+    full = replicated(query)
+    state = max(
+        state_bytes(query, (p.numel for p in share), share[0].itemsize if share else 4, len(share))
+        for share in _owner_shares(query)
+    )
+    return MemoryEstimate(full.params, full.grads, state)
+
+
+def sharded_gradients(query: MemoryQuery) -> MemoryEstimate:
+    """FairScale ShardedDDP + OSS: whole parameters, each parameter's optimizer state on its
+    owner. With ``reduce_buffer_size=0`` a rank frees the gradients it does not own once they
+    are reduced (keeping its share); with reduce buckets (the default) every gradient stays."""
+    estimate = sharded_optimizer(query)
+    if query.options.get("reduce_buffer_size", 1):
+        note = "gradients stay whole with reduce buckets (reduce_buffer_size=0: the owned share)"
+        return MemoryEstimate(estimate.params, estimate.grads, estimate.optimizer, notes=(note,))
+    shares = _owner_shares(query)
+    fullest = max(shares, key=lambda share: sum(p.numel for p in share))
+    grads = sum(p.numel * p.itemsize for p in fullest)
+    note = "gradients of parameters owned elsewhere are freed once reduced"
+    return MemoryEstimate(estimate.params, grads, estimate.optimizer, notes=(note,))
+
+
 @hookimpl
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     common: dict[str, Any] = {"requires": ("fairscale",), "install_hint": INSTALL}
@@ -242,8 +288,8 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("oss",),
             factory=OSSStrategy,
             description="FairScale OSS optimizer-state sharding with torch DDP.",
-            memory=memory.sharded_optimizer,
-            options=(*_distributed_options(),),
+            memory=sharded_optimizer,
+            options=(*DistributedStrategy.strategy_options(),),
             shards_optimizer=True,
             **common,
         )
@@ -254,9 +300,9 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("sharded-ddp",),
             factory=SDPStrategy,
             description="FairScale OSS + ShardedDataParallel: gradients reduced to their owner.",
-            memory=memory.sharded_gradients,
+            memory=sharded_gradients,
             options=(
-                *_distributed_options(),
+                *DistributedStrategy.strategy_options(),
                 Option("reduce_buffer_size", int, 2**23, "bucket size in elements; 0 = none"),
             ),
             shards_optimizer=True,
@@ -268,7 +314,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             name="fairscale-fsdp",
             factory=FairScaleFSDPStrategy,
             description="FairScale FullyShardedDataParallel (CUDA only).",
-            options=(*_distributed_options(),),
+            options=(*DistributedStrategy.strategy_options(),),
             shards_parameters=True,
             shards_optimizer=True,
             supports_cpu=False,  # the core refuses it on a machine without CUDA

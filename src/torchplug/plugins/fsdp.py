@@ -14,26 +14,37 @@ helpers are re-exported here (``from torchplug.plugins.fsdp import shard_units``
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from torchplug.contract.cluster import ClusterInfo
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import Option, StrategyInfo
-from torchplug.engine.engine import Engine, Runtime
-from torchplug.features import memory
-from torchplug.plugins import sharding
-from torchplug.plugins.base import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
-from torchplug.plugins.sharding import (
+from torchplug.plugin import (
+    DEFAULT_TIMEOUT,
     NORM_TYPES,
+    ClusterInfo,
+    DistributedStrategy,
+    HookContext,
+    MemoryEstimate,
+    MemoryQuery,
+    Option,
+    Runtime,
+    StrategyInfo,
+    ceil_div,
+    compile_units,
     finish_wrap,
+    fully_shard_kwargs,
+    gpu_check,
+    hookimpl,
+    job_mesh,
     make_contiguous,
+    shard,
     shard_norms_in_fp32,
     shard_units,
+    with_mesh,
+    without_gradient_sync,
 )
-from torchplug.util import capabilities
 
 #: Names importable from here before they moved to `torchplug.plugins.sharding`.
 __all__ = [
@@ -64,41 +75,41 @@ class FSDPStrategy(DistributedStrategy):
         self.cpu_offload = cpu_offload
 
     @hookimpl
-    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+    def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
         """The process group, then the job's 1-D mesh over every rank (dim ``"dp"``)."""
         runtime = super().torchplug_setup(engine, cluster)
-        return sharding.with_mesh(runtime, (runtime.world_size,), ("dp",))
+        return with_mesh(runtime, (runtime.world_size,), ("dp",))
 
     @hookimpl
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         names = {id(p): name for name, p in model.named_parameters()}
         if not self.cpu_offload and not any(p.is_meta for p in model.parameters()):
             model = model.to(engine.device)
-        kwargs = sharding.fully_shard_kwargs(
-            engine, sharding.job_mesh(engine), self.reshard_after_forward, self.cpu_offload
+        kwargs = fully_shard_kwargs(
+            engine, job_mesh(engine), self.reshard_after_forward, self.cpu_offload
         )
-        self.units = sharding.shard(model, kwargs, self.shard_classes, self.min_params)
+        self.units = shard(model, kwargs, self.shard_classes, self.min_params)
         return finish_wrap(engine, model, optimizers, names, "fsdp")
 
     @hookimpl
     def torchplug_compile(
-        self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+        self, engine: HookContext, model: torch.nn.Module, options: dict[str, Any]
     ) -> torch.nn.Module:
         """Each FSDP unit compiled on its own (as torch recommends for FSDP2), else the model."""
-        return sharding.compile_units(engine, model, getattr(self, "units", None), options)
+        return compile_units(engine, model, getattr(self, "units", None), options)
 
     @hookimpl
     def torchplug_no_sync(
-        self, engine: Engine, model: torch.nn.Module
+        self, engine: HookContext, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
-        return sharding.without_gradient_sync(model)
+        return without_gradient_sync(model)
 
     @hookimpl
     def torchplug_clip_grad_norm(
         self,
-        engine: Engine,
+        engine: HookContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
@@ -110,6 +121,38 @@ class FSDPStrategy(DistributedStrategy):
         return total.full_tensor() if isinstance(total, DTensor) else total
 
 
+def fsdp2_shard_numel(shape: tuple[int, ...], world_size: int) -> tuple[int, int]:
+    """FSDP2's dim-0 sharding of one parameter over ``world_size`` ranks: ``(padded, rank0)``
+    elements, where ``padded`` is each rank's storage (dim 0 padded up to a multiple of the
+    world size, so every rank's shard has ``ceil(dim0 / world_size)`` rows) and ``rank0`` the
+    elements rank 0, the fullest, holds (optimizer state is made the size of the unpadded
+    shard)."""
+    if not shape:
+        return 1, 1
+    rows = ceil_div(shape[0], world_size)
+    rest = math.prod(shape[1:])
+    return rows * rest, min(rows, shape[0]) * rest
+
+
+def fsdp2_memory(query: MemoryQuery) -> MemoryEstimate:
+    """torch FSDP2 (``fully_shard``): each parameter split on dim 0 over the ranks; parameters
+    and gradients stored padded, optimizer state the size of the rank's unpadded rows. Sharded
+    weights and gradients stay in the parameters' dtype under bf16 (FSDP computes in bf16 and
+    reduces in fp32); the gathered bf16 copies exist only around each unit's forward/backward."""
+    w = query.world_size
+    params = grads = state = 0
+    for p in query.params:
+        padded, rank0 = fsdp2_shard_numel(p.shape, w)
+        params += padded * p.itemsize
+        grads += padded * p.itemsize
+        state += query.states * rank0 * p.itemsize
+    steps = query.step_bytes * len(query.params) if query.states else 0
+    notes = ["each unit's parameters are all-gathered whole around its forward and backward"]
+    if query.options.get("cpu_offload"):
+        notes.append("cpu_offload: parameters, gradients and optimizer state are on the CPU")
+    return MemoryEstimate(params, grads, state + steps, notes=tuple(notes))
+
+
 @hookimpl
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     register(
@@ -119,7 +162,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=FSDPStrategy,
             description="torch FSDP2: parameters, gradients and optimizer state sharded.",
             options=(
-                *_distributed_options(),
+                *DistributedStrategy.strategy_options(),
                 Option(
                     "shard_classes",
                     (list, tuple),
@@ -132,10 +175,10 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             ),
             precisions=("32", "bf16"),
             owns_precision=True,
-            precision_check=capabilities.gpu_check,
+            precision_check=gpu_check,
             shards_parameters=True,
             shards_optimizer=True,
             takes_meta_modules=True,
-            memory=memory.fsdp2,
+            memory=fsdp2_memory,
         )
     )

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchplug.contract.cluster import ClusterInfo, _int, master_port
-from torchplug.contract.spec import hookimpl
+from torchplug.plugin import (
+    ClusterInfo,
+    env_int,
+    hookimpl,
+    master_port,
+)
 
 REQUIRED = ("KUBERNETES_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
@@ -30,8 +34,8 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
         return None
     # With nprocPerNode (training operator 1.7+) the operator also sets torchrun's PET_*
     # variables: PET_NNODES pods of PET_NPROC_PER_NODE processes, this pod PET_NODE_RANK.
-    pods = _int(env, "PET_NNODES", 0) or _int(env, "WORLD_SIZE", 1)
-    pod = _int(env, "PET_NODE_RANK", -1) if "PET_NODE_RANK" in env else _int(env, "RANK", 0)
+    pods = env_int(env, "PET_NNODES", 0) or env_int(env, "WORLD_SIZE", 1)
+    pod = env_int(env, "PET_NODE_RANK", -1) if "PET_NODE_RANK" in env else env_int(env, "RANK", 0)
     per_pod = env.get("PET_NPROC_PER_NODE", "")
     per_pod_count = int(per_pod) if per_pod.strip().isdigit() else 1
     return ClusterInfo(

@@ -14,8 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from torchplug.contract.cluster import ClusterInfo, _int, master_port
-from torchplug.contract.spec import hookimpl
+from torchplug.plugin import (
+    ClusterInfo,
+    env_int,
+    hookimpl,
+    master_port,
+)
 
 REQUIRED = ("LSB_JOBID", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_LOCAL_RANK")
 
@@ -38,16 +42,16 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
     if not all(key in env for key in REQUIRED):
         return None
     hosts = compute_hosts(env)
-    world = _int(env, "JSM_NAMESPACE_SIZE", 1)
-    rank = _int(env, "JSM_NAMESPACE_RANK", 0)
+    world = env_int(env, "JSM_NAMESPACE_SIZE", 1)
+    rank = env_int(env, "JSM_NAMESPACE_RANK", 0)
     nodes = max(1, len(hosts))
-    local_world = _int(env, "JSM_NAMESPACE_LOCAL_SIZE", max(1, world // nodes))
+    local_world = env_int(env, "JSM_NAMESPACE_LOCAL_SIZE", max(1, world // nodes))
     port = master_port(env.get("MASTER_PORT"))
     job = env["LSB_JOBID"]
     return ClusterInfo(
         rank=rank,
         world_size=world,
-        local_rank=_int(env, "JSM_NAMESPACE_LOCAL_RANK", 0),
+        local_rank=env_int(env, "JSM_NAMESPACE_LOCAL_RANK", 0),
         local_world_size=local_world,
         node_rank=rank // local_world,
         num_nodes=nodes,

@@ -20,9 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torchplug.contract.cluster import ClusterInfo, _int, job_port, master_port
-from torchplug.contract.errors import ConfigurationError
-from torchplug.contract.spec import hookimpl
+from torchplug.plugin import (
+    ClusterInfo,
+    ConfigurationError,
+    env_int,
+    hookimpl,
+    job_port,
+    master_port,
+)
 
 DEFAULT_PORT = 29500
 #: Variables naming the MPI job (Open MPI / PMIx namespace, MPICH's Hydra KVS name), from which
@@ -47,8 +52,8 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
     for flavour, rank_key, size_key, local_key, local_size_key in FLAVOURS:
         if rank_key not in env or size_key not in env:
             continue
-        rank, world = _int(env, rank_key, 0), _int(env, size_key, 1)
-        local_world = max(1, _int(env, local_size_key, world))
+        rank, world = env_int(env, rank_key, 0), env_int(env, size_key, 1)
+        local_world = max(1, env_int(env, local_size_key, world))
         nodes = max(1, -(-world // local_world))
         address = env.get("MASTER_ADDR", "")
         if not address:
@@ -67,7 +72,7 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
         return ClusterInfo(
             rank=rank,
             world_size=world,
-            local_rank=_int(env, local_key, 0),
+            local_rank=env_int(env, local_key, 0),
             local_world_size=local_world,
             node_rank=rank // local_world,
             num_nodes=nodes,

@@ -17,18 +17,22 @@ from typing import Any
 
 import torch
 
-from torchplug.contract.errors import ConfigurationError, PluginError
-from torchplug.engine.engine import Engine, Runtime
-from torchplug.plugins.base import rebind_optimizer
+from torchplug.plugin import (
+    ConfigurationError,
+    HookContext,
+    PluginError,
+    Runtime,
+    rebind_optimizer,
+)
 
-#: Normalisation layers: under bf16 they compute in fp32, as torch's AMP runs them (a BatchNorm's
-#: running statistics are fp32 buffers, which bf16 weights cannot be combined with).
 NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
     torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
     torch.nn.LayerNorm,
     torch.nn.GroupNorm,
     *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()),
 )
+"""Normalisation layers: under bf16 they compute in fp32, as torch's AMP runs them (a
+BatchNorm's running statistics are fp32 buffers, which bf16 weights cannot be combined with)."""
 
 
 def with_mesh(
@@ -40,6 +44,12 @@ def with_mesh(
     takes every rank (a 2-D mesh creates a process group per dim), so it belongs with the setup
     every rank runs together, not with each ``engine.setup(model)``, and every model of the job
     then shards over the same mesh (``engine.mesh``).
+
+    Args:
+        runtime: What setup answers so far.
+        shape: The mesh's shape.
+        names: Its dimensions' names.
+        **changes: Other `Runtime` fields to change.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -47,25 +57,36 @@ def with_mesh(
     return dataclasses.replace(runtime, mesh=mesh, **changes)
 
 
-def job_mesh(engine: Engine) -> Any:
+def job_mesh(engine: HookContext) -> Any:
     """The device mesh the strategy's setup built (``engine.mesh``); a subclass whose own
-    ``torchplug_setup`` forgot it is told so, instead of failing inside torch."""
+    ``torchplug_setup`` forgot it is told so, instead of failing inside torch.
+
+    Args:
+        engine: The hook's context.
+    """
     mesh = engine.mesh
     if mesh is None:
         raise PluginError(
             f"Strategy '{engine.strategy}' shards on a device mesh, but its torchplug_setup "
-            f"returned a Runtime without one. Return sharding.with_mesh(runtime, ...) (or call "
+            f"returned a Runtime without one. Return with_mesh(runtime, ...) (or call "
             f"the parent's torchplug_setup) so that every wrap uses the job's mesh."
         )
     return mesh
 
 
 def fully_shard_kwargs(
-    engine: Engine, mesh: Any, reshard_after_forward: bool, cpu_offload: bool = False
+    engine: HookContext, mesh: Any, reshard_after_forward: bool, cpu_offload: bool = False
 ) -> dict[str, Any]:
     """``fully_shard``'s keyword arguments over ``mesh``: bf16 becomes FSDP2's own
     ``MixedPrecisionPolicy`` (bf16 compute and all-gathers, fp32 gradient reduction and outputs),
-    ``cpu_offload`` its ``CPUOffloadPolicy``."""
+    ``cpu_offload`` its ``CPUOffloadPolicy``.
+
+    Args:
+        engine: The hook's context (precision, device).
+        mesh: The device mesh (or the data-parallel part of it).
+        reshard_after_forward: Free the gathered parameters after each unit's forward.
+        cpu_offload: Keep parameters, gradients and optimizer state on the CPU.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
@@ -85,6 +106,11 @@ def shard_units(
 
     A submodule qualifies if its class is named in ``class_names``, or if ``min_params`` > 0 and
     the parameters it holds outside already chosen units number at least ``min_params``.
+
+    Args:
+        model: The model.
+        class_names: Submodule class names to make units of (empty: by size).
+        min_params: Without class names: a submodule with at least this many parameters is a unit.
     """
     chosen: list[torch.nn.Module] = []
 
@@ -105,7 +131,13 @@ def shard_units(
 def shard_norms_in_fp32(model: torch.nn.Module, kwargs: dict[str, Any]) -> list[torch.nn.Module]:
     """Under bf16, each normalisation layer its own FSDP unit whose parameters stay fp32 and
     whose input is cast to fp32 (its output goes back to bf16 for the layers after it); a
-    no-op in fp32. Call before the other units are sharded (innermost first)."""
+    no-op in fp32. Call before the other units are sharded (innermost first).
+
+    Args:
+        model: The model to shard.
+        kwargs: ``fully_shard``'s keyword arguments (`fully_shard_kwargs`), bf16's mixed precision
+            among them.
+    """
     policy = kwargs.get("mp_policy")
     if policy is None or policy.param_dtype in (None, torch.float32):
         return []
@@ -131,7 +163,11 @@ def make_contiguous(model: torch.nn.Module) -> None:
     """Give non-contiguous parameters (a transposed weight, ``nn.Parameter(w.t())``) a contiguous
     layout, same values, same Parameter objects: FSDP2 refuses them ("FSDP does not support
     non-contiguous parameters yet"), while every other strategy takes them, so the same script
-    would fail under fsdp only."""
+    would fail under fsdp only.
+
+    Args:
+        model: The model whose parameters are checked.
+    """
     for param in model.parameters():
         if not param.is_contiguous():
             param.data = param.data.contiguous()
@@ -141,7 +177,14 @@ def shard(
     model: torch.nn.Module, kwargs: dict[str, Any], class_names: tuple[str, ...], min_params: int
 ) -> list[torch.nn.Module]:
     """Apply FSDP2 to ``model`` with ``kwargs``: fp32 norm units, the chosen units innermost
-    first, then the root. Returns the units (norms first), which ``compile_units`` compiles."""
+    first, then the root. Returns the units (norms first), which ``compile_units`` compiles.
+
+    Args:
+        model: The model to shard.
+        kwargs: ``fully_shard``'s keyword arguments (`fully_shard_kwargs`).
+        class_names: Submodule class names to make units of (empty: by size).
+        min_params: Without class names: a submodule with at least this many parameters is a unit.
+    """
     from torch.distributed.fsdp import fully_shard
 
     make_contiguous(model)
@@ -158,13 +201,20 @@ def shard(
 
 
 def compile_units(
-    engine: Engine,
+    engine: HookContext,
     model: torch.nn.Module,
     units: list[torch.nn.Module] | None,
     options: dict[str, Any],
 ) -> torch.nn.Module:
     """Each FSDP unit compiled on its own (as torch recommends for FSDP2), else the model;
-    ``close()`` undoes it."""
+    ``close()`` undoes it.
+
+    Args:
+        engine: The hook's context.
+        model: The sharded model.
+        units: The units sharded on their own (``None``: compile the model whole).
+        options: ``torch.compile``'s keyword arguments.
+    """
     for unit in units or [model]:
         engine.restore_on_close(unit, "_compiled_call_impl")
         unit.compile(**options)
@@ -172,14 +222,22 @@ def compile_units(
 
 
 def finish_wrap(
-    engine: Engine,
+    engine: HookContext,
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
     names: dict[int, str],
     strategy: str,
 ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
     """What every DTensor-sharding wrap ends with: plain state dicts accepted, and optimizers
-    pointed at the sharded parameters that replaced the ones they were made with."""
+    pointed at the sharded parameters that replaced the ones they were made with.
+
+    Args:
+        engine: The hook's context.
+        model: The sharded model.
+        optimizers: The optimizers made on the unsharded parameters.
+        names: Old parameters' ids -> their names.
+        strategy: The strategy's name, for messages.
+    """
     _accept_full_tensors(engine, model)
     params = dict(model.named_parameters())
     for optimizer in optimizers:
@@ -189,7 +247,7 @@ def finish_wrap(
     return model, optimizers
 
 
-def _accept_full_tensors(engine: Engine, model: torch.nn.Module) -> None:
+def _accept_full_tensors(engine: HookContext, model: torch.nn.Module) -> None:
     """Let ``model.load_state_dict`` take a plain (unsharded) state dict, as the user's own
     ``torch.save(model.state_dict())`` under any other strategy writes it: each plain tensor
     given for a sharded entry is cut into this rank's shard locally (no communication; every
@@ -219,7 +277,11 @@ def _accept_full_tensors(engine: Engine, model: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def without_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
-    """``engine.no_sync`` over FSDP2: the model's ``set_requires_gradient_sync(False)`` inside."""
+    """``engine.no_sync`` over FSDP2: the model's ``set_requires_gradient_sync(False)`` inside.
+
+    Args:
+        model: The FSDP2 model.
+    """
     setter = getattr(model, "set_requires_gradient_sync", None)
     if setter is None:
         raise ConfigurationError(

@@ -6,12 +6,17 @@ from collections.abc import Callable
 
 import torch
 
-from torchplug.contract.cluster import ClusterInfo
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import Option, StrategyInfo
-from torchplug.engine.engine import Engine, Runtime
-from torchplug.features import memory
-from torchplug.plugins.base import Strategy, default_device
+from torchplug.plugin import (
+    ClusterInfo,
+    HookContext,
+    Option,
+    Runtime,
+    Strategy,
+    StrategyInfo,
+    default_device,
+    hookimpl,
+    replicated,
+)
 
 
 def check_device(value: str | None) -> str | None:
@@ -41,7 +46,7 @@ class SingleDevice(Strategy):
         self.device = torch.device(device) if device else None
 
     @hookimpl
-    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+    def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
         device = self.device or default_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -66,6 +71,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 ),
             ),
             distributed=False,
-            memory=memory.replicated,
+            memory=replicated,
         )
     )

@@ -15,8 +15,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from torchplug.contract.cluster import ClusterInfo, job_port, master_port
-from torchplug.contract.spec import hookimpl
+from torchplug.plugin import (
+    ClusterInfo,
+    hookimpl,
+    job_port,
+    master_port,
+)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -28,15 +28,29 @@ from typing import Any
 
 import torch
 
-from torchplug.contract.cluster import ClusterInfo
-from torchplug.contract.errors import ConfigurationError
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import Option, StrategyInfo
-from torchplug.engine.engine import Engine, Runtime
-from torchplug.features import memory
-from torchplug.plugins import sharding
-from torchplug.plugins.base import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
-from torchplug.util import capabilities
+from torchplug.plugin import (
+    DEFAULT_TIMEOUT,
+    ClusterInfo,
+    ConfigurationError,
+    DistributedStrategy,
+    HookContext,
+    MemoryEstimate,
+    MemoryQuery,
+    NotEstimable,
+    Option,
+    Runtime,
+    StrategyInfo,
+    compile_units,
+    finish_wrap,
+    fully_shard_kwargs,
+    gpu_check,
+    hookimpl,
+    job_mesh,
+    not_estimable,
+    shard,
+    with_mesh,
+    without_gradient_sync,
+)
 
 STYLES = ("colwise", "rowwise", "sequence")
 #: Why ``torchplug estimate-memory`` gives no numbers for ``fsdp-tp``.
@@ -178,14 +192,14 @@ class TensorParallelStrategy(DistributedStrategy):
         return dp, tp
 
     @hookimpl
-    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+    def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
         """The process group, then the job's 2-D mesh ``("dp", "tp")`` (1 × 1 in one process);
         loaders shard over ``dp`` only."""
         if self.tp_plan is not None:
             _check_plan_type(self.tp_plan)
         self.dp, self.tp = self._sizes(cluster.world_size, cluster.local_world_size)
         runtime = super().torchplug_setup(engine, cluster)
-        return sharding.with_mesh(
+        return with_mesh(
             runtime,
             (self.dp, self.tp),
             ("dp", "tp"),
@@ -195,14 +209,14 @@ class TensorParallelStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         from torch.distributed.tensor.parallel import parallelize_module
 
         names = {id(p): name for name, p in model.named_parameters()}
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(engine.device)
-        mesh = sharding.job_mesh(engine)
+        mesh = job_mesh(engine)
         given = self.tp_plan
         if given is None:  # the model's own plan, as Hugging Face models carry one
             given = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
@@ -248,21 +262,21 @@ class TensorParallelStrategy(DistributedStrategy):
                 )
             parallelize_module(model, mesh["tp"], plan)
         if self.fsdp:
-            kwargs = sharding.fully_shard_kwargs(engine, mesh["dp"], self.reshard_after_forward)
-            self.units = sharding.shard(model, kwargs, self.shard_classes, 0)
-        return sharding.finish_wrap(engine, model, optimizers, names, self.name)
+            kwargs = fully_shard_kwargs(engine, mesh["dp"], self.reshard_after_forward)
+            self.units = shard(model, kwargs, self.shard_classes, 0)
+        return finish_wrap(engine, model, optimizers, names, self.name)
 
     @hookimpl
     def torchplug_compile(
-        self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+        self, engine: HookContext, model: torch.nn.Module, options: dict[str, Any]
     ) -> torch.nn.Module:
         """Each FSDP unit compiled on its own (``fsdp-tp``), else the model."""
-        return sharding.compile_units(engine, model, self.units, options)
+        return compile_units(engine, model, self.units, options)
 
     @hookimpl
     def torchplug_clip_grad_norm(
         self,
-        engine: Engine,
+        engine: HookContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
@@ -287,11 +301,11 @@ class TensorParallelStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_no_sync(
-        self, engine: Engine, model: torch.nn.Module
+        self, engine: HookContext, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
         if not self.fsdp:
             return contextlib.nullcontext()  # one data-parallel replica: nothing to synchronise
-        return sharding.without_gradient_sync(model)
+        return without_gradient_sync(model)
 
 
 def _check_plan_type(plan: Any) -> None:
@@ -357,19 +371,19 @@ def _matches(name: str, pattern: str) -> bool:
     )
 
 
-def tp_memory(query: memory.MemoryQuery) -> memory.MemoryEstimate:
+def tp_memory(query: MemoryQuery) -> MemoryEstimate:
     """``tp``'s per-rank bytes from the plan (``tp_plan`` option, else the model's own): torch's
     colwise splits a Linear's weight and bias on dim 0 (an Embedding's weight on dim 1), rowwise
     a Linear's weight on dim 1 (an Embedding's on dim 0) and leaves its bias whole; rank 0 holds
     ``ceil(size / ranks)`` of a split dim. Everything else stays whole on every rank."""
     plan = query.options.get("tp_plan") or query.model_tp_plan
     if plan is None:
-        raise memory.NotEstimable(
+        raise NotEstimable(
             'no tensor-parallel plan: pass --strategy tp --option \'tp_plan={"layers.*.up": '
             '"colwise", ...}\', or give the model a tp_plan attribute'
         )
     if not isinstance(plan, dict):
-        raise memory.NotEstimable("a callable tp_plan: which weights it splits is its own")
+        raise NotEstimable("a callable tp_plan: which weights it splits is its own")
     w = query.world_size
     params = state = 0
     for p in query.params:
@@ -389,7 +403,7 @@ def tp_memory(query: memory.MemoryQuery) -> memory.MemoryEstimate:
         params += numel * p.itemsize
         state += query.states * numel * p.itemsize
     steps = query.step_bytes * len(query.params) if query.states else 0
-    return memory.MemoryEstimate(params, params, state + steps)
+    return MemoryEstimate(params, params, state + steps)
 
 
 def _factory(fsdp: bool) -> Callable[..., TensorParallelStrategy]:
@@ -415,7 +429,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=_factory(False),
             description="Tensor parallelism over every rank (torch parallelize_module).",
             memory=tp_memory,
-            options=(*_distributed_options(), plan),
+            options=(*DistributedStrategy.strategy_options(), plan),
             precisions=("32",),
             owns_precision=False,
             shards_parameters=True,
@@ -429,9 +443,9 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             aliases=("2d",),
             factory=_factory(True),
             description="2-D parallelism: FSDP2 over 'dp' × tensor parallelism over 'tp'.",
-            memory=memory.not_estimable(TWO_D_NOT_MODELLED),
+            memory=not_estimable(TWO_D_NOT_MODELLED),
             options=(
-                *_distributed_options(),
+                *DistributedStrategy.strategy_options(),
                 plan,
                 Option("tp_size", (int, type(None)), None, "ranks per tensor-parallel group"),
                 Option("dp_size", (int, type(None)), None, "data-parallel (FSDP) replicas"),
@@ -445,7 +459,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             ),
             precisions=("32", "bf16"),
             owns_precision=True,
-            precision_check=capabilities.gpu_check,
+            precision_check=gpu_check,
             shards_parameters=True,
             shards_optimizer=True,
             takes_meta_modules=True,

@@ -1,7 +1,7 @@
 """``torch_distributed``: torchplug's default answers to the strategy hooks, as a plugin.
 
 Full replicas, torch.distributed collectives, DCP's state-dict API for checkpoints. A built-in
-plugin registered like any other (``BUILTIN_PLUGINS``, entry point ``torch_distributed``): it joins
+plugin registered like any other (its entry point ``torch_distributed``): it joins
 every Engine's active set, registered before the backend, every answer marked ``trylast``, so a
 backend answers only what it changes, whether or not it subclasses
 [`Strategy`][torchplug.plugin.Strategy]. Blocking it
@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchplug.contract.spec import hookimpl
-from torchplug.features.data import move_to_device
-
-if TYPE_CHECKING:
-    from torchplug.contract.context import HookContext
+from torchplug.plugin import HookContext, hookimpl, move_to_device
 
 #: The reduce ops ``engine.reduce`` accepts (checked there), as torch.distributed ops; ``mean``
 #: is a sum divided by the world size.
@@ -130,6 +126,22 @@ def torchplug_barrier(engine: HookContext) -> bool:
     if _distributed(engine):
         dist.barrier()
     return True
+
+
+@hookimpl(trylast=True)
+def torchplug_broadcast(engine: HookContext, tensor: torch.Tensor, src: int) -> torch.Tensor:
+    """``dist.broadcast`` over the default process group, in place (through a device copy for
+    backends that take device tensors only, nccl); the tensor as it is on one rank."""
+    if not _distributed(engine):
+        return tensor
+    with torch.no_grad():
+        if dist.get_backend() not in ("gloo", "mpi") and tensor.device != engine.device:
+            staged = tensor.detach().to(engine.device)
+            dist.broadcast(staged, src)
+            tensor.copy_(staged)
+        else:
+            dist.broadcast(tensor.detach(), src)
+    return tensor
 
 
 # -- checkpoints ----------------------------------------------------------------------------------

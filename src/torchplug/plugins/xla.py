@@ -25,14 +25,19 @@ from typing import Any
 
 import torch
 
-from torchplug.contract.cluster import ClusterInfo
-from torchplug.contract.errors import ConfigurationError
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import StrategyInfo
-from torchplug.engine import scaling
-from torchplug.engine.engine import Engine, Runtime
-from torchplug.plugins.base import Strategy, rebind_optimizer
-from torchplug.util.nested import map_tensors
+from torchplug.plugin import (
+    ClusterInfo,
+    ConfigurationError,
+    HookContext,
+    Runtime,
+    Strategy,
+    StrategyInfo,
+    hookimpl,
+    map_tensors,
+    rebind_optimizer,
+    record_ties,
+    restore_ties,
+)
 
 INSTALL = "pip install torchplug[xla]"
 
@@ -92,7 +97,7 @@ def _to_cpu(value: Any) -> Any:
 class XLAStrategy(Strategy):
     @hookimpl
     def torchplug_compile(
-        self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+        self, engine: HookContext, model: torch.nn.Module, options: dict[str, Any]
     ) -> torch.nn.Module:
         raise ConfigurationError(
             "Engine(compile=...) is not for XLA: XLA traces and compiles the step graph itself "
@@ -101,7 +106,7 @@ class XLAStrategy(Strategy):
         )
 
     @hookimpl
-    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+    def torchplug_reads_in_place(self, engine: HookContext, kind: str) -> bool:
         # torch.distributed.checkpoint cannot write into XLA tensors: state goes through the CPU.
         return False
 
@@ -109,7 +114,7 @@ class XLAStrategy(Strategy):
         self.mesh: Any = None
 
     @hookimpl
-    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+    def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
         import numpy as np
 
         os.environ.setdefault("PJRT_DEVICE", "TPU" if importlib.util.find_spec("libtpu") else "CPU")
@@ -140,12 +145,12 @@ class XLAStrategy(Strategy):
 
     @hookimpl
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         names = {id(p): name for name, p in model.named_parameters()}
-        ties = scaling.record_ties(model)
+        ties = record_ties(model)
         model = model.to(engine.device)
-        scaling.restore_ties(ties)  # XLA tensors replace CPU ones slot by slot
+        restore_ties(ties)  # XLA tensors replace CPU ones slot by slot
         params = dict(model.named_parameters())
         for optimizer in optimizers:
             rebind_optimizer(optimizer, names, params, "moving the model to XLA replaces them")
@@ -167,7 +172,7 @@ class XLAStrategy(Strategy):
         return model, optimizers
 
     @hookimpl
-    def torchplug_place_batch(self, engine: Engine, batch: Any) -> Any:
+    def torchplug_place_batch(self, engine: HookContext, batch: Any) -> Any:
         """Move to the XLA device and shard along the batch dimension over the data axis."""
         import torch_xla.distributed.spmd as xs
 
@@ -181,7 +186,10 @@ class XLAStrategy(Strategy):
 
     @hookimpl
     def torchplug_optimizer_step(
-        self, engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
+        self,
+        engine: HookContext,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any] | None,
     ) -> bool:
         import torch_xla
 
@@ -190,7 +198,7 @@ class XLAStrategy(Strategy):
         return True
 
     @hookimpl
-    def torchplug_barrier(self, engine: Engine) -> bool:
+    def torchplug_barrier(self, engine: HookContext) -> bool:
         import torch_xla.core.xla_model as xm
 
         if engine.world_size > 1:
@@ -199,19 +207,19 @@ class XLAStrategy(Strategy):
 
     # checkpoints: through CPU copies, in the portable format
     @hookimpl
-    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+    def torchplug_model_state(self, engine: HookContext, model: torch.nn.Module) -> dict[str, Any]:
         return _to_cpu(model.state_dict())
 
     @hookimpl
     def torchplug_load_model_state(
-        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+        self, engine: HookContext, model: torch.nn.Module, state: dict[str, Any], strict: bool
     ) -> bool:
         model.load_state_dict(state, strict=strict)
         return True
 
     @hookimpl
     def torchplug_optimizer_state(
-        self, engine: Engine, model: torch.nn.Module, optimizer: Any
+        self, engine: HookContext, model: torch.nn.Module, optimizer: Any
     ) -> Any:
         return _to_cpu(super().torchplug_optimizer_state(engine, model, optimizer))
 

@@ -43,7 +43,11 @@ def cpu_kernels_missing(precision: str) -> str | None:
     """Why this CPU has no native (oneDNN) kernels for ``precision``, or ``None`` if it has them.
 
     torch answers from the CPU's instruction set (AVX512-FP16/AMX-FP16 for fp16, AVX512-BF16,
-    AVX512 or AMX for bf16); a build without oneDNN answers no."""
+    AVX512 or AMX for bf16); a build without oneDNN answers no.
+
+    Args:
+        precision: ``"bf16"`` or ``"fp16"``.
+    """
     probes = {
         "fp16": "_is_mkldnn_fp16_supported",
         "bf16": "_is_mkldnn_bf16_supported",
@@ -65,7 +69,11 @@ def cpu_kernels_missing(precision: str) -> str | None:
 
 
 def cuda_lacks(precision: str) -> str | None:
-    """Why the visible CUDA device cannot run ``precision`` natively, or ``None``."""
+    """Why the visible CUDA device cannot run ``precision`` natively, or ``None``.
+
+    Args:
+        precision: ``"bf16"``, ``"fp16"`` or ``"32"``.
+    """
     if precision in ("bf16", "fp16") and assumed_missing(precision):
         return (
             f"this GPU has no {precision} kernels "
@@ -78,7 +86,11 @@ def cuda_lacks(precision: str) -> str | None:
 
 def gpu_check(precision: str) -> str | None:
     """``precision_check`` for a backend whose low precision runs on any CPU (torch's reference
-    kernels) and on a GPU that supports it (FSDP2's mixed precision, tensor parallel)."""
+    kernels) and on a GPU that supports it (FSDP2's mixed precision, tensor parallel).
+
+    Args:
+        precision: ``"bf16"``, ``"fp16"`` or ``"32"``.
+    """
     return cuda_lacks(precision) if torch.cuda.is_available() else None
 
 

@@ -15,7 +15,12 @@ import torch
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` with ``fn`` applied to every tensor inside it, containers rebuilt as they were."""
+    """``value`` with ``fn`` applied to every tensor inside it, containers rebuilt as they were.
+
+    Args:
+        value: A tensor, or containers (dict, list, tuple, namedtuple) holding tensors.
+        fn: Applied to each tensor; its result takes the tensor's place.
+    """
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, dict):
@@ -31,7 +36,13 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def cast_floating(value: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] = ()) -> Any:
-    """Floating tensors in ``value`` cast to ``dtype`` (only those of ``only`` dtypes, if given)."""
+    """Floating tensors in ``value`` cast to ``dtype`` (only those of ``only`` dtypes, if given).
+
+    Args:
+        value: A tensor or containers of tensors.
+        dtype: The dtype to cast to.
+        only: Cast only tensors of these dtypes (all floating ones when empty).
+    """
 
     def cast(tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_floating_point() or (only and tensor.dtype not in only):

@@ -37,6 +37,11 @@ def default_store() -> torch.distributed.Store:
 
 def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``scaler.unscale_(optimizer)``, called this step, found inf/NaN gradients (as
-    ``scaler.step(optimizer)`` would, to skip the update)."""
+    ``scaler.step(optimizer)`` would, to skip the update).
+
+    Args:
+        scaler: The GradScaler that unscaled this step.
+        optimizer: The optimizer it unscaled.
+    """
     state = scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
     return any(v.item() for v in state["found_inf_per_device"].values())

@@ -34,16 +34,26 @@ from typing import Any
 
 import torch
 
-from torchplug import checkpoint
-from torchplug.contract.cluster import ClusterInfo
-from torchplug.contract.errors import CheckpointError, ConfigurationError
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import Option, StrategyInfo
-from torchplug.engine.engine import Engine, Runtime
-from torchplug.features import memory
-from torchplug.plugins.base import DEFAULT_TIMEOUT, DistributedStrategy, _distributed_options
-from torchplug.util import capabilities
-from torchplug.util.nested import cast_floating
+from torchplug.plugin import (
+    DEFAULT_TIMEOUT,
+    CheckpointError,
+    ClusterInfo,
+    ConfigurationError,
+    DistributedStrategy,
+    HookContext,
+    Option,
+    Runtime,
+    StrategyInfo,
+    cast_floating,
+    cpu_kernels_missing,
+    cuda_lacks,
+    hookimpl,
+    native_part,
+    portable_load,
+    portable_manifest,
+    portable_save,
+)
+from torchplug.plugins.deepspeed import memory
 
 INSTALL = "pip install torchplug[deepspeed]"
 OFFLOAD = ("none", "cpu", "nvme")
@@ -189,7 +199,7 @@ class DeepSpeedStrategy(DistributedStrategy):
     # -- setup ------------------------------------------------------------------------------------
 
     @hookimpl
-    def torchplug_setup(self, engine: Engine, cluster: ClusterInfo) -> Runtime:
+    def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
         deepspeed = _import_deepspeed()
         if engine.precision == "fp16":
             from deepspeed.accelerator import get_accelerator
@@ -223,7 +233,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         )
         return runtime
 
-    def _config(self, engine: Engine) -> tuple[dict[str, Any], str]:
+    def _config(self, engine: HookContext) -> tuple[dict[str, Any], str]:
         user, source = _user_config(self.config_arg)
         config = dict(user)
         config.setdefault("train_micro_batch_size_per_gpu", 1)  # batches are the user's own
@@ -311,7 +321,7 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_wrap(
-        self, engine: Engine, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         deepspeed = _import_deepspeed()
         if len(optimizers) > 1:
@@ -366,14 +376,17 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_backward(
-        self, engine: Engine, loss: torch.Tensor, model: torch.nn.Module | None
+        self, engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
     ) -> bool:
         self._engine_for("backward").backward(loss)
         return True
 
     @hookimpl
     def torchplug_optimizer_step(
-        self, engine: Engine, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None
+        self,
+        engine: HookContext,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any] | None,
     ) -> bool:
         ds_engine = self._engine_for("optimizer.step()")
         skipped = getattr(ds_engine, "skipped_steps", 0)
@@ -386,7 +399,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         return getattr(ds_engine, "skipped_steps", 0) == skipped
 
     @hookimpl
-    def torchplug_init_module(self, engine: Engine) -> Any:
+    def torchplug_init_module(self, engine: HookContext) -> Any:
         """ZeRO-3 builds the model partitioned (``deepspeed.zero.Init``): each module is
         initialised in full, as an eager build does, then only this rank's partition is kept."""
         if self.config["zero_optimization"]["stage"] != 3:
@@ -395,8 +408,16 @@ class DeepSpeedStrategy(DistributedStrategy):
         return deepspeed.zero.Init(config_dict_or_path=self.config, remote_device=None)
 
     @hookimpl
+    def torchplug_broadcast(
+        self, engine: HookContext, tensor: torch.Tensor, src: int
+    ) -> torch.Tensor | None:
+        """A parameter ``zero.Init`` has partitioned (``ds_id``) is DeepSpeed's already: left as
+        it is (the buffers beside it, which it does not partition, are broadcast as usual)."""
+        return tensor if hasattr(tensor, "ds_id") else None
+
+    @hookimpl
     def torchplug_compile(
-        self, engine: Engine, model: torch.nn.Module, options: dict[str, Any]
+        self, engine: HookContext, model: torch.nn.Module, options: dict[str, Any]
     ) -> torch.nn.Module:
         raise ConfigurationError(
             "Engine(compile=...) is not supported with DeepSpeed: its engine hooks ZeRO into the "
@@ -405,7 +426,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         )
 
     @hookimpl
-    def torchplug_no_sync(self, engine: Engine, model: torch.nn.Module) -> Any:
+    def torchplug_no_sync(self, engine: HookContext, model: torch.nn.Module) -> Any:
         if engine.accumulating is None:
             raise ConfigurationError(
                 "engine.no_sync() is not available with DeepSpeed (ZeRO partitions gradients as "
@@ -426,7 +447,7 @@ class DeepSpeedStrategy(DistributedStrategy):
             ds_engine.set_gradient_accumulation_boundary(True)
 
     @hookimpl
-    def torchplug_checkpoint_state(self, engine: Engine) -> dict[str, Any]:
+    def torchplug_checkpoint_state(self, engine: HookContext) -> dict[str, Any]:
         """fp16: DeepSpeed's dynamic loss scale (scale, iterations since the last overflow,
         hysteresis) travels with every checkpoint, so a resumed run scales and skips as the
         uninterrupted one (ZeRO's own checkpoint keeps it; the portable one did not)."""
@@ -438,7 +459,7 @@ class DeepSpeedStrategy(DistributedStrategy):
     @hookimpl
     def torchplug_clip_grad_norm(
         self,
-        engine: Engine,
+        engine: HookContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         max_norm: float,
@@ -490,7 +511,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         return self.ds_engine
 
     @hookimpl
-    def torchplug_teardown(self, engine: Engine) -> None:
+    def torchplug_teardown(self, engine: HookContext) -> None:
         self.ds_engine = None
         _restore_norms(getattr(self, "fp32_norms", []))
         _reset_deepspeed_state()
@@ -512,33 +533,33 @@ class DeepSpeedStrategy(DistributedStrategy):
         return self.optimizers[-1]
 
     @hookimpl
-    def torchplug_reads_in_place(self, engine: Engine, kind: str) -> bool:
+    def torchplug_reads_in_place(self, engine: HookContext, kind: str) -> bool:
         # DeepSpeed's partitions are flat slices, not tensors DCP can read into.
         return False
 
     @hookimpl
-    def torchplug_model_state(self, engine: Engine, model: torch.nn.Module) -> dict[str, Any]:
+    def torchplug_model_state(self, engine: HookContext, model: torch.nn.Module) -> dict[str, Any]:
         """Full fp32 model state: DeepSpeed's master weights (ZeRO-3 gathers its partitions)."""
-        from torchplug.plugins import deepspeed_state
+        from torchplug.plugins.deepspeed import state as deepspeed_state
 
         module = getattr(model, "module", model)
         return deepspeed_state.model_state(module, engine.precision in ("bf16", "fp16"))
 
     @hookimpl
     def torchplug_load_model_state(
-        self, engine: Engine, model: torch.nn.Module, state: dict[str, Any], strict: bool
+        self, engine: HookContext, model: torch.nn.Module, state: dict[str, Any], strict: bool
     ) -> bool:
-        from torchplug.plugins import deepspeed_state
+        from torchplug.plugins.deepspeed import state as deepspeed_state
 
         deepspeed_state.load_model_state(getattr(model, "module", model), state, strict)
         return True
 
     @hookimpl
     def torchplug_optimizer_state(
-        self, engine: Engine, model: torch.nn.Module, optimizer: Any
+        self, engine: HookContext, model: torch.nn.Module, optimizer: Any
     ) -> dict[str, Any]:
         """The torch optimizer's state by parameter name, gathered from ZeRO's partitions."""
-        from torchplug.plugins import deepspeed_state
+        from torchplug.plugins.deepspeed import state as deepspeed_state
 
         return deepspeed_state.optimizer_state(
             self._ds_optimizer(optimizer), self.optimizers[0], self.group_names, self.params
@@ -546,9 +567,9 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_load_optimizer_state(
-        self, engine: Engine, model: torch.nn.Module, optimizer: Any, state: dict[str, Any]
+        self, engine: HookContext, model: torch.nn.Module, optimizer: Any, state: dict[str, Any]
     ) -> bool:
-        from torchplug.plugins import deepspeed_state
+        from torchplug.plugins.deepspeed import state as deepspeed_state
 
         deepspeed_state.load_optimizer_state(
             self._ds_optimizer(optimizer), self.optimizers[0], self.group_names, self.params, state
@@ -557,11 +578,11 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_save(
-        self, engine: Engine, path: str, state: dict[str, Any], metadata: dict[str, Any]
+        self, engine: HookContext, path: str, state: dict[str, Any], metadata: dict[str, Any]
     ) -> bool:
         ds_engine = self._engine_for("engine.save")
         if not self.native_checkpoint:
-            checkpoint.save(engine, path, state, metadata)
+            portable_save(engine, path, state, metadata)
             return True
         header = {
             "deepspeed": {
@@ -570,7 +591,7 @@ class DeepSpeedStrategy(DistributedStrategy):
                 "stage": self.config["zero_optimization"]["stage"],
             }
         }
-        checkpoint.save(
+        portable_save(
             engine,
             path,
             state,
@@ -582,14 +603,14 @@ class DeepSpeedStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_load(
-        self, engine: Engine, path: str, state: dict[str, Any] | None, strict: bool
+        self, engine: HookContext, path: str, state: dict[str, Any] | None, strict: bool
     ) -> dict[str, Any]:
         """The portable entries, from any strategy and world size; with native_checkpoint=True
         and a native part of the same stage and world size, DeepSpeed's own resume instead."""
         ds_engine = self._engine_for("engine.load")
         if not self.native_checkpoint or state is None:
-            return checkpoint.load(engine, path, state, strict)
-        root, manifest = checkpoint.open_checkpoint(path, engine.checkpoint_key)
+            return portable_load(engine, path, state, strict)
+        root, manifest = portable_manifest(engine, path)
         native = manifest.get("deepspeed")
         stage = self.config["zero_optimization"]["stage"]
         valid = (
@@ -600,19 +621,8 @@ class DeepSpeedStrategy(DistributedStrategy):
             and manifest["world_size"] == engine.world_size
         )
         if not valid:  # another strategy, stage or world size: the portable part
-            return checkpoint.load(engine, path, state, strict)
-        native_dir = checkpoint.files.confined(root, native["dir"], "the DeepSpeed directory")
-        unlisted = [
-            p.relative_to(root).as_posix()
-            for p in native_dir.rglob("*")
-            if not p.is_dir() and p.relative_to(root).as_posix() not in manifest["files"]
-        ]
-        if unlisted:  # DeepSpeed globs its directory and unpickles what it finds
-            raise CheckpointError(
-                f"Checkpoint {root} holds files its manifest does not list: {unlisted[:5]}. "
-                f"DeepSpeed would read them unverified; refusing. Remove them, or load an "
-                f"earlier checkpoint."
-            )
+            return portable_load(engine, path, state, strict)
+        native_dir = native_part(root, manifest, native["dir"])
         ds_engine.load_checkpoint(
             str(native_dir),
             tag=native["tag"],
@@ -621,7 +631,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         )
         restored = [key for key, obj in state.items() if obj is ds_engine]
         restored += [key for key, obj in state.items() if any(obj is o for o in self.optimizers)]
-        return checkpoint.load(engine, path, state, strict, skip=lambda key, _: key in restored)
+        return portable_load(engine, path, state, strict, skip=lambda key, _: key in restored)
 
 
 def _named(stage: int, **preset: Any) -> Callable[..., DeepSpeedStrategy]:
@@ -633,7 +643,7 @@ def _named(stage: int, **preset: Any) -> Callable[..., DeepSpeedStrategy]:
 
 
 def _options(with_stage: bool, with_offload: bool = True) -> tuple[Option, ...]:
-    options = [*_distributed_options()]
+    options = [*DistributedStrategy.strategy_options()]
     if with_stage:
         options.append(Option("stage", int, 2, "ZeRO stage", choices=(1, 2, 3)))
     if with_offload:
@@ -704,9 +714,9 @@ def precision_check(precision: str) -> str | None:
                     f"{torch.cuda.get_device_name()} has compute capability {major}.{minor}; "
                     f"DeepSpeed's fp16 needs 7.0 (DS_ALLOW_DEPRECATED_FP16=1 admits 6.x)"
                 )
-        return capabilities.cuda_lacks(precision)
+        return cuda_lacks(precision)
     if precision == "fp16":
-        missing = capabilities.cpu_kernels_missing("fp16")
+        missing = cpu_kernels_missing("fp16")
         if missing is not None:
             return f"{missing}, which DeepSpeed's CPU accelerator needs for fp16"
     return None
@@ -735,7 +745,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             factory=DeepSpeedStrategy,
             options=_options(True),
             description="DeepSpeed ZeRO (stage option 1/2/3, offload, your DeepSpeed config).",
-            memory=memory.deepspeed,
+            memory=memory.deepspeed_memory,
             **common,
         )
     )

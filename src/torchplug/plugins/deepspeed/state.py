@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchplug.contract.errors import CheckpointError, ConfigurationError
+from torchplug.plugin import CheckpointError, ConfigurationError, Deferred
 
 
 def _deepspeed_version() -> str:
@@ -104,16 +104,14 @@ def model_state(module: torch.nn.Module, lowered: bool) -> dict[str, Any]:
     DeepSpeed's fp32 master weights. ``lowered``: DeepSpeed cast the module to bf16/fp16, so the
     other floating entries go back to fp32 (the dtype the model had before setup).
 
-    Inside a save (`torchplug.checkpoint.deferred.wanted`) parameters are promised, not
+    Inside a save (`Deferred.wanted`) parameters are promised, not
     gathered: the save gathers each once it knows which rank writes it, so no rank holds the
     whole model. Buffers (never partitioned, each rank's own) are taken at once."""
-    from torchplug.checkpoint import deferred
-
-    defer = deferred.wanted()
+    defer = Deferred.wanted()
     result: dict[str, Any] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if defer and isinstance(tensor, torch.nn.Parameter):
-            result[name] = deferred.Deferred(
+            result[name] = Deferred(
                 tuple(_full_shape(tensor)),
                 _full_dtype(tensor, lowered),
                 lambda tensor=tensor: _full_value(tensor, lowered),
@@ -198,9 +196,7 @@ def optimizer_state(
     if not any(states.values()):  # no step taken yet: nothing but the hyperparameters
         return {"state": {}, "param_groups": groups}
     _relink(ds_optimizer)
-    from torchplug.checkpoint import deferred
-
-    defer = deferred.wanted()
+    defer = Deferred.wanted()
 
     def full(param: torch.nn.Parameter, key: str) -> torch.Tensor:
         value = safe_get_full_optimizer_state(param, key)
@@ -219,7 +215,7 @@ def optimizer_state(
             for key in keys:
                 if defer:  # gathered by the save, one tensor at a time (see model_state)
                     dtype = group_state[key].dtype
-                    entry[key] = deferred.Deferred(
+                    entry[key] = Deferred(
                         tuple(_full_shape(param)), dtype, lambda p=param, k=key: full(p, k)
                     )
                 else:
