@@ -255,6 +255,58 @@ def test_a_plugin_reaching_past_the_face_fails(tmp_path):
     ]
 
 
+def engine_privates() -> set[str]:
+    """The Engine's private attributes: every ``self._name`` its class assigns."""
+    tree = ast.parse((SRC / "torchplug" / "engine" / "engine.py").read_text())
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    }
+
+
+def private_reads(src: Path = SRC) -> list[str]:
+    """``module:line name`` for each read or write of an Engine private (``x._name`` with
+    ``x`` not ``self``/``cls``) in a module outside the Engine's own package."""
+    private = engine_privates()
+    found = []
+    for path in sorted((src / "torchplug").rglob("*.py")):
+        if path.is_relative_to(src / "torchplug" / "engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in private
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                found.append(f"{path.relative_to(src).as_posix()}:{node.lineno} {node.attr}")
+    return found
+
+
+def test_state_has_owners_no_engine_private_is_touched_outside_its_package():
+    """Issue 33 item 3: the checkpoint package, the contract, features, plugins and the command
+    line reach the Engine through its public members or their HookContext only (ruff's SLF001,
+    configured in pyproject.toml, says the same for every private name)."""
+    assert len(engine_privates()) > 10  # the check sees the Engine's privates
+    assert not private_reads(), private_reads()
+
+
+def test_a_planted_engine_private_read_fails(tmp_path):
+    import shutil
+
+    copy = tmp_path / "src"
+    shutil.copytree(SRC / "torchplug", copy / "torchplug", ignore=shutil.ignore_patterns("*.pyc"))
+    (copy / "torchplug" / "checkpoint" / "planted.py").write_text(
+        "def hooks_of(engine):\n    return engine._hooks\n"
+    )
+    assert private_reads(copy) == ["torchplug/checkpoint/planted.py:2 _hooks"]
+
+
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     """The checker itself: an import inside a function and a relative import are found (a
     checker that saw only module-level imports passed the old layering while core imported the

@@ -32,7 +32,8 @@ def exports(
         value = getattr(importlib.import_module(source), name)
         if name not in moved:
             namespace[name] = value
-        elif not sys._getframe(1).f_code.co_filename.startswith("<frozen importlib"):
+        # (sys._getframe: CPython's documented, cheap frame access; inspect costs an import)
+        elif not sys._getframe(1).f_code.co_filename.startswith("<frozen importlib"):  # noqa: SLF001
             # (``from torchplug import X`` asks twice: importlib's ``hasattr``, skipped here,
             # then the importing line itself, which is the one named.)
             old = f"{'tp' if module == 'torchplug' else module}.{name}"

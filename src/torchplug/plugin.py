@@ -67,6 +67,7 @@ _EXPORTS = {
     "cpu_kernels_missing": "torchplug.util.capabilities",
     "gpu_check": "torchplug.util.capabilities",
     "found_inf": "torchplug.util.torchprivate",
+    "norm_base": "torchplug.util.torchprivate",
     # moving a model, its optimizer and batches
     "default_device": "torchplug.plugins.base",
     "move_to_device": "torchplug.features.data",
@@ -150,7 +151,7 @@ if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they impor
     )
     from torchplug.util.capabilities import cpu_kernels_missing, cuda_lacks, gpu_check
     from torchplug.util.nested import cast_floating, map_tensors
-    from torchplug.util.torchprivate import found_inf
+    from torchplug.util.torchprivate import found_inf, norm_base
 
 
 __getattr__, __dir__ = _lazy.exports("torchplug.plugin", _EXPORTS, globals())

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from torchplug.contract.errors import CheckpointError
+from torchplug.util import torchprivate
 
 #: The save that ``io.save`` may hand its writing to (set by ``Engine.save(async_=True)``).
 _HANDOFF: contextvars.ContextVar[PendingSave | None] = contextvars.ContextVar(
@@ -145,12 +146,14 @@ def split(tensors: dict[str, Any], later: set[str]) -> tuple[dict[str, Any], dic
 
 def versions(tensors: dict[str, Any]) -> dict[str, int]:
     """Each tensor's version counter (bumped by every in-place change)."""
-    return {name: tensor._version for name, tensor in tensors.items()}
+    return {name: torchprivate.version(tensor) for name, tensor in tensors.items()}
 
 
 def unchanged(tensors: dict[str, Any], before: dict[str, int], path: str) -> None:
     """Raise if a tensor staged in the background was changed in place while it was copied."""
-    moved = sorted(name for name, tensor in tensors.items() if tensor._version != before[name])
+    moved = sorted(
+        name for name, tensor in tensors.items() if torchprivate.version(tensor) != before[name]
+    )
     if moved:
         shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
         raise CheckpointError(

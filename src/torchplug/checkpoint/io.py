@@ -71,7 +71,7 @@ def _same_everywhere(results: list[Any], what: str, operation: str) -> None:
 def _hooks(engine: Any) -> Hooks:
     """The active set's typed hooks, whether ``engine`` is the hook's context (the save and
     load hooks) or an Engine (``torchplug.checkpoint.save`` called by a backend's own code)."""
-    return engine.hooks if isinstance(engine, HookContext) else engine._context.hooks
+    return engine.hooks
 
 
 def capture(engine: HookContext, key: str, obj: Any, state: dict[str, Any]) -> tuple[str, Any]:

@@ -29,6 +29,7 @@ from torchplug.checkpoint.manifest import (
 )
 from torchplug.checkpoint.settings import key_from
 from torchplug.contract.errors import CheckpointError
+from torchplug.contract.spec import hookimpl
 
 
 def _safetensors() -> Any:
@@ -396,8 +397,10 @@ def write_checkpoint(foreign: dict[str, Any], out: Path, source: Path) -> Path:
         return found, tensors
 
     metadata = {"converted_from": str(foreign.get("format", "unknown")), "source": str(source)}
-    with Engine("single") as engine:
-        io.save(engine, str(out), state, metadata, entries_of=entries_of)
+    handed = _ContextOf()
+    with Engine("single", plugins=[handed]) as engine:
+        engine.barrier()  # hands this Engine's HookContext to `handed`, as any hook would
+        io.save(handed.context, str(out), state, metadata, entries_of=entries_of)
     return out
 
 
@@ -414,3 +417,15 @@ def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torc
         chunks[-1][name] = tensor
         size += tensor.numel() * tensor.element_size()
     return chunks
+
+
+class _ContextOf:
+    """An extension plugin that keeps the `HookContext` its Engine calls it with: the one
+    handle on the Engine's active set that the checkpoint writer takes (as every plugin gets
+    it, through a hook, not through the Engine's insides)."""
+
+    context: Any = None
+
+    @hookimpl(tryfirst=True)
+    def torchplug_barrier(self, engine: Any) -> None:
+        self.context = engine

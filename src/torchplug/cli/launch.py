@@ -291,7 +291,7 @@ def script_position(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int
     a flag's value (``--`` ends the flags). ``None`` when there is none."""
     takes_value = {
         option: action.nargs != 0
-        for action in parser._actions  # argparse's documented way to list them has no API
+        for action in parser._actions  # noqa: SLF001 - argparse has no public list of its actions
         for option in action.option_strings
     }
     i = 0

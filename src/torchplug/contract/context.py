@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,12 +60,16 @@ class HookContext:
 
     Args:
         engine: The Engine it answers for (torchplug makes the context; a plugin never does).
+        hooks: Returns the Engine's typed façade (`hooks`), which is made after the context.
     """
 
-    __slots__ = ("_engine",)
+    __slots__ = ("_engine", "_hooks_of")
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, hooks: Callable[[], Any] | None = None) -> None:
         object.__setattr__(self, "_engine", engine)
+        # the Engine's typed façade, handed over by its owner (made after this context, which
+        # it is built with)
+        object.__setattr__(self, "_hooks_of", hooks)
 
     def __repr__(self) -> str:
         return f"HookContext(strategy={self._engine.strategy!r})"
@@ -172,7 +176,9 @@ class HookContext:
     def hooks(self) -> Hooks:
         """The active set's typed façade (`torchplug.contract.hooks.Hooks`): one method per hook,
         its answer checked; how torchplug's own checkpoint plugin calls the state protocol."""
-        return self._engine._hooks
+        if self._hooks_of is None:
+            raise AttributeError("this HookContext was made without its Engine's hooks")
+        return self._hooks_of()
 
     def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         """[`Engine.reduce`][torchplug.Engine.reduce], through the active set's reduce hook.

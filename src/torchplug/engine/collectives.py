@@ -19,6 +19,7 @@ import torch
 from torchplug.contract.errors import ConfigurationError
 from torchplug.contract.types import REDUCE_OPS
 from torchplug.features import faults, sharing
+from torchplug.util import torchprivate
 
 if TYPE_CHECKING:
     from torchplug.engine._typing import Engine
@@ -32,7 +33,7 @@ def debug_checker(engine: Engine) -> faults.CollectiveChecker | None:
     posts its ``(op, shape, dtype)`` to first; else ``None``."""
     if faults.debug_enabled() and engine.world_size > 1 and torch.distributed.is_initialized():
         return faults.CollectiveChecker(
-            torch.distributed.distributed_c10d._get_default_store(),
+            torchprivate.default_store(),
             engine.rank,
             engine.world_size,
             engine.collective_timeout,

@@ -251,7 +251,7 @@ class Engine:
             self.info, self.options, self.precision, precision_options, registry, plugins
         )
         #: What every hook gets as its ``engine`` argument: the narrow context, not this Engine.
-        self._context = HookContext(self)
+        self._context = HookContext(self, hooks=lambda: self._hooks)
         self._pm = manager.new_plugin_manager()
         # torchplug's default answers first: pluggy calls the later-registered first, so any
         # answer of the backend's or an extension's comes before them

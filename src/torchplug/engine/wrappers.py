@@ -6,9 +6,8 @@ and what it patches lives here, each patch an instance attribute recorded with `
 so that ``close()`` puts the object back as it was (a model pickles again after close):
 
 * ``optimizer.step`` routed through the ``torchplug_optimizer_step`` hook (`route_step`), with
-  the two private names torch's LR schedulers read (``_wrapped_by_lr_sched`` on the step,
-  ``_opt_called`` on the optimizer; ``tests/test_contract.py`` pins them for the installed
-  torch);
+  the two private marks torch's LR schedulers read, set through
+  `torchplug.util.torchprivate` (``tests/test_contract.py`` pins them for the installed torch);
 * ``optimizer.zero_grad`` doing nothing on accumulation micro-steps (`skip_zero_grad`);
 * a ``.module`` wrapper's ``state_dict``/``load_state_dict`` answering with the user's names
   (`portable_state_dict`);
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchplug.contract.errors import ConfigurationError
+from torchplug.util import torchprivate
 
 if TYPE_CHECKING:
     from torchplug.engine._typing import Engine
@@ -173,7 +173,7 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
         # that call is the real step.
         nonlocal inside
         engine = engine_ref()
-        opt._opt_called = True  # what torch's LR schedulers look for (see below)
+        torchprivate.mark_optimizer_called(opt)  # what torch's LR schedulers look for
         if inside and engine is not None and id(opt) in engine._skipped_updates:
             return None  # a precision plugin found inf/NaN gradients: no update
         if inside or engine is None or engine._raw_steps:
@@ -195,7 +195,7 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
 
     # LR schedulers wrap optimizer.step to notice a scheduler stepped before the optimizer;
     # this step does their bookkeeping itself, for schedulers made before setup and after.
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    torchprivate.mark_scheduler_wrapped(step)
     for name in ("step", "step_was_skipped", "_torchplug_engine"):
         engine.restore_on_close(optimizer, name)
     # A bound method, as torch's LR schedulers expect to find on an optimizer.

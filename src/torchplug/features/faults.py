@@ -148,14 +148,14 @@ def _excepthook(
 
 def install_error_recorder() -> None:
     """Route uncaught exceptions through `record` (once per process)."""
-    if getattr(sys.excepthook, "_torchplug", False):
+    if getattr(sys.excepthook, "torchplug_recorder", False):
         return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         _excepthook(kind, exc, tb, previous)
 
-    hook._torchplug = True  # type: ignore[attr-defined]
+    hook.torchplug_recorder = True  # type: ignore[attr-defined]
     sys.excepthook = hook
 
 

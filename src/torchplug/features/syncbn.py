@@ -20,9 +20,12 @@ import os
 from collections.abc import Callable
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchplug.contract.errors import ConfigurationError
+from torchplug.util import torchprivate
+
+#: Batch-statistics norms (BatchNorm1d/2d/3d): what SyncBatchNorm converts.
+_BATCH_NORM = torchprivate.batch_norm_base()
 
 #: ``torchplug launch --sync-batchnorm`` sets it for the processes it starts.
 SYNC_BATCHNORM_ENV = "TORCHPLUG_SYNC_BATCHNORM"
@@ -48,7 +51,7 @@ def setting(value: bool | None) -> bool:
     )
 
 
-class GlobalBatchNorm(_BatchNorm):
+class GlobalBatchNorm(_BATCH_NORM):
     """BatchNorm whose training statistics are taken over every rank's batch (any device and
     process group backend); in eval, or in a world of one, it is plain BatchNorm."""
 
@@ -101,7 +104,7 @@ def convert(model: torch.nn.Module, device: torch.device) -> list[Callable[[], N
     one: torch's ``SyncBatchNorm`` where torch supports the device, else
     `GlobalBatchNorm`. Returns the undo steps; a model whose root is a BatchNorm is
     refused (there is no parent to put the new module in)."""
-    if isinstance(model, _BatchNorm):
+    if isinstance(model, _BATCH_NORM):
         raise ConfigurationError(
             f"sync_batchnorm=True cannot convert a model that is itself a "
             f"{type(model).__name__}; wrap it in a module (e.g. nn.Sequential(bn))."
@@ -110,7 +113,7 @@ def convert(model: torch.nn.Module, device: torch.device) -> list[Callable[[], N
     undo: list[Callable[[], None]] = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, _BatchNorm) or isinstance(
+            if not isinstance(child, _BATCH_NORM) or isinstance(
                 child, (torch.nn.SyncBatchNorm, GlobalBatchNorm)
             ):
                 continue

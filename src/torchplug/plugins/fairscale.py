@@ -61,7 +61,7 @@ def to_oss(optimizer: torch.optim.Optimizer, engine: HookContext) -> torch.optim
     oss = OSS(groups, optim=type(optimizer), **defaults)
     # An LR scheduler made before setup holds the user's optimizer: let it change the groups OSS
     # reads (OSS copies lr & co. from its global groups into its shard's at every step).
-    oss._torchplug_user_optimizer = weakref.ref(optimizer)
+    oss.torchplug_user_optimizer = weakref.ref(optimizer)
     engine.restore_on_close(optimizer, "param_groups")
     _link(oss)
     return oss
@@ -69,7 +69,7 @@ def to_oss(optimizer: torch.optim.Optimizer, engine: HookContext) -> torch.optim
 
 def _link(oss: torch.optim.Optimizer) -> None:
     """Point the user's optimizer at the OSS groups (again after a load replaced the list)."""
-    user = getattr(oss, "_torchplug_user_optimizer", lambda: None)()
+    user = getattr(oss, "torchplug_user_optimizer", lambda: None)()
     if user is not None:
         user.param_groups = oss.param_groups
 

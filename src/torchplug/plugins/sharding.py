@@ -22,11 +22,12 @@ from torchplug.plugin import (
     HookContext,
     PluginError,
     Runtime,
+    norm_base,
     rebind_optimizer,
 )
 
 NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
-    torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
+    norm_base(),  # BatchNorm*, InstanceNorm*, SyncBatchNorm
     torch.nn.LayerNorm,
     torch.nn.GroupNorm,
     *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()),

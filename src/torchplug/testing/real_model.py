@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
 from torchplug.testing import bodies
+from torchplug.util import torchprivate
 
 VOCAB = 24
 DIM = 8
@@ -161,7 +162,7 @@ def _put(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
 
 def _is_stat(model: torch.nn.Module, name: str) -> bool:
     owner = name.rpartition(".")[0]
-    return isinstance(model.get_submodule(owner), torch.nn.modules.batchnorm._BatchNorm)
+    return isinstance(model.get_submodule(owner), torchprivate.batch_norm_base())
 
 
 def train(

@@ -1,8 +1,8 @@
-"""The two places torchplug reads a private part of torch, kept here behind one function each so
+"""Every place torchplug reads a private part of torch, kept here behind one function each so
 that a torch upgrade has one module to check (``tests/test_torchprivate.py`` pins the torch
-versions they were checked against and exercises both).
+versions they were checked against and exercises them).
 
-torch 2.13 has no public equivalent of either:
+torch 2.13 has no public equivalent of any:
 
 - the default process group's key-value store: ``torch.distributed`` creates it inside
   ``init_process_group`` (from ``init_method``, or the ``env://`` rendezvous), and only
@@ -14,6 +14,12 @@ torch 2.13 has no public equivalent of either:
   decides it from ``_per_optimizer_states`` and calls ``optimizer.step()`` itself, whereas the
   AMP plugin must let the backend's own step run (its syncs and flushes) and skip only the
   update.
+- the base classes of torch's normalisation layers (``_NormBase``: BatchNorm*, InstanceNorm*,
+  SyncBatchNorm; ``_BatchNorm``: the batch-statistics ones), which no public class covers.
+- a tensor's version counter (``_version``, bumped by every in-place change): how an
+  asynchronous save notices a tensor changed while it was copied.
+- the two marks torch's LR schedulers read (``_wrapped_by_lr_sched`` on ``optimizer.step``,
+  ``_opt_called`` on the optimizer) to tell a scheduler stepped before its optimizer.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ def default_store() -> torch.distributed.Store:
     """The key-value store of the initialized default process group."""
     from torch.distributed import distributed_c10d
 
-    return distributed_c10d._get_default_store()
+    return distributed_c10d._get_default_store()  # noqa: SLF001
 
 
 def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
@@ -45,3 +51,39 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
     """
     state = scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
     return any(v.item() for v in state["found_inf_per_device"].values())
+
+
+def norm_base() -> type[torch.nn.Module]:
+    """The base class of BatchNorm*, InstanceNorm* and SyncBatchNorm (``_NormBase``)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return _NormBase
+
+
+def batch_norm_base() -> type[torch.nn.Module]:
+    """The base class of the batch-statistics norms, BatchNorm1d/2d/3d and their lazy forms
+    (``_BatchNorm``): what SyncBatchNorm converts."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return _BatchNorm
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: bumped by every in-place change.
+
+    Args:
+        tensor: Any tensor.
+    """
+    return tensor._version  # noqa: SLF001
+
+
+def mark_scheduler_wrapped(step: object) -> None:
+    """Mark ``step`` (an optimizer's replacement ``step``) as LR-scheduler-wrapped, as torch's
+    schedulers' own wrapper does (``_wrapped_by_lr_sched``), so a scheduler made before or after
+    it keeps it."""
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # noqa: SLF001
+
+
+def mark_optimizer_called(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer stepped: what torch's LR schedulers look for (``_opt_called``)."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # noqa: SLF001

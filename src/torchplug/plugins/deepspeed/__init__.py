@@ -49,6 +49,7 @@ from torchplug.plugin import (
     cuda_lacks,
     hookimpl,
     native_part,
+    norm_base,
     portable_load,
     portable_manifest,
     portable_save,
@@ -109,7 +110,7 @@ def _norms_in_fp32(model: torch.nn.Module) -> list[torch.nn.Module]:
     teardown (`_restore_norms`)."""
     patched = []
     for module in model.modules():
-        if not isinstance(module, torch.nn.modules.batchnorm._NormBase):  # noqa: SLF001
+        if not isinstance(module, norm_base()):
             continue
         stats = getattr(module, "running_mean", None)
         weight = getattr(module, "weight", None)

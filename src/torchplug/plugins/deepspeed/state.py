@@ -61,7 +61,7 @@ def _set_full(param: torch.nn.Parameter, value: torch.Tensor, key: str | None = 
     size = param.ds_tensor.numel()
     owner = getattr(param, "_z3_optimizer", None)
     if owner is not None and hasattr(owner, "_get_param_partition_rank"):
-        rank = owner._get_param_partition_rank(param)
+        rank = owner._get_param_partition_rank(param)  # noqa: SLF001 - DeepSpeed has no public one
     else:
         rank = torch.distributed.get_rank()
     flat = value.flatten()[rank * size : (rank + 1) * size]
@@ -159,8 +159,9 @@ def _relink(ds_optimizer: Any) -> None:
     state tensors. DeepSpeed links them once, right after the first group steps, so with several
     parameter groups the later groups' fragments stay empty (their state did not exist yet)."""
     if hasattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state"):
-        ds_optimizer._hp_optimizer_states_linked = False
-        ds_optimizer._lazy_init_hp_params_optimizer_state()
+        # DeepSpeed's own lazy initialisation, which it offers no public call for
+        ds_optimizer._hp_optimizer_states_linked = False  # noqa: SLF001
+        ds_optimizer._lazy_init_hp_params_optimizer_state()  # noqa: SLF001
 
 
 def _per_element(state: dict[str, Any]) -> list[str]:
