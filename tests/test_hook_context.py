@@ -12,6 +12,7 @@ import torch
 import torchplug as tp
 import torchplug.plugin as tpp
 from torchplug.contract.context import HookContext, HookContextWarning, iter_members
+from torchplug.engine.engine import BACKEND_ONLY
 
 
 class Recorder:
@@ -70,12 +71,40 @@ def test_every_member_answers_what_the_engine_answers():
             warnings.simplefilter("error", HookContextWarning)
             for name in names:
                 ours = getattr(context, name)
-                theirs = engine._hooks if name == "hooks" else getattr(engine, name)
+                if name == "hooks":
+                    theirs = engine._hooks
+                elif name in BACKEND_ONLY:  # the backend's calls: owned apart from the Engine
+                    theirs = getattr(engine._backend, name)
+                else:
+                    theirs = getattr(engine, name)
                 if callable(theirs) and not isinstance(theirs, torch.device):
                     assert callable(ours), name
                 else:
                     assert ours == theirs or ours is theirs, name
         assert context.reduce(torch.tensor(3.0), "sum").item() == 3.0
+
+
+def test_the_backend_only_members_left_the_engine_and_warn_for_one_cycle():
+    """Issue 33 item 3: what only a backend calls is the context's (owned by the Engine's
+    BackendState), gone from the user's Engine and its reference; an API 1.x plugin or script
+    that calls it on the Engine still works, with a DeprecationWarning naming the replacement."""
+    model = torch.nn.Linear(2, 1)
+    with tp.Engine("single") as engine:
+        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for name in BACKEND_ONLY:
+            assert name not in dir(tp.Engine) and name in set(iter_members()), name
+        with pytest.warns(DeprecationWarning, match=r"engine\.model_of is a backend's call"):
+            found = engine.model_of(optimizer, {})
+        assert found is model is engine._context.model_of(optimizer, {})
+        with pytest.warns(DeprecationWarning, match="skipping_updates"):
+            skipping = engine.skipping_updates(optimizer, True)
+        before = model.weight.detach().clone()
+        engine.backward(model(torch.ones(1, 2)).sum())
+        with skipping:  # the alias is the real thing: the update is skipped
+            optimizer.step()
+        assert torch.equal(model.weight, before)
+        with pytest.raises(AttributeError, match="no attribute 'no_such_member'"):
+            engine.no_such_member  # noqa: B018
 
 
 class ReadsTheLogDir(tpp.Strategy):

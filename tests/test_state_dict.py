@@ -71,7 +71,7 @@ def test_state_dict_methods_are_restored_by_close():
     wrapper.module = make()  # a `.module` wrapper, as DDP, FairScale and DeepSpeed return
     wrappers.portable_state_dict(engine, wrapper, wrapper.module)
     assert list(wrapper.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    with engine.native_state_dicts():
+    with engine._context.native_state_dicts():
         assert list(wrapper.state_dict())[0] == "module.0.weight"
     engine.close()
     assert "state_dict" not in wrapper.__dict__ and "load_state_dict" not in wrapper.__dict__

@@ -50,23 +50,31 @@ class HookContext:
     ``precision``, ``precision_options``, ``options``, ``settings``), ``failing`` (the run is
     leaving on an error: skip collectives at teardown), ``collective_timeout`` and
     ``checkpoint_timeout`` (the one setting each), ``checkpoint_key``, the collectives
-    (``reduce``, ``gather``, ``barrier``, ``broadcast_object``), ``hook`` (the active set's
-    hooks: call the state protocol through it) and ``hooks`` (the same, typed), the user
+    (``reduce``, ``gather``, ``barrier``, ``broadcast_object``), ``hooks`` (the active set's
+    typed hooks: call the state protocol through them; ``hook``, pluggy's raw relay, is
+    deprecated since API 1.2), the user
     objects set up so far (``optimizers``,
     ``model_of``, ``accumulating``) and the calls a backend makes on them (``restore_on_close``,
     ``real_optimizer_steps``, ``skipping_updates``, ``native_state_dicts``, ``full_state``,
-    ``checkpoint_header``). Each is the Engine member of the same name; the Engine's docs say
-    what it does.
+    ``checkpoint_header``). The calls on the user's objects are the backend's own (owned by the
+    Engine's ``BackendState``, documented here); the rest is the Engine member of the same name,
+    whose docs say what it does.
 
     Args:
         engine: The Engine it answers for (torchplug makes the context; a plugin never does).
         hooks: Returns the Engine's typed façade (`hooks`), which is made after the context.
+        backend: Owns what a backend changes on the user's objects (`restore_on_close`,
+            `skipping_updates`, ...); the Engine itself when not given.
     """
 
-    __slots__ = ("_engine", "_hooks_of")
+    __slots__ = ("_backend", "_engine", "_hooks_of")
 
-    def __init__(self, engine: Any, hooks: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, engine: Any, hooks: Callable[[], Any] | None = None, backend: Any = None
+    ) -> None:
         object.__setattr__(self, "_engine", engine)
+        # the owner of what a backend changes on the user's objects (the Engine's BackendState)
+        object.__setattr__(self, "_backend", backend if backend is not None else engine)
         # the Engine's typed façade, handed over by its owner (made after this context, which
         # it is built with)
         object.__setattr__(self, "_hooks_of", hooks)
@@ -170,6 +178,16 @@ class HookContext:
 
     @property
     def hook(self) -> Any:
+        """Deprecated for plugins since API 1.2: pluggy's raw relay, whose answers nobody
+        checks; call the typed `hooks` instead (``engine.hooks.model_state(model)``). It keeps
+        working through API 1.x, with a DeprecationWarning."""
+        warnings.warn(
+            "engine.hook in a hook is pluggy's raw relay (answers unchecked); call the typed "
+            "engine.hooks instead (e.g. engine.hooks.model_state(model)). engine.hook keeps "
+            "working through plugin API 1.x.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self._engine.hook
 
     @property
@@ -217,45 +235,52 @@ class HookContext:
         return self._engine.optimizers
 
     def model_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Any:
-        """[`Engine.model_of`][torchplug.Engine.model_of].
+        """The (wrapped) model whose parameters ``optimizer`` updates.
 
         Args:
             optimizer: An optimizer returned by setup.
             state: A checkpoint state dict, searched for the model when needed.
+
+        Raises:
+            CheckpointError: No model is known for ``optimizer``.
         """
-        return self._engine.model_of(optimizer, state)
+        return self._backend.model_of(optimizer, state)
 
     @property
     def accumulating(self) -> tuple[int, bool] | None:
         return self._engine.accumulating
 
     def restore_on_close(self, obj: Any, name: str) -> None:
-        """[`Engine.restore_on_close`][torchplug.Engine.restore_on_close].
+        """Remember ``obj.name`` as it is now; the Engine's ``close()`` puts it back (what setup
+        patches on user objects is undone, so a model pickles again after close).
 
         Args:
             obj: The object a hook patches (a user's model or optimizer).
             name: The attribute about to be set (or added) on it.
         """
-        self._engine.restore_on_close(obj, name)
+        self._backend.restore_on_close(obj, name)
 
     def real_optimizer_steps(self) -> contextlib.AbstractContextManager[None]:
-        """[`Engine.real_optimizer_steps`][torchplug.Engine.real_optimizer_steps]."""
-        return self._engine.real_optimizer_steps()
+        """Inside, ``optimizer.step()`` bypasses the hook (zero steps that create state)."""
+        return self._backend.real_optimizer_steps()
 
     def skipping_updates(
         self, optimizer: torch.optim.Optimizer, skip: bool = True
     ) -> contextlib.AbstractContextManager[None]:
-        """[`Engine.skipping_updates`][torchplug.Engine.skipping_updates].
+        """Inside, with ``skip``, the optimizer's real step does nothing (the backend's step
+        around it still runs): how a wrapper skips an update without replacing the backend.
 
         Args:
             optimizer: The optimizer whose update to skip (or not).
             skip: Whether to skip it inside the block.
         """
-        return self._engine.skipping_updates(optimizer, skip)
+        return self._backend.skipping_updates(optimizer, skip)
 
     def native_state_dicts(self) -> contextlib.AbstractContextManager[None]:
-        """[`Engine.native_state_dicts`][torchplug.Engine.native_state_dicts]."""
-        return self._engine.native_state_dicts()
+        """Inside, modules returned by ``engine.setup`` answer ``state_dict()`` with the
+        backend's own names (``module.<name>``): what the state hooks and torch's DCP state-dict
+        API expect from the wrapper."""
+        return self._backend.native_state_dicts()
 
     def full_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -269,12 +294,12 @@ class HookContext:
         return self._engine.full_state(model, optimizer)
 
     def checkpoint_header(self, state: dict[str, Any]) -> dict[str, Any]:
-        """[`Engine.checkpoint_header`][torchplug.Engine.checkpoint_header].
+        """What the manifest records about this run, besides the entries themselves.
 
         Args:
             state: The state being saved.
         """
-        return self._engine.checkpoint_header(state)
+        return self._backend.checkpoint_header(state)
 
     # -- API 1.x: the rest of the Engine, with a warning ------------------------------------------
 

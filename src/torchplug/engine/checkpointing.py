@@ -52,7 +52,7 @@ def full_state(
             value = value.full_tensor()
         return value.detach().cpu().clone()
 
-    with engine.native_state_dicts():
+    with engine._backend.native_state_dicts():
         result = {"model": map_tensors(engine._hooks.model_state(model), full)}
         if optimizer is not None:
             result["optimizer"] = map_tensors(engine._hooks.optimizer_state(model, optimizer), full)
@@ -89,7 +89,7 @@ def save(
     state = {**state, **plugin_state(engine)}
     pending = async_save.PendingSave(str(path), engine._staging) if async_ else None
     handoff = async_save.handing_off(pending) if pending else contextlib.nullcontext()
-    with engine.native_state_dicts(), handoff:
+    with engine._backend.native_state_dicts(), handoff:
         done = engine._hooks.save(str(Path(path)), state, metadata)
     engine._pending_save = pending
     engine._hooks.answer("torchplug_save", done)
@@ -124,7 +124,7 @@ def load(
             f"'optimizer': optimizer}}, got {type(state).__name__}."
         )
     merged = None if state is None else {**state, **plugin_state(engine)}
-    with engine.native_state_dicts():
+    with engine._backend.native_state_dicts():
         answer = engine._hooks.load(str(Path(path)), merged, strict)
     if state is not None and merged is not None:
         state.update({k: merged[k] for k in state})  # plain values replaced, as documented

@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -41,6 +42,7 @@ from torchplug.contract.types import (
     normalize_precision,
 )
 from torchplug.engine import checkpointing, collectives, config, connector, wrappers
+from torchplug.engine.backend import BackendState
 from torchplug.features import faults, profiling, sharing
 
 
@@ -79,6 +81,20 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any
         else:
             flat[key] = value
     return flat
+
+
+#: What only a backend calls, owned by `BackendState` and offered by the hook's HookContext; the
+#: Engine answers these names through plugin API 1.x with a DeprecationWarning.
+BACKEND_ONLY = frozenset(
+    {
+        "restore_on_close",
+        "native_state_dicts",
+        "model_of",
+        "skipping_updates",
+        "real_optimizer_steps",
+        "checkpoint_header",
+    }
+)
 
 
 class Engine:
@@ -224,10 +240,7 @@ class Engine:
         self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
             weakref.WeakKeyDictionary()
         )
-        self._optimizers: list[torch.optim.Optimizer] = []
-        self._optimizer_models: dict[int, weakref.ref[torch.nn.Module]] = {}
-        self._raw_steps = False
-        self._native_state = 0
+        self._backend = BackendState(lambda state: checkpointing.header(self, state))
         self._closed = False
         self._failing = False
         from torchplug.engine.resume import CheckpointPolicy
@@ -243,15 +256,12 @@ class Engine:
         self._last_loader: weakref.ref[Any] | None = None
         self._accumulation: dict[int, int] = {}
         self._accumulating: tuple[int, bool] | None = None
-        #: Optimizers (by id) whose real update is skipped right now (``skipping_updates``).
-        self._skipped_updates: set[int] = set()
-
         self.precision_options: dict[str, Any]
         self.backend, active, self.precision_options = connector.active_set(
             self.info, self.options, self.precision, precision_options, registry, plugins
         )
         #: What every hook gets as its ``engine`` argument: the narrow context, not this Engine.
-        self._context = HookContext(self, hooks=lambda: self._hooks)
+        self._context = HookContext(self, hooks=lambda: self._hooks, backend=self._backend)
         self._pm = manager.new_plugin_manager()
         # torchplug's default answers first: pluggy calls the later-registered first, so any
         # answer of the backend's or an extension's comes before them
@@ -263,7 +273,6 @@ class Engine:
         self.hook = self._pm.hook
         #: Every call to a strategy hook goes through this typed façade (answers checked).
         self._hooks = Hooks(self._pm, self._context, self.info.name, self.info.provider or "?")
-        self._undo: list[Callable[[], None]] = []
         self._preemption: Any = None
         self._pending_save: Any = None  # an asynchronous save in flight (core.async_save)
         self._staging: dict[str, Any] = {}  # async saves' host copies, reused by the next one
@@ -313,17 +322,21 @@ class Engine:
                 )
             )
 
-    def restore_on_close(self, obj: Any, name: str) -> None:
-        """Remember ``obj.name`` as it is now; [`close`][torchplug.Engine.close] puts it back (what
-        setup patches on user objects is undone, so a model pickles again after close).
-
-        Args:
-            obj: The object a hook patches (a user's model or optimizer).
-            name: The attribute about to be set (or added) on it.
-        """
-        wrappers.remember(self._undo, obj, name)
-
     # -- identity ---------------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        """Plugin API 1.x: the members only a backend calls (`BACKEND_ONLY`) moved to the hook's
+        `HookContext`; reached on the Engine they still work, with a DeprecationWarning."""
+        if name in BACKEND_ONLY and "_backend" in self.__dict__:
+            warnings.warn(
+                f"engine.{name} is a backend's call and leaves the user's Engine: use the "
+                f"`engine` argument of your hook (a torchplug.plugin.HookContext), which has "
+                f"it. Engine.{name} keeps working through plugin API 1.x.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(self._backend, name)
+        raise AttributeError(f"'Engine' object has no attribute {name!r}")
 
     @property
     def failing(self) -> bool:
@@ -439,81 +452,10 @@ class Engine:
         with torch.device("meta"), scaling.recording_creators(self._meta_creators):
             yield
 
-    @contextlib.contextmanager
-    def native_state_dicts(self) -> Iterator[None]:
-        """Inside, modules returned by [`setup`][torchplug.Engine.setup] answer ``state_dict()``
-        with the backend's own names (``module.<name>``): what the state hooks and torch's DCP
-        state-dict API expect from the wrapper."""
-        self._native_state += 1
-        try:
-            yield
-        finally:
-            self._native_state -= 1
-
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers set up so far, in order."""
-        return list(self._optimizers)
-
-    def model_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Any:
-        """The (wrapped) model whose parameters ``optimizer`` updates.
-
-        Args:
-            optimizer: An optimizer returned by [`setup`][torchplug.Engine.setup] (or one whose
-                parameters a module of ``state`` owns).
-            state: A checkpoint state dict, searched for the model when ``optimizer`` was not set up
-                with one.
-
-        Raises:
-            CheckpointError: No model is known for ``optimizer``.
-        """
-        ref = self._optimizer_models.get(id(optimizer))
-        model = ref() if ref is not None else None
-        if model is not None:
-            return model
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for candidate in state.values():
-            if isinstance(candidate, torch.nn.Module) and any(
-                id(p) in owned for p in candidate.parameters()
-            ):
-                return candidate
-        raise CheckpointError(
-            "Cannot tell which model this optimizer belongs to: it was not set up with "
-            "engine.setup(model, optimizer) and no model in the state owns its parameters. "
-            "Put the model in the same state dict, or set both up together."
-        )
-
-    @contextlib.contextmanager
-    def skipping_updates(self, optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
-        """Inside, with ``skip``, the optimizer's real step does nothing (the backend's step
-        around it still runs): how a wrapper skips an update without replacing the backend.
-
-        Args:
-            optimizer: The optimizer whose update is skipped.
-            skip: Skip it (``False``: run it, e.g. inside an outer skip).
-        """
-        key = id(optimizer)  # kept by the Engine: nothing rides on the user's optimizer
-        previous = key in self._skipped_updates
-        if skip:
-            self._skipped_updates.add(key)
-        else:
-            self._skipped_updates.discard(key)
-        try:
-            yield
-        finally:
-            if previous:
-                self._skipped_updates.add(key)
-            else:
-                self._skipped_updates.discard(key)
-
-    @contextlib.contextmanager
-    def real_optimizer_steps(self) -> Iterator[None]:
-        """Inside, ``optimizer.step()`` bypasses the hook (zero steps that create state)."""
-        previous, self._raw_steps = self._raw_steps, True
-        try:
-            yield
-        finally:
-            self._raw_steps = previous
+        return list(self._backend.optimizers)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """``obj`` (JSON values: names, paths, flags) from rank ``src`` on every rank.
@@ -679,7 +621,7 @@ class Engine:
         count = self._accumulation.get(key, 0) + 1
         sync = count % steps == 0
         self._accumulation[key] = 0 if sync else count
-        for optimizer in self._optimizers:
+        for optimizer in self._backend.optimizers:
             self._attach_zero_grad(optimizer)
         self._accumulating = (steps, sync)
         try:
@@ -861,7 +803,7 @@ class Engine:
         if self._preemption is None:
             self._preemption = Preemption()
             if self._preemption.arm():
-                self._undo.insert(0, self._preemption.disarm)
+                self._backend.undo.insert(0, self._preemption.disarm)
         notice = self._preemption
         if notice.agreed:
             return True
@@ -908,14 +850,6 @@ class Engine:
             self.barrier()
 
     # -- checkpoints ------------------------------------------------------------------------------
-
-    def checkpoint_header(self, state: dict[str, Any]) -> dict[str, Any]:
-        """What the manifest records about this run, besides the entries themselves.
-
-        Args:
-            state: The state being saved.
-        """
-        return checkpointing.header(self, state)
 
     def full_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -1118,8 +1052,8 @@ class Engine:
                 self.loggers.close()
                 self._hooks.teardown()
             finally:
-                while self._undo:  # what setup patched on user objects, newest first
-                    self._undo.pop()()
+                while self._backend.undo:  # what setup patched on user objects, newest first
+                    self._backend.undo.pop()()
             if failed_save is not None:
                 raise failed_save
 

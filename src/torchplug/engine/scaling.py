@@ -101,7 +101,7 @@ def checkpoint_activations(
                 return _forward(*args, **kwargs)
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
-        engine.restore_on_close(module, "forward")
+        engine._backend.restore_on_close(module, "forward")
         module.forward = checkpointed
         count += 1
     if not count:

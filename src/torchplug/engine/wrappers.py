@@ -14,7 +14,7 @@ so that ``close()`` puts the object back as it was (a model pickles again after 
 * ``torch.compile`` in place (`compile_in_place`).
 
 Plugins that patch user objects themselves (AMP's forward, XLA's, FSDP's) record each patch
-with `Engine.restore_on_close`, which lands in the same list.
+with `HookContext.restore_on_close`, which lands in the same list.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def remember(undo: list[Callable[[], None]], obj: Any, name: str) -> None:
 
 def compile_in_place(engine: Engine, model: torch.nn.Module, options: dict[str, Any]) -> None:
     """``model.compile(**options)``, undone by close."""
-    engine.restore_on_close(model, "_compiled_call_impl")
+    engine._backend.restore_on_close(model, "_compiled_call_impl")
     model.compile(**options)
 
 
@@ -78,7 +78,8 @@ def setup(
     if engine.sync_batchnorm and engine.data_parallel_size > 1:
         from torchplug.features import syncbn
 
-        engine._undo += syncbn.convert(model, engine.device)  # before the wrap sees the layers
+        # before the wrap sees the layers
+        engine._backend.undo += syncbn.convert(model, engine.device)
     meta = scaling.is_meta(model)
     if not meta:
         scaling.replicate_from_rank_zero(model, engine._hooks.broadcast, engine.world_size)
@@ -98,8 +99,8 @@ def setup(
     portable_state_dict(engine, wrapped, engine.unwrap(model))
     for opt in wrapped_optimizers:
         if route_step(engine, opt):
-            engine._optimizers.append(opt)
-        engine._optimizer_models[id(opt)] = weakref.ref(wrapped)
+            engine._backend.optimizers.append(opt)
+        engine._backend.optimizer_models[id(opt)] = weakref.ref(wrapped)
     return (wrapped, *wrapped_optimizers) if optimizers else wrapped
 
 
@@ -130,7 +131,7 @@ def portable_state_dict(engine: Engine, wrapped: torch.nn.Module, model: torch.n
     answers with the inner model's names instead. Only these two methods are replaced, on
     the wrapper instance (no per-step cost, nothing on the forward path); torchplug's own
     checkpoints use the state hooks, which see the wrapper's native methods (inside
-    `Engine.native_state_dicts`). ``close()`` puts the originals back.
+    `HookContext.native_state_dicts`). ``close()`` puts the originals back.
     """
     if wrapped is model or getattr(wrapped, "module", None) is not model:
         return  # not a `.module` wrapper of the user's model: its names are already plain
@@ -140,7 +141,7 @@ def portable_state_dict(engine: Engine, wrapped: torch.nn.Module, model: torch.n
 
     def native() -> bool:
         engine = engine_ref()
-        return engine is not None and engine._native_state > 0
+        return engine is not None and engine._backend.native_state > 0
 
     @functools.wraps(native_state_dict)
     def state_dict(*args: Any, **kwargs: Any) -> Any:
@@ -155,7 +156,7 @@ def portable_state_dict(engine: Engine, wrapped: torch.nn.Module, model: torch.n
         return model.load_state_dict(*args, **kwargs)
 
     for name, function in (("state_dict", state_dict), ("load_state_dict", load_state_dict)):
-        engine.restore_on_close(wrapped, name)
+        engine._backend.restore_on_close(wrapped, name)
         object.__setattr__(wrapped, name, function)
 
 
@@ -174,9 +175,9 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
         nonlocal inside
         engine = engine_ref()
         torchprivate.mark_optimizer_called(opt)  # what torch's LR schedulers look for
-        if inside and engine is not None and id(opt) in engine._skipped_updates:
+        if inside and engine is not None and id(opt) in engine._backend.skipped_updates:
             return None  # a precision plugin found inf/NaN gradients: no update
-        if inside or engine is None or engine._raw_steps:
+        if inside or engine is None or engine._backend.raw_steps:
             return real_step(closure) if closure is not None else real_step()
         if engine._accumulating is not None and not engine._accumulating[1]:
             opt.step_was_skipped = True  # an accumulation step: no update yet
@@ -197,7 +198,7 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
     # this step does their bookkeeping itself, for schedulers made before setup and after.
     torchprivate.mark_scheduler_wrapped(step)
     for name in ("step", "step_was_skipped", "_torchplug_engine"):
-        engine.restore_on_close(optimizer, name)
+        engine._backend.restore_on_close(optimizer, name)
     # A bound method, as torch's LR schedulers expect to find on an optimizer.
     optimizer.step = types.MethodType(step, optimizer)
     optimizer.step_was_skipped = False
@@ -219,7 +220,7 @@ def skip_zero_grad(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
         real_zero_grad(set_to_none=set_to_none)
 
     for name in ("zero_grad", "_torchplug_zero_grad"):
-        engine.restore_on_close(optimizer, name)
+        engine._backend.restore_on_close(optimizer, name)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     optimizer._torchplug_zero_grad = True
 
