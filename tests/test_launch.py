@@ -297,3 +297,38 @@ def test_flags_without_a_script_are_one_line_with_the_usage(tmp_path):
         "torchplug launch [-n N] [--strategy NAME] [--precision P] [torchrun flags] SCRIPT "
         "[args] (torchplug launch --help lists every flag)."
     ]
+
+
+FIVE_ENGINES = textwrap.dedent(
+    """
+    import sys, torch, torchplug as tp
+    for i in range(5):
+        with tp.Engine("ddp") as engine:
+            torch.manual_seed(100 * engine.rank + i)  # each rank its own initialisation
+            model = torch.nn.Sequential(
+                torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+            )
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            model, opt = engine.setup(model, opt)
+            engine.backward(model(torch.randn(6, 4)).square().mean())
+            opt.step()
+            first = engine.gather(next(model.parameters()).detach().flatten()[:3])
+            same = bool(torch.equal(first[0], first[1]))
+            sys.stdout.write(f"engine {i} rank {engine.rank} replicas {same}\\n")
+            sys.stdout.flush()
+    """
+)
+
+
+@pytest.mark.slow
+def test_engines_made_one_after_another_in_a_launched_process_each_get_their_group(tmp_path):
+    """Under torchrun the process groups of one process share the agent's store: each Engine's
+    group must rendezvous under its own prefix, or the second one waits forever for addresses
+    the first one's ranks left there (5 Engines on 2 ranks hung every run)."""
+    (tmp_path / "five.py").write_text(FIVE_ENGINES)
+    run = torchplug("launch", "-n", "2", "--strategy", "ddp", "five.py", cwd=tmp_path, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = sorted(re.findall(r"engine \d rank \d replicas \w+", run.stdout))
+    assert lines == sorted(
+        f"engine {i} rank {r} replicas True" for i in range(5) for r in range(2)
+    ), run.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import itertools
 import os
 import sys
 import time
@@ -351,11 +352,17 @@ class DistributedStrategy(Strategy):
 def _attempt_store(
     host: str, port: int, cluster: ClusterInfo, timeout: datetime.timedelta
 ) -> dist.Store:
-    """The torchrun agent's store, with a prefix per restart attempt.
+    """The torchrun agent's store, with a prefix per restart attempt and per process group.
 
-    The agent keeps one store across restarts (``--max-restarts``); without a prefix a restarted
-    rank would read the addresses the previous attempt's ranks left there and fail to connect.
+    The agent keeps one store across restarts (``--max-restarts``) and across the process groups
+    one process makes (Engines made one after another); without a prefix of its own a group's
+    ranks would read the addresses an earlier group's ranks left there and wait forever to
+    connect. Every rank makes its Engines in the same order, so the counts agree.
     """
     store = dist.TCPStore(host, port, cluster.world_size, is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"torchplug/attempt-{attempt}/", store)
+    return dist.PrefixStore(f"torchplug/attempt-{attempt}/group-{next(_GROUPS)}/", store)
+
+
+#: Process groups this process has made on the agent's store (`_attempt_store`'s prefix).
+_GROUPS = itertools.count()
