@@ -98,10 +98,10 @@ def candidates() -> list[Candidate]:
     found: list[Candidate] = []
     seen: set[str] = set()
     for ep in points:
-        if ep.name in seen and _is_own(ep):
+        own = _is_own(ep)
+        if own and ep.name in seen:
             continue  # the same distribution seen twice on sys.path (an editable install)
         seen.add(ep.name)
-        own = _is_own(ep)
         found.append(Candidate(ep.name, ep.value, ep.load, own, own, ep))
     if not any(c.own for c in found):
         raise PluginError(
