@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from torchplug.contract.cluster import free_port
+from torchplug.plugin import free_port
 
 #: What each route needs, and the Debian package that has it.
 PROGRAMS = {

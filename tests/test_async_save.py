@@ -156,13 +156,13 @@ def test_consecutive_async_saves_reuse_the_host_copies_and_each_holds_its_own_st
                         async_=True)  # fmt: skip
             _step(engine, model, optimizer, 100 + save)  # changed while it writes
             engine.wait_for_save()
-            pointers.append({k: v.data_ptr() for k, v in engine._staging.items()})
+            pointers.append({k: v.data_ptr() for k, v in engine._saves.staging.items()})
         assert pointers[0] and pointers[0] == pointers[1] == pointers[2]
         for save, expected in enumerate(snapshots):
             state = {"model": model, "optimizer": optimizer}
             engine.load(tmp_path / f"step-{save}", state)
             assert _same(expected, engine.full_state(model, optimizer)) == []
-    assert engine._staging == {}  # released at close
+    assert engine._saves.staging == {}  # released at close
     assert background.stage({"x": torch.ones(2)}, {"x": torch.zeros(3)})["x"].shape == (2,)
 
 

@@ -138,7 +138,8 @@ def test_plugins_lists_the_cluster_environments_in_the_order_asked_and_which_ans
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     assert "cluster environment (asked in order)" in out
     assert "not this environment" in rows["slurm"]
-    assert "answers: rank 0 of 1" in rows["torchplug.cluster"]
+    assert "not this environment" in rows["environment"]
+    assert "rank 0 of 1" in rows["(none"]
     slurm = {
         "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5", "SLURM_NNODES": "1",
         "SLURM_STEP_NODELIST": "localhost", "SLURM_NODEID": "0", "SLURM_LOCALID": "1",
@@ -146,13 +147,23 @@ def test_plugins_lists_the_cluster_environments_in_the_order_asked_and_which_ans
     }  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-m", "torchplug", "plugins"],
-        capture_output=True, text=True, timeout=180, env={**plain, **slurm},
+        capture_output=True, text=True, timeout=180,
+        env={**plain, **slurm, "RANK": "0", "WORLD_SIZE": "3"},
     ).stdout  # fmt: skip
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     assert "answers: rank 1 of 2" in rows["slurm"], out
-    assert "earlier one" in rows["torchplug.cluster"]
-    names = [n for n in rows if n in ("slurm", "torchplug.cluster")]
-    assert names == ["slurm", "torchplug.cluster"]  # the built-in default is asked last
+    assert "earlier one" in rows["environment"]  # RANK/WORLD_SIZE by hand: asked last
+    assert "not this environment" in rows["torchrun"]
+    names = [n for n in rows if n in ("torchrun", "slurm", "environment")]
+    assert names == ["torchrun", "slurm", "environment"]
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "2", "WORLD_SIZE": "4"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torchplug", "plugins"],
+        capture_output=True, text=True, timeout=180, env={**plain, **slurm, **torchrun},
+    ).stdout  # fmt: skip
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "answers: rank 2 of 4" in rows["torchrun"], out  # in torchrun's workers, first
+    assert "answers" not in rows["slurm"]
 
 
 def test_core_imports_neither_the_command_line_nor_the_testing_kit():

@@ -10,9 +10,10 @@ import textwrap
 import pytest
 
 import torchplug as tp
-from torchplug.contract import cluster
+import torchplug.plugin as tpp
 from torchplug.contract.errors import ConfigurationError
 from torchplug.contract.spec import hookimpl
+from torchplug.engine import connector as cluster
 from torchplug.plugins.slurm import expand_nodelist, tasks_per_node
 
 SLURM = {
@@ -47,7 +48,7 @@ def test_slurm_task_identity():
     info = cluster.detect(SLURM)
     assert (info.rank, info.world_size, info.local_rank, info.node_rank) == (5, 8, 1, 2)
     assert (info.num_nodes, info.local_world_size, info.master_addr) == (5, 2, "gpu07")
-    assert info.master_port == cluster.job_port("slurm", SLURM["SLURM_JOB_ID"], "")
+    assert info.master_port == tpp.job_port("slurm", SLURM["SLURM_JOB_ID"], "")
     assert info.source == "SLURM"
 
 
@@ -187,7 +188,7 @@ def fields(info: cluster.ClusterInfo) -> tuple:
         (LSF, (5, 8, 1, 4, 1, 2, "c01n01", 14321, "LSF")),
         (
             OPEN_MPI,
-            (3, 4, 1, 2, 1, 2, "node1", cluster.job_port("mpi", "3405643777"), "mpirun (Open MPI)"),
+            (3, 4, 1, 2, 1, 2, "node1", tpp.job_port("mpi", "3405643777"), "mpirun (Open MPI)"),
         ),
         (MPICH, (2, 4, 0, 2, 1, 2, "10.0.0.7", 31000, "mpirun (MPICH/Intel MPI)")),
     ],
@@ -331,7 +332,7 @@ def _tasks(kind: str, rank: int, port: int, step: str = "0") -> dict[str, str]:
 def _start_tasks(kind: str, script, *flags: str) -> list[subprocess.CompletedProcess]:
     """What ``srun -n 2`` / ``mpirun -np 2`` do to ``torchplug launch``: two processes on one
     node, each with the scheduler's variables for its task."""
-    port = cluster.free_port()
+    port = tpp.free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "torchplug", "launch", *flags, str(script)],

@@ -15,7 +15,7 @@ import pytest
 from installing import installed as install_into_temporary_target
 from test_cluster import doctor, identity
 from torchplug.cli.launch import apply_cluster, launch_parser
-from torchplug.contract.cluster import ClusterInfo
+from torchplug.plugin import ClusterInfo
 from torchplug.testing.kit import check
 from torchplug.testing.processes import RankPool, default_sys_path
 

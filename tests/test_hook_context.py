@@ -107,6 +107,50 @@ def test_the_backend_only_members_left_the_engine_and_warn_for_one_cycle():
             engine.no_such_member  # noqa: B018
 
 
+def _reachable_from(root: object, limit: int = 500_000) -> list[object]:
+    """Every object reachable from ``root`` by strong references, modules, classes and
+    functions' globals left out (they reach everything)."""
+    import gc
+    import sys
+    import types
+
+    module_dicts = {id(vars(m)) for m in list(sys.modules.values()) if m is not None}
+    seen: set[int] = set()
+    found: list[object] = []
+    todo = [root]
+    while todo and len(found) < limit:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (types.ModuleType, type)) or id(obj) in module_dicts:
+            continue
+        seen.add(id(obj))
+        found.append(obj)
+        if isinstance(obj, types.FunctionType):
+            todo += [c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not c]
+            todo += list(obj.__defaults__ or ())
+        else:
+            todo += gc.get_referents(obj)
+    return found
+
+
+def test_the_context_holds_no_engine_reference():
+    """Issue 33 item 3: the context is built from the objects that own the Engine's state
+    (selection, collectives, BackendState, typed hooks), not from the Engine; nothing a hook
+    can reach holds the Engine strongly (API 1.x's fall-through goes through a weak reference),
+    and neither does the user's optimizer after setup."""
+    with tp.Engine("single") as engine:
+        model = torch.nn.Linear(3, 2)
+        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.backward(model(torch.ones(2, 3)).sum())
+        optimizer.step()
+        reachable = _reachable_from(engine._context)
+        assert any(obj is engine._backend for obj in reachable)  # the walk does reach owners
+        assert not any(obj is engine for obj in reachable)
+        assert not any(obj is engine for obj in _reachable_from(optimizer))
+    # and a planted back-pointer is found
+    engine._backend.planted = engine
+    assert any(obj is engine for obj in _reachable_from(engine._context))
+
+
 class ReadsTheLogDir(tpp.Strategy):
     """An API 1.0 plugin that reads an Engine member the context does not offer."""
 

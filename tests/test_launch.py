@@ -169,7 +169,7 @@ def test_help_shows_torchplug_flags_first_with_the_strategies():
 
 @pytest.mark.slow
 def test_master_port_is_honoured_and_flags_after_the_script_warn(tmp_path, script):
-    from torchplug.contract.cluster import free_port
+    from torchplug.plugin import free_port
 
     port = free_port()
     run = torchplug(

@@ -14,7 +14,7 @@ import torch
 
 from reference import train
 from test_parity import assert_close_dicts
-from torchplug.contract.cluster import free_port
+from torchplug.plugin import free_port
 
 TESTS = Path(__file__).resolve().parent
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchplug.contract.cluster import free_port
+from torchplug.plugin import free_port
 from torchplug.util import torchprivate
 
 

@@ -9,8 +9,8 @@ import pytest
 
 import torchplug as tp
 from test_cluster import doctor_run
-from torchplug.contract import cluster
 from torchplug.engine import config
+from torchplug.engine import connector as cluster
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,6 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from torchplug._deprecated import options_of
-    from torchplug.contract.cluster import ClusterInfo
     from torchplug.contract.errors import (
         CheckpointError,
         ConfigurationError,
@@ -63,7 +62,13 @@ if TYPE_CHECKING:
     )
     from torchplug.contract.manager import block, register, unregister
     from torchplug.contract.spec import API_VERSION, hookimpl
-    from torchplug.contract.types import LoggerInfo, Option, PrecisionInfo, StrategyInfo
+    from torchplug.contract.types import (
+        ClusterInfo,
+        LoggerInfo,
+        Option,
+        PrecisionInfo,
+        StrategyInfo,
+    )
     from torchplug.engine.engine import Engine, Runtime
     from torchplug.engine.launcher import RankFailedError, launch
     from torchplug.features.batchsize import find_executable_batch_size

@@ -58,10 +58,10 @@ _EXPORTS = {
     "positive_number": "torchplug.contract.types",
     "DEFAULT_TIMEOUT": "torchplug.contract.types",
     # cluster environments: ports and the scheduler's variables
-    "free_port": "torchplug.contract.cluster",
-    "job_port": "torchplug.contract.cluster",
-    "master_port": "torchplug.contract.cluster",
-    "env_int": "torchplug.contract.cluster",
+    "free_port": "torchplug.plugins.torchrun",
+    "job_port": "torchplug.plugins.torchrun",
+    "master_port": "torchplug.plugins.torchrun",
+    "env_int": "torchplug.plugins.torchrun",
     # what this machine can run (a strategy's precision_check)
     "cuda_lacks": "torchplug.util.capabilities",
     "cpu_kernels_missing": "torchplug.util.capabilities",
@@ -115,7 +115,6 @@ if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they impor
         portable_manifest,
         portable_save,
     )
-    from torchplug.contract.cluster import env_int, free_port, job_port, master_port
     from torchplug.contract.context import HookContext, HookContextWarning
     from torchplug.contract.errors import (
         CheckpointError,

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torchplug_sagemaker")
 
-from torchplug.contract import cluster  # noqa: E402
+from torchplug.engine import connector as cluster  # noqa: E402
 
 ENV = {
     "SM_HOSTS": json.dumps(["algo-1", "algo-2", "algo-3"]),

@@ -34,7 +34,6 @@ def doctor(plugins: list[str] | None = None) -> int:
     import torch
 
     import torchplug
-    from torchplug.contract import cluster
     from torchplug.contract.errors import TorchplugError
     from torchplug.contract.manager import get_registry, import_plugin_module
     from torchplug.engine import config, connector
@@ -67,10 +66,10 @@ def doctor(plugins: list[str] | None = None) -> int:
     print(_indented(devices))
     invalid: list[str] = []
     try:
-        env = cluster.detect()
+        env = connector.detect()
     except TorchplugError as exc:
         invalid.append(f"cluster environment: {exc}")
-        env = cluster.ClusterInfo(source="invalid (see below)")
+        env = torchplug.ClusterInfo(source="invalid (see below)")
     print("cluster environment")
     print(f"  detected by  {env.source}")
     fields = ("rank", "world_size", "local_rank", "node_rank", "num_nodes")

@@ -86,7 +86,8 @@ def _default(name: str) -> str:
     """Where torchplug's default answer lives, if any."""
     import importlib
 
-    from torchplug.contract import cluster, manager
+    from torchplug.contract import manager
+    from torchplug.plugins import torchrun
     from torchplug.plugins.base import DistributedStrategy, Strategy
 
     modules = manager.builtin_modules()
@@ -110,11 +111,13 @@ def _default(name: str) -> str:
             f"`{DistributedStrategy.__module__}.DistributedStrategy.{name}` (subclass "
             f"`torchplug.plugin.DistributedStrategy` to inherit it: a process group of its own)."
         )
-    if hasattr(cluster, name):
+    if hasattr(torchrun, name):
         return (
-            "`torchplug.contract.cluster` reads torchrun's variables (`RANK`, `WORLD_SIZE`, "
-            "`LOCAL_RANK`, `MASTER_ADDR`, ...) and answers last; without them the process is "
-            "rank 0 of 1. Built-in schedulers: SLURM, Kubeflow PyTorchJob, LSF, mpirun."
+            "`torchplug.plugins.torchrun` reads torchrun's variables (`RANK`, `WORLD_SIZE`, "
+            "`LOCAL_RANK`, `MASTER_ADDR`, ...): first inside a worker torchrun started (a "
+            "scheduler's variables there were inherited from the launcher), last otherwise; "
+            "without them the process is rank 0 of 1. Built-in schedulers: SLURM, Kubeflow "
+            "PyTorchJob, LSF, mpirun."
         )
     if name == "torchplug_init_module":
         return (

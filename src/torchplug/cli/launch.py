@@ -345,7 +345,7 @@ def _script_mentions(args: Any, flag: str) -> bool:
 
 def check_rendezvous(args: Any, argv: Sequence[str]) -> None:
     """Honour ``MASTER_ADDR``/``MASTER_PORT`` from the environment; check the port."""
-    from torchplug.contract.cluster import master_port
+    from torchplug.plugins.torchrun import master_port
 
     before = argv[: argv.index(args.training_script)] if args.training_script in argv else argv
     given = {a.split("=", 1)[0].replace("_", "-") for a in before}
@@ -522,7 +522,7 @@ def launch(argv: Sequence[str]) -> int:
     if at is not None:
         args.training_script_args = argv[at + 1 :]
     try:
-        from torchplug.contract import cluster
+        from torchplug.engine.connector import detect
 
         import_plugins(args.plugin)
         from_file(args, parser)
@@ -535,7 +535,7 @@ def launch(argv: Sequence[str]) -> int:
                 f"--max-restarts {args.max_restarts} is negative; expected 0 (no restarts, the "
                 f"default) or more, e.g. --max-restarts 3."
             )
-        found = cluster.detect()
+        found = detect()
         warn_loopback(
             max(found.num_nodes, _int_or(args.nnodes, 1)),
             getattr(args, "master_addr", None) or found.master_addr,

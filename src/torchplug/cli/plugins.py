@@ -224,12 +224,10 @@ def cluster_environments(registry: object) -> list[list[str]]:
     (the first answer wins), each with what it answers in this process's environment."""
     import os
 
-    from torchplug.contract.cluster import inside_torchrun
-
     pm = registry.pm  # type: ignore[attr-defined]
     rows = []
     env = dict(os.environ)
-    found_answer = inside_torchrun(env)
+    found_answer = False
     for impl in reversed(pm.hook.torchplug_cluster_environment.get_hookimpls()):
         name = pm.get_name(impl.plugin) or "?"
         distribution, version = registry.origins.get(name, ("", ""))  # type: ignore[attr-defined]
@@ -242,11 +240,13 @@ def cluster_environments(registry: object) -> list[list[str]]:
             if answer is None:
                 here = "not this environment"
             elif found_answer:
-                here = "would answer, but an earlier one (or torchrun's variables) wins"
+                here = "would answer, but an earlier one wins"
             else:
                 here = f"answers: rank {answer.rank} of {answer.world_size}" + (
                     f" ({answer.source})" if getattr(answer, "source", "") else ""
                 )
                 found_answer = True
         rows.append([name, provider, here])
+    if not found_answer:
+        rows.append(["(none answers)", "torchplug", "rank 0 of 1 (single process)"])
     return rows

@@ -19,13 +19,14 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from torchplug.contract.hooks import Hooks
-    from torchplug.contract.types import ClusterInfo, Runtime, Settings
+    from torchplug.contract.types import ClusterInfo, Runtime
 
 
 class HookContextWarning(DeprecationWarning):
@@ -41,7 +42,106 @@ if not sys.warnoptions:
     warnings.filterwarnings("default", category=HookContextWarning)
 
 
-class HookContext:
+@dataclass
+class Selection:
+    """What an Engine decided when it was made, as its hooks read it (owned by the Engine;
+    `runtime` is set once the backend's ``torchplug_setup`` answered).
+
+    Args:
+        strategy: The strategy's canonical name.
+        backend: The object holding the strategy's hooks.
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"``.
+        precision_options: The precision plugin's resolved options.
+        options: The strategy's resolved options.
+        settings: Every setting with where it came from.
+        cluster: Who this process is in its job.
+        checkpoint_key: The key checkpoints are signed with (``None``: none).
+        collective_timeout: Seconds a collective waits for the other ranks.
+        checkpoint_timeout: Seconds a save or load waits for every rank.
+        runtime: Where this process runs, once the backend's setup answered.
+    """
+
+    strategy: str
+    backend: object
+    precision: str
+    precision_options: dict[str, Any]
+    options: dict[str, Any]
+    settings: Any
+    cluster: ClusterInfo
+    checkpoint_key: Any
+    collective_timeout: float
+    checkpoint_timeout: float
+    runtime: Runtime | None = None
+
+
+class RuntimeFacts:
+    """Who and where this process is, read from ``runtime`` (what the backend's
+    ``torchplug_setup`` answered): the user's Engine and a hook's context answer alike."""
+
+    __slots__ = ()
+    runtime: Runtime
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, 0 to ``world_size - 1``."""
+        return self.runtime.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index among the processes on its node."""
+        return self.runtime.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """This node's index."""
+        return self.runtime.node_rank
+
+    @property
+    def world_size(self) -> int:
+        """How many processes run the job."""
+        return self.runtime.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this rank trains on (its rank, unless model parallelism
+        makes several ranks share one replica)."""
+        value = self.runtime.data_parallel_rank
+        return self.runtime.rank if value is None else value
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the data is split into (``world_size`` unless model parallel)."""
+        value = self.runtime.data_parallel_size
+        return self.runtime.world_size if value is None else value
+
+    @property
+    def mesh(self) -> Any:
+        """The job's device mesh (a ``torch.distributed.device_mesh.DeviceMesh``) as the
+        backend's setup built it, shared by every model the job sets up; ``None`` for backends
+        without one (``single``, ``ddp``)."""
+        return self.runtime.mesh
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0."""
+        return self.runtime.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """Whether this is the first process on its node (local rank 0)."""
+        return self.runtime.local_rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on (batches and models go there)."""
+        return self.runtime.device
+
+
+def _fact(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self._selection, name), doc=doc)
+
+
+class HookContext(RuntimeFacts):
     """What a hook may read and call: passed to every strategy hook as ``engine``.
 
     Runtime facts (``rank``, ``world_size``, ``local_rank``, ``node_rank``, ``device``,
@@ -52,127 +152,74 @@ class HookContext:
     ``checkpoint_timeout`` (the one setting each), ``checkpoint_key``, the collectives
     (``reduce``, ``gather``, ``barrier``, ``broadcast_object``), ``hooks`` (the active set's
     typed hooks: call the state protocol through them; ``hook``, pluggy's raw relay, is
-    deprecated since API 1.2), the user
-    objects set up so far (``optimizers``,
-    ``model_of``, ``accumulating``) and the calls a backend makes on them (``restore_on_close``,
+    deprecated since API 1.2), the user objects set up so far (``optimizers``, ``model_of``,
+    ``accumulating``) and the calls a backend makes on them (``restore_on_close``,
     ``real_optimizer_steps``, ``skipping_updates``, ``native_state_dicts``, ``full_state``,
-    ``checkpoint_header``). The calls on the user's objects are the backend's own (owned by the
-    Engine's ``BackendState``, documented here); the rest is the Engine member of the same name,
-    whose docs say what it does.
+    ``checkpoint_header``).
+
+    Built from the objects that own each part (the Engine's `Selection`, its collectives, its
+    ``BackendState``, its typed hooks), not from the Engine: the contract never depends on the
+    user's façade. Through API 1.x a name it does not offer still reaches the Engine (a weak
+    reference kept for that alone), with a `HookContextWarning`.
 
     Args:
-        engine: The Engine it answers for (torchplug makes the context; a plugin never does).
-        hooks: Returns the Engine's typed façade (`hooks`), which is made after the context.
-        backend: Owns what a backend changes on the user's objects (`restore_on_close`,
-            `skipping_updates`, ...); the Engine itself when not given.
+        selection: The Engine's selection and, after setup, its runtime.
+        collectives: Answers ``reduce``, ``gather``, ``barrier`` and ``broadcast_object``.
+        backend: Owns what a backend changes on the user's objects (``restore_on_close``,
+            ``skipping_updates``, ...), the optimizers set up, ``accumulating`` and ``failing``.
+        hooks: The Engine's typed façade (offered as `hooks`).
+        api1: Returns the Engine for API 1.x's fall-through (``None``: no fall-through).
     """
 
-    __slots__ = ("_backend", "_engine", "_hooks_of")
+    __slots__ = ("_api1", "_backend", "_collectives", "_hooks_of", "_selection")
 
     def __init__(
-        self, engine: Any, hooks: Callable[[], Any] | None = None, backend: Any = None
+        self,
+        selection: Selection,
+        *,
+        collectives: Any,
+        backend: Any,
+        hooks: Hooks,
+        api1: Callable[[], Any] | None = None,
     ) -> None:
-        object.__setattr__(self, "_engine", engine)
-        # the owner of what a backend changes on the user's objects (the Engine's BackendState)
-        object.__setattr__(self, "_backend", backend if backend is not None else engine)
-        # the Engine's typed façade, handed over by its owner (made after this context, which
-        # it is built with)
+        object.__setattr__(self, "_selection", selection)
+        object.__setattr__(self, "_collectives", collectives)
+        object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_hooks_of", hooks)
+        object.__setattr__(self, "_api1", api1)
 
     def __repr__(self) -> str:
-        return f"HookContext(strategy={self._engine.strategy!r})"
+        return f"HookContext(strategy={self._selection.strategy!r})"
 
     # -- runtime facts ----------------------------------------------------------------------------
 
     @property
-    def strategy(self) -> str:
-        return self._engine.strategy
-
-    @property
-    def rank(self) -> int:
-        return self._engine.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._engine.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self._engine.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        return self._engine.node_rank
-
-    @property
-    def device(self) -> torch.device:
-        return self._engine.device
-
-    @property
-    def is_main(self) -> bool:
-        return self._engine.is_main
-
-    @property
-    def is_local_main(self) -> bool:
-        return self._engine.is_local_main
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self._engine.data_parallel_rank
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self._engine.data_parallel_size
-
-    @property
-    def mesh(self) -> Any:
-        return self._engine.mesh
-
-    @property
     def runtime(self) -> Runtime:
-        return self._engine.runtime
-
-    @property
-    def cluster(self) -> ClusterInfo:
-        return self._engine.cluster
+        """Where this process runs, as the backend's ``torchplug_setup`` answered."""
+        runtime = self._selection.runtime
+        if runtime is None:
+            raise AttributeError(
+                "the runtime (rank, device, ...) is what torchplug_setup answers: it is not "
+                "known inside that hook; read the `cluster` argument there instead"
+            )
+        return runtime
 
     @property
     def failing(self) -> bool:
-        return self._engine.failing
-
-    @property
-    def backend(self) -> object:
-        return self._engine.backend
+        return self._backend.failing
 
     # -- the selection and its settings -----------------------------------------------------------
 
-    @property
-    def precision(self) -> str:
-        return self._engine.precision
-
-    @property
-    def precision_options(self) -> dict[str, Any]:
-        return self._engine.precision_options
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return self._engine.options
-
-    @property
-    def settings(self) -> Settings:
-        return self._engine.settings
-
-    @property
-    def collective_timeout(self) -> float:
-        return self._engine.collective_timeout
-
-    @property
-    def checkpoint_timeout(self) -> float:
-        return self._engine.checkpoint_timeout
-
-    @property
-    def checkpoint_key(self) -> Any:
-        return self._engine.checkpoint_key
+    strategy = _fact("strategy", "The selected strategy's canonical name.")
+    cluster = _fact("cluster", "Who this process is in its job (what setup decides from).")
+    backend = _fact("backend", "The object holding the strategy's hooks.")
+    precision = _fact("precision", '``"32"``, ``"bf16"`` or ``"fp16"``.')
+    precision_options = _fact("precision_options", "The precision plugin's resolved options.")
+    options = _fact("options", "The strategy's resolved options, by name.")
+    settings = _fact("settings", "Every setting with where it came from.")
+    collective_timeout = _fact("collective_timeout", "Seconds a collective waits.")
+    checkpoint_timeout = _fact("checkpoint_timeout", "Seconds a save or load waits.")
+    checkpoint_key = _fact("checkpoint_key", "The checkpoint signing key (``None``: none).")
 
     # -- the active set and the collectives -------------------------------------------------------
 
@@ -188,15 +235,13 @@ class HookContext:
             DeprecationWarning,
             stacklevel=2,
         )
-        return self._engine.hook
+        return self.hooks.relay
 
     @property
     def hooks(self) -> Hooks:
         """The active set's typed façade (`torchplug.contract.hooks.Hooks`): one method per hook,
         its answer checked; how torchplug's own checkpoint plugin calls the state protocol."""
-        if self._hooks_of is None:
-            raise AttributeError("this HookContext was made without its Engine's hooks")
-        return self._hooks_of()
+        return self._hooks_of
 
     def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         """[`Engine.reduce`][torchplug.Engine.reduce], through the active set's reduce hook.
@@ -205,7 +250,7 @@ class HookContext:
             tensor: This rank's tensor (or number).
             op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
         """
-        return self._engine.reduce(tensor, op)
+        return self._collectives.reduce(tensor, op)
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
         """[`Engine.gather`][torchplug.Engine.gather].
@@ -213,11 +258,11 @@ class HookContext:
         Args:
             tensor: This rank's tensor (or number), the same shape on every rank.
         """
-        return self._engine.gather(tensor)
+        return self._collectives.gather(tensor)
 
     def barrier(self) -> None:
         """[`Engine.barrier`][torchplug.Engine.barrier]."""
-        self._engine.barrier()
+        self._collectives.barrier()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """[`Engine.broadcast_object`][torchplug.Engine.broadcast_object].
@@ -226,13 +271,13 @@ class HookContext:
             obj: A JSON value on rank ``src`` (ignored elsewhere).
             src: The rank whose value every rank gets.
         """
-        return self._engine.broadcast_object(obj, src)
+        return self._collectives.broadcast_object(obj, src)
 
     # -- the user's objects -----------------------------------------------------------------------
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return self._engine.optimizers
+        return list(self._backend.optimizers)
 
     def model_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Any:
         """The (wrapped) model whose parameters ``optimizer`` updates.
@@ -248,7 +293,7 @@ class HookContext:
 
     @property
     def accumulating(self) -> tuple[int, bool] | None:
-        return self._engine.accumulating
+        return self._backend.accumulating
 
     def restore_on_close(self, obj: Any, name: str) -> None:
         """Remember ``obj.name`` as it is now; the Engine's ``close()`` puts it back (what setup
@@ -291,7 +336,7 @@ class HookContext:
             model: A model this Engine set up.
             optimizer: Its optimizer, whose state is included when given.
         """
-        return self._engine.full_state(model, optimizer)
+        return self._backend.full_state(model, optimizer)
 
     def checkpoint_header(self, state: dict[str, Any]) -> dict[str, Any]:
         """What the manifest records about this run, besides the entries themselves.
@@ -303,8 +348,14 @@ class HookContext:
 
     # -- API 1.x: the rest of the Engine, with a warning ------------------------------------------
 
+    def _engine(self, name: str) -> Any:
+        engine = self._api1() if self._api1 is not None else None
+        if engine is None:
+            raise AttributeError(f"'HookContext' object has no attribute {name!r}")
+        return engine
+
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._engine, name)  # an unknown name raises AttributeError as before
+        value = getattr(self._engine(name), name)  # an unknown name raises AttributeError
         if not name.startswith("__"):
             warnings.warn(
                 f"engine.{name} in a hook: the hook's `engine` argument is a "
@@ -324,9 +375,10 @@ class HookContext:
             HookContextWarning,
             stacklevel=2,
         )
-        setattr(self._engine, name, value)
+        setattr(self._engine(name), name, value)
 
 
 def iter_members() -> Iterator[str]:
     """The context's public members, as the class defines them (for the tests and docs)."""
-    return (name for name in vars(HookContext) if not name.startswith("_"))
+    names = [*vars(RuntimeFacts), *vars(HookContext)]
+    return (name for name in dict.fromkeys(names) if not name.startswith("_"))

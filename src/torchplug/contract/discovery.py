@@ -45,7 +45,9 @@ OWN_DISTRIBUTION = "torchplug"
 #: torchplug's own plugins every Engine needs, loaded whatever the allow-list says (a block
 #: still applies): the hooks' default answers, the portable checkpoint's save and load, and the
 #: default strategy.
-MINIMAL_PLUGINS = frozenset({"torch_distributed", "checkpoint", "single"})
+MINIMAL_PLUGINS = frozenset(
+    {"torch_distributed", "checkpoint", "single", "torchrun", "environment"}
+)
 
 
 def _env_list(name: str) -> list[str]:

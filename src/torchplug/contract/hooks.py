@@ -23,7 +23,7 @@ from torchplug.contract import dispatch
 from torchplug.contract.errors import PluginError
 
 if TYPE_CHECKING:
-    from torchplug.contract.types import ClusterInfo
+    from torchplug.contract.types import ClusterInfo, Runtime
 
 #: Hooks called on every training step (their contracts say ``per_step``): resolved once per
 #: Engine (see `dispatch`).
@@ -57,7 +57,8 @@ class Hooks:
     Args:
         pm: The Engine's plugin manager, holding its active set.
         context: What every hook gets as its ``engine`` argument: the Engine's
-            `torchplug.contract.context.HookContext` (which offers this façade as ``hooks``).
+            `torchplug.contract.context.HookContext` (which offers this façade as ``hooks``);
+            ``None`` until `bind` gives it.
         strategy: The strategy's name, for errors.
         provider: The plugin that announced it, for errors.
     """
@@ -83,6 +84,11 @@ class Hooks:
         self._reduce = call["torchplug_reduce"]
         self._gather = call["torchplug_gather"]
         self._barrier = call["torchplug_barrier"]
+
+    def bind(self, context: Any) -> None:
+        """Give every hook ``context`` as its ``engine`` argument (a context is built from its
+        owners, this façade among them, so it comes after the façade)."""
+        self._context = context
 
     def answer(self, hook: str, result: Any, expected: Any = None, what: str = "") -> Any:
         """``result`` if it is what ``hook`` must return (its contract's answer type, unless
@@ -114,9 +120,18 @@ class Hooks:
 
     # -- the job ----------------------------------------------------------------------------------
 
-    def setup(self, cluster: ClusterInfo) -> Any:
-        """``torchplug_setup``: the Engine checks the Runtime itself (its error says more)."""
-        return self._relay.torchplug_setup(engine=self._context, cluster=cluster)
+    def setup(self, cluster: ClusterInfo) -> Runtime:
+        """``torchplug_setup``: its answer must be a torchplug `Runtime`."""
+        from torchplug.contract.types import Runtime
+
+        answer = self._relay.torchplug_setup(engine=self._context, cluster=cluster)
+        return self.answer("torchplug_setup", answer, Runtime, "a torchplug Runtime")
+
+    @property
+    def relay(self) -> Any:
+        """pluggy's raw relay, for the deprecated API 1.x ``hook`` members only (nothing
+        checks its answers)."""
+        return self._relay
 
     def teardown(self) -> None:
         """``torchplug_teardown``: every plugin's, in order."""

@@ -14,7 +14,6 @@ stays importable from here.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import threading
 from collections.abc import Iterable
@@ -134,10 +133,6 @@ def get_registry() -> Registry:
                 for name in {*_env_list("TORCHPLUG_BLOCK_PLUGINS"), *_pending_blocks}:
                     pm.set_blocked(name)
                     registry.blocked.add(name)
-                # torchrun's reading of the environment, the cluster plugin that answers
-                # last; loaded by name, as every plugin is (it builds on this module)
-                cluster = importlib.import_module("torchplug.contract.cluster")
-                registry.add(cluster, name="torchplug.cluster", origin=(OWN_DISTRIBUTION, ""))
                 discovery.discover(registry)
                 discovery.check_pending(registry)
                 _registry = registry

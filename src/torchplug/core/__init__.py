@@ -23,7 +23,7 @@ MOVED = {
     "errors": "torchplug.contract.errors",
     "spec": "torchplug.contract.spec",
     "registry": "torchplug.contract.types",
-    "cluster": "torchplug.contract.cluster",
+    "cluster": "torchplug.plugins.torchrun",
     "context": "torchplug.contract.context",
     "hooks": "torchplug.contract.hooks",
     "dispatch": "torchplug.contract.dispatch",

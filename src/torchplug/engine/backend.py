@@ -10,25 +10,54 @@ as deprecated aliases for plugin API 1.x, so its reference lists what a training
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchplug.contract.errors import CheckpointError
+from torchplug.contract.errors import CheckpointError, ConfigurationError
 from torchplug.engine import wrappers
+from torchplug.features import faults
+from torchplug.util.nested import map_tensors
+
+if TYPE_CHECKING:
+    from torchplug.contract.context import Selection
+    from torchplug.contract.hooks import Hooks
+
+
+#: What only a backend calls, owned by `BackendState` and offered by the hook's HookContext; the
+#: Engine answers these names through plugin API 1.x with a DeprecationWarning.
+BACKEND_ONLY = frozenset(
+    {
+        "restore_on_close",
+        "native_state_dicts",
+        "model_of",
+        "skipping_updates",
+        "real_optimizer_steps",
+        "checkpoint_header",
+    }
+)
 
 
 class BackendState:
     """The Engine's objects as its backend changes them.
 
     Args:
-        header: Makes the manifest's record of the run (the Engine's `checkpointing.header`).
+        selection: The Engine's selection (what the manifest records of the run).
+        hooks: The Engine's typed hook façade.
     """
 
-    def __init__(self, header: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-        self._header = header
+    def __init__(self, selection: Selection, hooks: Hooks) -> None:
+        self._selection = selection
+        self._hooks = hooks
+        #: Inside ``engine.accumulate``: ``(steps, whether this micro-batch synchronizes)``.
+        self.accumulating: tuple[int, bool] | None = None
+        #: Micro-batches counted so far in each model's open accumulation group (by id).
+        self.accumulated: dict[int, int] = {}
+        #: Set when the Engine is left by an exception (teardown then skips its barrier).
+        self.left_by_error = False
         #: What ``close()`` undoes, newest last: patches on user objects, SyncBatchNorm, ...
         self.undo: list[Callable[[], None]] = []
         #: The optimizers set up so far, in order, and the (wrapped) model of each.
@@ -128,4 +157,87 @@ class BackendState:
         Args:
             state: The state being saved.
         """
-        return self._header(state)
+        from torchplug.util.version import VERSION
+
+        step = state.get("step")
+        chosen = self._selection
+        return {
+            "strategy": {"name": chosen.strategy, "options": chosen.options},
+            "precision": chosen.precision,
+            "world_size": chosen.runtime.world_size if chosen.runtime else 1,
+            "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+            "torchplug_version": VERSION,
+        }
+
+    @property
+    def failing(self) -> bool:
+        """Whether the Engine, or the process, is going down with an exception: teardown then
+        skips its barrier (the other ranks may sit in a collective that never completes)."""
+        return self.left_by_error or faults.failing
+
+    def full_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """`Engine.full_state`: the unsharded state by parameter name, on the CPU.
+
+        Args:
+            model: A model the Engine set up.
+            optimizer: Its optimizer, whose state is included when given.
+        """
+        from torch.distributed.tensor import DTensor
+
+        def full(value: torch.Tensor) -> torch.Tensor:
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            return value.detach().cpu().clone()
+
+        hooks = self._hooks
+        with self.native_state_dicts():
+            result = {"model": map_tensors(hooks.model_state(model), full)}
+            if optimizer is not None:
+                result["optimizer"] = map_tensors(hooks.optimizer_state(model, optimizer), full)
+        return result
+
+    @contextlib.contextmanager
+    def accumulate(self, model: torch.nn.Module, steps: int) -> Iterator[bool]:
+        """`Engine.accumulate`'s count: yields whether this micro-batch synchronizes (the
+        ``steps``-th of its model's group), with `accumulating` set inside.
+
+        Args:
+            model: The model the count is kept for.
+            steps: Micro-batches per optimizer update.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigurationError(
+                f"engine.accumulate: steps={steps!r} is not a number of micro-batches; expected a "
+                f"whole number of 1 or more. Fix: e.g. engine.accumulate(model, steps=4)."
+            )
+        if self.accumulating is not None:
+            raise ConfigurationError(
+                "engine.accumulate() was entered inside another engine.accumulate(). Use one "
+                "block per micro-batch."
+            )
+        count = self.accumulated.get(id(model), 0) + 1
+        sync = count % steps == 0
+        self.accumulated[id(model)] = 0 if sync else count
+        for optimizer in self.optimizers:
+            wrappers.skip_zero_grad(self, optimizer)
+        self.accumulating = (steps, sync)
+        try:
+            yield sync
+        finally:
+            self.accumulating = None
+
+    def deprecated_alias(self, name: str) -> Any:
+        """``engine.<name>`` for a name of `BACKEND_ONLY` (plugin API 1.x): the member, with a
+        DeprecationWarning naming its new place; any other name is an AttributeError."""
+        if name not in BACKEND_ONLY:
+            raise AttributeError(f"'Engine' object has no attribute {name!r}")
+        warnings.warn(
+            f"engine.{name} is a backend's call and leaves the user's Engine: use the "
+            f"`engine` argument of your hook (a torchplug.plugin.HookContext), which has "
+            f"it. Engine.{name} keeps working through plugin API 1.x.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return getattr(self, name)

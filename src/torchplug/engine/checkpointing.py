@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from torchplug.checkpoint import async_save
 from torchplug.contract.errors import CheckpointError, PluginError
-from torchplug.util.nested import map_tensors
 
 if TYPE_CHECKING:
     from torchplug.engine._typing import Engine
@@ -28,35 +27,45 @@ if TYPE_CHECKING:
 RESERVED_PREFIX = "torchplug."
 
 
-def header(engine: Engine, state: dict[str, Any]) -> dict[str, Any]:
-    """What the manifest records about this run, besides the entries themselves."""
-    from torchplug.util.version import VERSION as __version__
+class Saves:
+    """The Engine's asynchronous save in flight (at most one) and the host copies the next one
+    reuses: `Engine.wait_for_save`, `Engine.after_save` and what ``close()`` finishes."""
 
-    step = state.get("step")
-    return {
-        "strategy": {"name": engine.strategy, "options": engine.options},
-        "precision": engine.precision,
-        "world_size": engine.world_size,
-        "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
-        "torchplug_version": __version__,
-    }
+    def __init__(self) -> None:
+        self.pending: async_save.PendingSave | None = None
+        #: Async saves' host copies, reused by the next one.
+        self.staging: dict[str, Any] = {}
 
+    def wait(self) -> None:
+        """Wait for the save in flight to commit; raise its failure (`Engine.wait_for_save`)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
 
-def full_state(
-    engine: Engine, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
+    def wait_staged(self) -> None:
+        """Wait until the save in flight has copied what an optimizer step is about to change."""
+        if self.pending is not None:
+            self.pending.wait_staged()
 
-    def full(value: torch.Tensor) -> torch.Tensor:
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        return value.detach().cpu().clone()
+    def after(self, step: Callable[[], None]) -> None:
+        """Run ``step`` once the last save has committed (`Engine.after_save`)."""
+        if self.pending is None:
+            step()
+        else:
+            self.pending.then(step)
 
-    with engine._backend.native_state_dicts():
-        result = {"model": map_tensors(engine._hooks.model_state(model), full)}
-        if optimizer is not None:
-            result["optimizer"] = map_tensors(engine._hooks.optimizer_state(model, optimizer), full)
-    return result
+    def finish(self, failing: bool) -> CheckpointError | None:
+        """At close: finish a save in flight. Its failure is returned (raised once the Engine is
+        released), unless the Engine is closing because of another error (then a warning)."""
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            if not failing:
+                return exc
+            warnings.warn(str(exc), stacklevel=4)
+        finally:
+            self.staging.clear()
+        return None
 
 
 def save(
@@ -87,11 +96,11 @@ def save(
             f"them."
         )
     state = {**state, **plugin_state(engine)}
-    pending = async_save.PendingSave(str(path), engine._staging) if async_ else None
+    pending = async_save.PendingSave(str(path), engine._saves.staging) if async_ else None
     handoff = async_save.handing_off(pending) if pending else contextlib.nullcontext()
     with engine._backend.native_state_dicts(), handoff:
         done = engine._hooks.save(str(Path(path)), state, metadata)
-    engine._pending_save = pending
+    engine._saves.pending = pending
     engine._hooks.answer("torchplug_save", done)
 
 
@@ -129,3 +138,16 @@ def load(
     if state is not None and merged is not None:
         state.update({k: merged[k] for k in state})  # plain values replaced, as documented
     return {k: v for k, v in answer.items() if not str(k).startswith(RESERVED_PREFIX)}
+
+
+def load_pretrained(
+    engine: Engine, model: Any, path: str | os.PathLike[str], strict: bool
+) -> dict[str, list[str]]:
+    result = engine._hooks.load_pretrained(engine.unwrap(model), path, strict)
+    if result is None:
+        raise PluginError(
+            f"No plugin of strategy '{engine.strategy}''s active set loads pretrained weights "
+            f"(torchplug_load_pretrained). The built-in 'checkpoint' plugin does: unblock it "
+            f"(TORCHPLUG_BLOCK_PLUGINS), or answer the hook in the backend."
+        )
+    return result

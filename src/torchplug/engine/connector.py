@@ -8,12 +8,22 @@ choices and refuses what cannot run here; the Engine then only runs what it pick
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torchplug.contract import manager
-from torchplug.contract.errors import ConfigurationError
-from torchplug.contract.types import ClusterInfo, StrategyInfo, resolve_options
+from torchplug.contract.context import Selection
+from torchplug.contract.errors import ConfigurationError, PluginError
+from torchplug.contract.hooks import Hooks
+from torchplug.contract.types import (
+    DEFAULT_TIMEOUT,
+    ClusterInfo,
+    StrategyInfo,
+    normalize_precision,
+    resolve_options,
+)
 from torchplug.engine import config
 from torchplug.engine.config import auto_strategy, is_auto  # noqa: F401 - re-exported
 
@@ -66,7 +76,7 @@ def check_precision(
         )
 
 
-def strategy_options(
+def strategy_options_of(
     settings: config.Settings, registry: manager.Registry, info: StrategyInfo
 ) -> dict[str, Any]:
     """The selected strategy's options from every source, checked (a shared option or a
@@ -135,3 +145,155 @@ def active_set(
             )
     active += [manager.load_extension(p) if isinstance(p, str) else p for p in plugins]
     return backend, active, resolved
+
+
+def checked_seed(seed: Any) -> int:
+    """``Engine(seed=...)``: a whole number torch's generators take (0 to 2**64 - 1)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ConfigurationError(
+            f"seed must be a whole number from 0 to 2**64 - 1, got {type(seed).__name__} "
+            f"{seed!r}. Pass e.g. seed=0 (the default), or seed=int(your_value)."
+        )
+    return seed
+
+
+def checked_callbacks(callbacks: Any) -> list[object]:
+    """``Engine(callbacks=...)``: an iterable of objects (a single string is a mistake)."""
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise ConfigurationError(
+            f"callbacks must be a list of objects with methods named after your events, got "
+            f"{type(callbacks).__name__} {callbacks!r}. Pass e.g. callbacks=[MyCallback()]."
+        )
+    return list(callbacks)
+
+
+def check_contract(hooks: Hooks, info: StrategyInfo, backend: object, missing: list[str]) -> None:
+    """Refuse to start when an action hook has no answer in the active set (a backend that
+    forgot one would otherwise do nothing, silently, when that hook is called); ``missing``:
+    the built-in default-answer plugins that are blocked, named in the error."""
+    unanswered = [
+        name
+        for name in sorted(manager.ACTION_HOOKS)
+        if not any(not (impl.wrapper or impl.hookwrapper) for impl in hooks.implementations(name))
+    ]
+    if unanswered:
+        raise PluginError(
+            f"Strategy '{info.name}' (plugin '{info.provider or '?'}', backend "
+            f"{manager.qualified_name(backend)}) leaves {len(unanswered)} hook(s) "
+            f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer in "
+            f"the active set (docs/hooks.md)"
+            + (
+                f"; the built-in plugin(s) {', '.join(missing)}, which answer them by "
+                f"default, are blocked: unblock them (TORCHPLUG_BLOCK_PLUGINS), or "
+                f"implement these hooks in the backend."
+                if missing
+                else ": implement these hooks in the backend."
+            )
+        )
+
+
+@dataclass
+class Connection:
+    """What `connect` chose for one Engine: the settings with their sources, who this process
+    is, the strategy and its options, the precision, and the active set."""
+
+    settings: config.Settings
+    cluster: ClusterInfo
+    info: StrategyInfo
+    precision: str
+    options: dict[str, Any]
+    backend: object
+    active: list[object]
+    precision_options: dict[str, Any]
+    registry: manager.Registry
+
+    def selection(self, checkpoint_key: Any, checkpoint_timeout: float) -> Selection:
+        """What the Engine's hooks read of these choices (`HookContext`)."""
+        return Selection(
+            self.info.name,
+            self.backend,
+            self.precision,
+            self.precision_options,
+            self.options,
+            self.settings,
+            self.cluster,
+            checkpoint_key,
+            float(self.options.get("timeout") or DEFAULT_TIMEOUT),
+            checkpoint_timeout,
+        )
+
+    def plugin_manager(self) -> tuple[manager.PluginManager, list[str]]:
+        """A plugin manager holding the active set, and the built-in default-answer plugins
+        that are blocked (named when a hook is left unanswered).
+
+        torchplug's default answers are registered first: pluggy calls the later-registered
+        first, so any answer of the backend's or an extension's comes before them."""
+        pm = manager.new_plugin_manager()
+        defaults = self.registry.default_answers()
+        names = {id(plugin): name for name, plugin in defaults.items()}
+        for plugin in sorted(self.active, key=lambda p: id(p) not in names):
+            manager.register_checked(pm, plugin, name=names.get(id(plugin)))
+        return pm, sorted(manager.DEFAULT_ANSWERS - defaults.keys())
+
+
+def connect(
+    strategy: str,
+    precision: str | int | None,
+    strategy_options: Mapping[str, Any],
+    precision_options: Mapping[str, Any] | None,
+    plugins: Iterable[object],
+) -> Connection:
+    """``Engine(strategy, precision, plugins=..., precision_options=..., **options)`` as
+    choices: every source of settings resolved, the strategy selected and checked against this
+    process and machine, its options and the precision's checked, the backend made."""
+    registry = manager.get_registry()
+    settings = config.resolve(
+        strategy,
+        None if precision is None else str(precision),
+        dict(strategy_options),
+        canonical=lambda name: registry.canonical(name) or name.strip().lower(),
+    )
+    cluster = detect()
+    info = select_strategy(settings, registry, cluster)
+    chosen = normalize_precision(settings.precision.value)
+    check_precision(info, chosen, settings, registry)
+    options = strategy_options_of(settings, registry, info)
+    backend, active, resolved = active_set(
+        info, options, chosen, precision_options, registry, plugins
+    )
+    return Connection(settings, cluster, info, chosen, options, backend, active, resolved, registry)
+
+
+def checked(info: ClusterInfo) -> ClusterInfo:
+    """``info`` if its numbers are consistent; else an error naming the variable and the fix."""
+    where = f"(from {info.source})"
+    if info.world_size < 1:
+        raise ConfigurationError(
+            f"World size {info.world_size} {where} is not a number of processes; expected 1 or "
+            f"more. Fix WORLD_SIZE, or unset RANK and WORLD_SIZE to run one process."
+        )
+    if not 0 <= info.rank < info.world_size:
+        raise ConfigurationError(
+            f"Rank {info.rank} {where} is outside the world of {info.world_size} processes; "
+            f"expected 0 to {info.world_size - 1}. Fix RANK/WORLD_SIZE (a rank that does not "
+            f"exist would wait for the others forever)."
+        )
+    if info.local_rank < 0 or info.node_rank < 0:
+        raise ConfigurationError(
+            f"Local rank {info.local_rank} / node rank {info.node_rank} {where} is negative; "
+            f"expected 0 or more. Fix LOCAL_RANK/GROUP_RANK."
+        )
+    return info
+
+
+def detect(env: Mapping[str, str] | None = None) -> ClusterInfo:
+    """Ask the installed cluster-environment plugins who this process is (torchrun's own answer
+    first inside its workers, ``RANK``/``WORLD_SIZE`` last: `torchplug.plugins.torchrun`);
+    rank 0 of 1 when none answers. The answer is checked for consistency.
+
+    Args:
+        env: The environment to read (``os.environ`` when not given).
+    """
+    env = dict(os.environ if env is None else env)
+    answer = manager.get_registry().pm.hook.torchplug_cluster_environment(env=env)
+    return checked(answer) if answer is not None else ClusterInfo()

@@ -1,19 +1,17 @@
 """The Engine: the one object a training script talks to, whatever the backend.
 
-A façade, split as Fabric splits Fabric: settings become a strategy, precision, options and
-active set in `torchplug.engine.connector`; ``setup`` and every change to a user's objects
-(optimizer steps, state-dict names, compile) are `torchplug.engine.wrappers`, undone by
-``close()``; collectives are
-`torchplug.engine.collectives`; the Engine's side of checkpoints is
-`torchplug.engine.checkpointing`; every hook call goes through the typed façade
-`torchplug.contract.hooks` with the narrow `torchplug.contract.context.HookContext`. What remains
-here is the public surface and the per-Engine state.
+A façade over objects that own their state, split as Fabric splits Fabric: settings become a
+strategy, precision, options and active set in `torchplug.engine.connector`; what a backend
+changes on the user's objects is `torchplug.engine.backend.BackendState` (``setup`` itself is
+`torchplug.engine.wrappers`, undone by ``close()``); collectives are
+`torchplug.engine.collectives.Collectives`; checkpoints `torchplug.engine.checkpointing`; every
+hook call goes through the typed façade `torchplug.contract.hooks` with a
+`torchplug.contract.context.HookContext` built from those owners. What remains here is the
+public surface and the delegation.
 
 Why this module is over 500 lines: it is the public API. Each of the Engine's ~50 public
-methods and properties keeps its Google-style docstring here (docs/api.md renders them with
-mkdocstrings, which shows no inherited or delegated members), about 500 lines of
-documentation; the code around them is the delegation to the modules above and the
-per-Engine state made in ``__init__``.
+members keeps its Google-style docstring here (docs/api.md renders them; mkdocstrings shows no
+delegated members), about 450 lines of documentation around one-line delegations.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -30,74 +27,19 @@ from typing import Any
 import torch
 
 from torchplug.checkpoint.settings import key_from, timeout_from
-from torchplug.contract import cluster as cluster_mod
-from torchplug.contract import manager
-from torchplug.contract.context import HookContext
-from torchplug.contract.errors import CheckpointError, ConfigurationError, PluginError
+from torchplug.contract.context import HookContext, RuntimeFacts
 from torchplug.contract.hooks import Hooks
-from torchplug.contract.types import (
-    DEFAULT_TIMEOUT,
-    Runtime,
-    StrategyInfo,
-    normalize_precision,
-)
-from torchplug.engine import checkpointing, collectives, config, connector, wrappers
-from torchplug.engine.backend import BackendState
-from torchplug.features import faults, profiling, sharing
+from torchplug.contract.types import Runtime
+from torchplug.engine import checkpointing, connector, scaling, wrappers
+from torchplug.engine.backend import BACKEND_ONLY, BackendState  # noqa: F401 - API 1.x name
+from torchplug.engine.collectives import Collectives
+from torchplug.engine.resume import CheckpointPolicy
+from torchplug.features import faults, profiling, sharing, syncbn
+from torchplug.features.metrics import LoggerSet, call_callbacks
+from torchplug.features.preemption import Preemption
 
 
-def _checked_seed(seed: Any) -> int:
-    """``Engine(seed=...)``: a whole number torch's generators take (0 to 2**64 - 1)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ConfigurationError(
-            f"seed must be a whole number from 0 to 2**64 - 1, got {type(seed).__name__} "
-            f"{seed!r}. Pass e.g. seed=0 (the default), or seed=int(your_value)."
-        )
-    return seed
-
-
-def _checked_callbacks(callbacks: Any) -> list[object]:
-    """``Engine(callbacks=...)``: an iterable of objects (a single string is a mistake)."""
-    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
-        raise ConfigurationError(
-            f"callbacks must be a list of objects with methods named after your events, got "
-            f"{type(callbacks).__name__} {callbacks!r}. Pass e.g. callbacks=[MyCallback()]."
-        )
-    return list(callbacks)
-
-
-#: Checkpoint entries of torchplug's own (plugins' state): user keys may not start with it.
-RESERVED_PREFIX = checkpointing.RESERVED_PREFIX
-
-
-def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"optim": {"lr": 1}}`` as ``{"optim.lr": 1}``: what MLflow and TensorBoard's hparams
-    take (flat names to plain values)."""
-    flat: dict[str, Any] = {}
-    for name, value in params.items():
-        key = f"{prefix}{name}"
-        if isinstance(value, Mapping):
-            flat.update(flatten_params(value, f"{key}."))
-        else:
-            flat[key] = value
-    return flat
-
-
-#: What only a backend calls, owned by `BackendState` and offered by the hook's HookContext; the
-#: Engine answers these names through plugin API 1.x with a DeprecationWarning.
-BACKEND_ONLY = frozenset(
-    {
-        "restore_on_close",
-        "native_state_dicts",
-        "model_of",
-        "skipping_updates",
-        "real_optimizer_steps",
-        "checkpoint_header",
-    }
-)
-
-
-class Engine:
+class Engine(RuntimeFacts):
     """Runs a plain PyTorch training loop on the backend chosen by name.
 
     Every argument may be left out: the launcher, the environment (``TORCHPLUG_*``) or a
@@ -157,17 +99,13 @@ class Engine:
             run here (the message says what to change).
 
     Attributes:
-        runtime: Where this process runs ([`Runtime`][torchplug.Runtime]), as the backend's
-            ``torchplug_setup`` answered.
         info: The selected strategy's record ([`StrategyInfo`][torchplug.StrategyInfo]).
         options: The strategy's resolved options, by name.
         precision: The precision in use: ``"32"``, ``"bf16"`` or ``"fp16"``.
         precision_options: The precision plugin's resolved options.
         backend: The object holding the strategy's hooks, made by ``info.factory(**options)``.
         plugins: The active set: the backend, the precision plugin and the extensions, in order.
-        hook: The active set's hooks, called by name:
-            ``engine.hook.torchplug_barrier`` (pluggy's relay: torchplug itself calls them
-            through its typed façade, `torchplug.contract.hooks`).
+        hook: pluggy's relay of the active set's hooks (torchplug calls them typed).
         settings: Every setting with where it came from (code, launcher, environment, config file).
         cluster: Who this process is in its job ([`ClusterInfo`][torchplug.ClusterInfo]).
         seed: The seed of the data order.
@@ -181,7 +119,6 @@ class Engine:
         loggers: The loggers [`log`][torchplug.Engine.log] writes to (names checked at once, files
             opened on first log).
         callbacks: The objects [`call`][torchplug.Engine.call] runs methods of.
-        failing: Set when the Engine is left by an exception: teardown then skips its barrier.
     """
 
     def __init__(
@@ -206,203 +143,79 @@ class Engine:
         profile: bool | Mapping[str, Any] | None = None,
         **strategy_options: Any,
     ) -> None:
-
         faults.install_error_recorder()
-        self.callbacks = _checked_callbacks(callbacks)
+        self.callbacks = connector.checked_callbacks(callbacks)
         #: HMAC key: checkpoints are signed on save and must carry a valid signature on load.
         self.checkpoint_key = key_from(checkpoint_key)
-        self._checkpoint_timeout = timeout_from(checkpoint_timeout)
-        registry = manager.get_registry()
-        self.settings = config.resolve(
-            strategy,
-            None if precision is None else str(precision),
-            strategy_options,
-            canonical=lambda name: registry.canonical(name) or name.strip().lower(),
+        chosen = connector.connect(
+            strategy, precision, strategy_options, precision_options, plugins
         )
-        self.cluster = cluster_mod.detect()
-        self.info: StrategyInfo = connector.select_strategy(self.settings, registry, self.cluster)
-        self.precision = normalize_precision(self.settings.precision.value)
-        connector.check_precision(self.info, self.precision, self.settings, registry)
-        self.options = connector.strategy_options(self.settings, registry, self.info)
-        self.seed = _checked_seed(seed)
-        from torchplug.engine import scaling
-
-        #: torch.compile arguments (None: not compiled), applied after the backend's wrap.
+        self.settings, self.cluster, self.info = chosen.settings, chosen.cluster, chosen.info
+        self.precision, self.options = chosen.precision, chosen.options
+        self.backend, self.precision_options = chosen.backend, chosen.precision_options
+        self.seed = connector.checked_seed(seed)
         self.compile_options = scaling.compile_options(compile)
-        #: Block classes whose activations are recomputed in backward instead of stored.
         self.activation_checkpointing = scaling.block_classes(activation_checkpointing)
-        from torchplug.features import syncbn
-
-        #: BatchNorm statistics over the global batch (code argument, else the environment).
         self.sync_batchnorm = syncbn.setting(sync_batchnorm)
-        self._meta_rng: torch.Tensor | None = None
-        self._meta_creators: dict[int, Any] = {}  # which module made each meta tensor
-        self._originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._backend = BackendState(lambda state: checkpointing.header(self, state))
-        self._closed = False
-        self._failing = False
-        from torchplug.engine.resume import CheckpointPolicy
-
         self.checkpoints = CheckpointPolicy.checked(checkpoint_dir, resume, keep_last)
-        self._checker: faults.CollectiveChecker | None = None
-        from torchplug.features.metrics import LoggerSet
-
-        #: The loggers ``engine.log`` writes to (names checked now, files opened on first log).
-        self.loggers = LoggerSet(loggers, log_dir, registry, self.settings.file_loggers)
+        self.loggers = LoggerSet(loggers, log_dir, chosen.registry, self.settings.file_loggers)
         profile_settings = profiling.options(profile, self.loggers.log_dir)  # checked early
-        self._profiler: profiling.StepProfiler | None = None
-        self._last_loader: weakref.ref[Any] | None = None
-        self._accumulation: dict[int, int] = {}
-        self._accumulating: tuple[int, bool] | None = None
-        self.precision_options: dict[str, Any]
-        self.backend, active, self.precision_options = connector.active_set(
-            self.info, self.options, self.precision, precision_options, registry, plugins
-        )
-        #: What every hook gets as its ``engine`` argument: the narrow context, not this Engine.
-        self._context = HookContext(self, hooks=lambda: self._hooks, backend=self._backend)
-        self._pm = manager.new_plugin_manager()
-        # torchplug's default answers first: pluggy calls the later-registered first, so any
-        # answer of the backend's or an extension's comes before them
-        defaults = registry.default_answers()
-        names = {id(plugin): name for name, plugin in defaults.items()}
-        for plugin in sorted(active, key=lambda p: id(p) not in names):
-            manager.register_checked(self._pm, plugin, name=names.get(id(plugin)))
-        self.plugins = tuple(active)
-        self.hook = self._pm.hook
+        # the owners of the Engine's state; the hooks' context is built from them
+        self._selection = chosen.selection(self.checkpoint_key, timeout_from(checkpoint_timeout))
+        self._pm, missing = chosen.plugin_manager()
         #: Every call to a strategy hook goes through this typed façade (answers checked).
-        self._hooks = Hooks(self._pm, self._context, self.info.name, self.info.provider or "?")
-        self._preemption: Any = None
-        self._pending_save: Any = None  # an asynchronous save in flight (core.async_save)
-        self._staging: dict[str, Any] = {}  # async saves' host copies, reused by the next one
-        self._check_contract(sorted(manager.DEFAULT_ANSWERS - defaults.keys()))
-
+        self._hooks = hooks = Hooks(self._pm, None, self.info.name, self.info.provider or "?")
+        self._backend = BackendState(self._selection, hooks)
+        self._collectives = Collectives(hooks, self._selection)
+        self._saves = checkpointing.Saves()
+        self._meta = scaling.MetaBuild()
+        self._originals: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._profiler: profiling.StepProfiler | None = None
+        self._preemption: Preemption | None = None
+        self._closed = False
+        owners = {"collectives": self._collectives, "backend": self._backend, "hooks": hooks}
+        self._context = HookContext(self._selection, **owners, api1=weakref.ref(self))
+        hooks.bind(self._context)
+        self.plugins = tuple(chosen.active)
+        self.hook = self._pm.hook
+        connector.check_contract(self._hooks, self.info, self.backend, missing)
         try:
-            runtime = self._hooks.setup(self.cluster)
+            self._selection.runtime = self._hooks.setup(self.cluster)
         except BaseException:
-            self._failing = True  # no teardown barrier: the other ranks may not be there
+            self._backend.left_by_error = True  # no teardown barrier: the others may be absent
             self._hooks.teardown()  # release what setup got before failing
             raise
-        if not isinstance(runtime, Runtime):
-            raise PluginError(
-                f"Strategy '{self.info.name}' (plugin '{self.info.provider}') returned "
-                f"{runtime!r} from torchplug_setup; it must return a torchplug Runtime."
-            )
-        self.runtime = runtime
         if profile_settings is not None:
             self._profiler = profiling.StepProfiler(profile_settings, self.rank, self.device)
-        self._checker = collectives.debug_checker(self)
-
-    # -- the contract -----------------------------------------------------------------------------
-
-    def _check_contract(self, missing: list[str]) -> None:
-        """Refuse to start when an action hook has no answer in the active set (a backend that
-        forgot one would otherwise do nothing, silently, when that hook is called); ``missing``:
-        the built-in default-answer plugins that are blocked, named in the error."""
-        unanswered = [
-            name
-            for name in sorted(manager.ACTION_HOOKS)
-            if not any(
-                not (impl.wrapper or impl.hookwrapper) for impl in self._hooks.implementations(name)
-            )
-        ]
-        if unanswered:
-            raise PluginError(
-                f"Strategy '{self.info.name}' (plugin '{self.info.provider or '?'}', backend "
-                f"{manager.qualified_name(self.backend)}) leaves {len(unanswered)} hook(s) "
-                f"unanswered: {', '.join(unanswered)}. Every action hook needs an answer in "
-                f"the active set (docs/hooks.md)"
-                + (
-                    f"; the built-in plugin(s) {', '.join(missing)}, which answer them by "
-                    f"default, are blocked: unblock them (TORCHPLUG_BLOCK_PLUGINS), or "
-                    f"implement these hooks in the backend."
-                    if missing
-                    else ": implement these hooks in the backend."
-                )
-            )
+        self._collectives.start_checker()
 
     # -- identity ---------------------------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
-        """Plugin API 1.x: the members only a backend calls (`BACKEND_ONLY`) moved to the hook's
-        `HookContext`; reached on the Engine they still work, with a DeprecationWarning."""
-        if name in BACKEND_ONLY and "_backend" in self.__dict__:
-            warnings.warn(
-                f"engine.{name} is a backend's call and leaves the user's Engine: use the "
-                f"`engine` argument of your hook (a torchplug.plugin.HookContext), which has "
-                f"it. Engine.{name} keeps working through plugin API 1.x.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(self._backend, name)
+        """Plugin API 1.x: the members only a backend calls moved to the hook's context."""
+        if "_backend" in self.__dict__:
+            return self._backend.deprecated_alias(name)
         raise AttributeError(f"'Engine' object has no attribute {name!r}")
 
     @property
     def failing(self) -> bool:
         """Whether this Engine, or the process, is going down with an exception: teardown then
         skips its barrier (the other ranks may sit in a collective that never completes)."""
-        return self._failing or faults.failing
+        return self._backend.failing
+
+    @property
+    def runtime(self) -> Runtime:
+        """Where this process runs ([`Runtime`][torchplug.Runtime]), as the backend's
+        ``torchplug_setup`` answered."""
+        runtime = self._selection.runtime
+        if runtime is None:
+            raise AttributeError("the runtime is known once the backend's setup answered")
+        return runtime
 
     @property
     def strategy(self) -> str:
         """The selected strategy's canonical name."""
         return self.info.name
-
-    @property
-    def rank(self) -> int:
-        """This process's rank, 0 to ``world_size - 1``."""
-        return self.runtime.rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's index among the processes on its node."""
-        return self.runtime.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        """This node's index."""
-        return self.runtime.node_rank
-
-    @property
-    def world_size(self) -> int:
-        """How many processes run the job."""
-        return self.runtime.world_size
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """Which share of the data this rank trains on (its rank, unless model parallelism
-        makes several ranks share one replica)."""
-        value = self.runtime.data_parallel_rank
-        return self.runtime.rank if value is None else value
-
-    @property
-    def data_parallel_size(self) -> int:
-        """How many shares the data is split into (``world_size`` unless model parallel)."""
-        value = self.runtime.data_parallel_size
-        return self.runtime.world_size if value is None else value
-
-    @property
-    def mesh(self) -> Any:
-        """The job's device mesh (a ``torch.distributed.device_mesh.DeviceMesh``) as the backend's
-        setup built it, shared by every model the job sets up; ``None`` for backends without one
-        (``single``, ``ddp``)."""
-        return self.runtime.mesh
-
-    @property
-    def is_main(self) -> bool:
-        """Whether this is rank 0."""
-        return self.runtime.rank == 0
-
-    @property
-    def is_local_main(self) -> bool:
-        """Whether this is the first process on its node (local rank 0)."""
-        return self.runtime.local_rank == 0
-
-    @property
-    def device(self) -> torch.device:
-        """The device this process computes on (batches and models go there)."""
-        return self.runtime.device
 
     def __repr__(self) -> str:
         return (
@@ -438,18 +251,10 @@ class Engine:
                 [`setup`][torchplug.Engine.setup]; ``False``: on this rank's device.
         """
         if not empty:
-            with torch.device(self.device):
-                yield
-            return
-        own = self._hooks.init_module()
-        if own is not None:  # the backend partitions as the model is built (DeepSpeed ZeRO-3)
-            with own:
-                yield
-            return
-        from torchplug.engine import scaling
-
-        self._meta_rng = torch.get_rng_state()
-        with torch.device("meta"), scaling.recording_creators(self._meta_creators):
+            block = torch.device(self.device)
+        else:  # the backend may partition as the model is built (DeepSpeed ZeRO-3)
+            block = self._hooks.init_module() or self._meta.building()
+        with block:
             yield
 
     @property
@@ -467,7 +272,7 @@ class Engine:
             obj: A JSON-serialisable value (read on rank ``src`` only).
             src: The rank whose ``obj`` every rank receives.
         """
-        return collectives.broadcast_object(self, obj, src)
+        return self._collectives.broadcast_object(obj, src)
 
     def unwrap(self, obj: Any) -> Any:
         """The user's original module behind a module this Engine returned (else ``obj``).
@@ -514,12 +319,9 @@ class Engine:
             seed=self.seed,
             use_distributed_sampler=use_distributed_sampler,
             gather=self.gather if self.world_size > 1 else None,
-            on_batch=self._note_loader,
+            on_batch=self._collectives.note_loader,
             split_batches=split_batches,
         )
-
-    def _note_loader(self, loader: Any) -> None:
-        self._last_loader = weakref.ref(loader)
 
     def place_batch(self, batch: Any) -> Any:
         """Put a batch where the backend wants it (device, and sharding for SPMD backends).
@@ -542,8 +344,8 @@ class Engine:
             loss: The scalar loss of this rank's batch.
             model: The model the loss came from, when several were set up (some backends need it).
         """
-        if self._accumulating is not None:
-            loss = loss / self._accumulating[0]
+        if self._backend.accumulating is not None:
+            loss = loss / self._backend.accumulating[0]
         self._hooks.backward(loss, model)
 
     def clip_grad_norm_(
@@ -607,32 +409,8 @@ class Engine:
                 model).
             steps: Micro-batches per optimizer update (1: every step updates).
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ConfigurationError(
-                f"engine.accumulate: steps={steps!r} is not a number of micro-batches; expected a "
-                f"whole number of 1 or more. Fix: e.g. engine.accumulate(model, steps=4)."
-            )
-        if self._accumulating is not None:
-            raise ConfigurationError(
-                "engine.accumulate() was entered inside another engine.accumulate(). Use one "
-                "block per micro-batch."
-            )
-        key = id(model)
-        count = self._accumulation.get(key, 0) + 1
-        sync = count % steps == 0
-        self._accumulation[key] = 0 if sync else count
-        for optimizer in self._backend.optimizers:
-            self._attach_zero_grad(optimizer)
-        self._accumulating = (steps, sync)
-        try:
-            with self.no_sync(model, enabled=not sync):
-                yield
-        finally:
-            self._accumulating = None
-
-    def _attach_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.zero_grad()`` that does nothing on an accumulation step."""
-        wrappers.skip_zero_grad(self, optimizer)
+        with self._backend.accumulate(model, steps) as sync, self.no_sync(model, not sync):
+            yield
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Apply the active precision to code outside the model's forward (e.g. the loss)."""
@@ -647,7 +425,7 @@ class Engine:
             tensor: This rank's tensor (or number).
             op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
         """
-        return collectives.reduce(self, tensor, op)
+        return self._collectives.reduce(tensor, op)
 
     def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
         """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``.
@@ -655,7 +433,7 @@ class Engine:
         Args:
             tensor: This rank's tensor (or number), the same shape on every rank.
         """
-        return collectives.gather(self, tensor)
+        return self._collectives.gather(tensor)
 
     @contextlib.contextmanager
     def split_between_processes(self, items: Any, apply_padding: bool = False) -> Iterator[Any]:
@@ -687,7 +465,7 @@ class Engine:
             pad_index: The value padded with.
             pad_first: Pad before the data instead of after it.
         """
-        return collectives.pad_across_processes(self, tensor, dim, pad_index, pad_first)
+        return self._collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``hook_name(*args, **kwargs)`` on every object of ``Engine(callbacks=...)`` that
@@ -702,19 +480,7 @@ class Engine:
             *args: Passed to each callback's method.
             **kwargs: Passed to each callback's method.
         """
-        results = []
-        for callback in self.callbacks:
-            method = getattr(callback, hook_name, None)
-            if method is None:
-                continue
-            if not callable(method):
-                raise ConfigurationError(
-                    f"engine.call({hook_name!r}): callback {type(callback).__name__} has an "
-                    f"attribute {hook_name!r} that is not callable ({type(method).__name__}). "
-                    f"Rename it, or make it a method."
-                )
-            results.append(method(*args, **kwargs))
-        return results
+        return call_callbacks(self.callbacks, hook_name, args, kwargs)
 
     def any(self, flag: bool | torch.Tensor) -> bool:
         """True on every rank if ``flag`` is true on any rank: a stop trigger for your own loop
@@ -723,7 +489,7 @@ class Engine:
         Args:
             flag: This rank's flag (a bool or a one-element tensor).
         """
-        return collectives.agree(self, flag, "max")
+        return self._collectives.agree(flag, "max")
 
     def all(self, flag: bool | torch.Tensor) -> bool:
         """True on every rank if ``flag`` is true on every rank.
@@ -731,7 +497,7 @@ class Engine:
         Args:
             flag: This rank's flag (a bool or a one-element tensor).
         """
-        return collectives.agree(self, flag, "min")
+        return self._collectives.agree(flag, "min")
 
     def gather_for_metrics(self, data: Any, padding: int | None = None) -> Any:
         """Every rank's ``data`` joined along the first dimension, without the padding.
@@ -751,7 +517,7 @@ class Engine:
             padding: How many of this rank's last rows are padding; ``None``: what the last loader's
                 sampler added.
         """
-        return collectives.gather_for_metrics(self, data, padding)
+        return self._collectives.gather_for_metrics(data, padding)
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Send ``metrics`` (name -> number or one-element tensor) to the loggers at ``step``.
@@ -765,11 +531,6 @@ class Engine:
             metrics: Metric names and values (numbers or one-element tensors).
             step: The step the values belong to; ``None``: the step after the last one logged.
         """
-        if not isinstance(metrics, Mapping):
-            raise TypeError(
-                f"engine.log expects a dict of metric names to numbers, e.g. "
-                f"engine.log({{'loss': 0.5}}, step=10), got {type(metrics).__name__}."
-            )
         self.loggers.log(self.rank, metrics, step)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
@@ -780,13 +541,7 @@ class Engine:
         Args:
             params: Hyperparameter names and values (nested mappings are flattened).
         """
-        if not isinstance(params, Mapping):
-            raise ConfigurationError(
-                f"engine.log_hyperparams expects a dict of names to values, e.g. "
-                f"engine.log_hyperparams({{'lr': 3e-4, 'batch_size': 32}}), got "
-                f"{type(params).__name__}."
-            )
-        self.loggers.log_hyperparams(self.rank, flatten_params(params))
+        self.loggers.log_hyperparams(self.rank, params)
 
     @property
     def preempted(self) -> bool:
@@ -798,37 +553,26 @@ class Engine:
         until then, and in a script that never reads it, those signals end the process as
         usual. Ranks see a signal at different moments, so the answer is agreed on: a
         collective, read at the same point on every rank (e.g. once per step)."""
-        from torchplug.features.preemption import Preemption
-
         if self._preemption is None:
-            self._preemption = Preemption()
-            if self._preemption.arm():
-                self._backend.undo.insert(0, self._preemption.disarm)
-        notice = self._preemption
-        if notice.agreed:
-            return True
-        seen = notice.received is not None
-        if self.world_size > 1:
-            seen = bool(self.reduce(float(seen), "max").item())
-        notice.agreed = seen
-        return seen
+            self._preemption = Preemption.armed(self._backend.undo)
+        return self._preemption.seen(self.any if self.world_size > 1 else None)
 
     def barrier(self) -> None:
         """Wait until every rank arrives here."""
-        collectives.barrier(self)
+        self._collectives.barrier()
 
     @property
     def collective_timeout(self) -> float:
         """Seconds a collective, or a checkpoint's agreement between ranks, waits before it
         gives up: the strategy's ``timeout`` option, else `DEFAULT_TIMEOUT` (one setting,
         read here by everything that waits on the other ranks)."""
-        return float(self.options.get("timeout") or DEFAULT_TIMEOUT)
+        return self._selection.collective_timeout
 
     @property
     def accumulating(self) -> tuple[int, bool] | None:
         """Inside ``engine.accumulate(model, steps)``: ``(steps, whether this micro-batch
         synchronizes)``; ``None`` outside it. For backends whose step depends on it."""
-        return self._accumulating
+        return self._backend.accumulating
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only.
@@ -865,7 +609,7 @@ class Engine:
             model: The model [`setup`][torchplug.Engine.setup] returned.
             optimizer: Its optimizer, to include its state too.
         """
-        return checkpointing.full_state(self, model, optimizer)
+        return self._backend.full_state(model, optimizer)
 
     def save(
         self,
@@ -909,9 +653,7 @@ class Engine:
     def wait_for_save(self) -> None:
         """Wait until an asynchronous save (``save(..., async_=True)``) has committed; raise its
         failure as a CheckpointError (on every rank). Nothing to do without one in flight."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            pending.wait()
+        self._saves.wait()
 
     def after_save(self, step: Callable[[], None]) -> None:
         """Run ``step`` once the last save has committed: now for a synchronous one, in the
@@ -920,11 +662,7 @@ class Engine:
         Args:
             step: A function of no arguments.
         """
-        pending = self._pending_save
-        if pending is None:
-            step()
-        else:
-            pending.then(step)
+        self._saves.after(step)
 
     def load(
         self,
@@ -979,19 +717,12 @@ class Engine:
             The names of the tensors loaded, missing and unexpected: ``{"loaded", "missing",
                 "unexpected"}``.
         """
-        result = self._hooks.load_pretrained(self.unwrap(model), path, strict)
-        if result is None:
-            raise PluginError(
-                f"No plugin of strategy '{self.info.name}''s active set loads pretrained weights "
-                f"(torchplug_load_pretrained). The built-in 'checkpoint' plugin does: unblock it "
-                f"(TORCHPLUG_BLOCK_PLUGINS), or answer the hook in the backend."
-            )
-        return result
+        return checkpointing.load_pretrained(self, model, path, strict)
 
     @property
     def checkpoint_timeout(self) -> float:
         """Seconds a save or load waits for every rank to arrive before naming the absent ones."""
-        return self._checkpoint_timeout
+        return self._selection.checkpoint_timeout
 
     # -- fault tolerance --------------------------------------------------------------------------
 
@@ -1045,10 +776,9 @@ class Engine:
             self._closed = True
             failed_save = None
             try:
-                failed_save = self._finish_saving()
+                failed_save = self._saves.finish(self.failing)
                 if self._profiler is not None:
                     self._profiler.stop()
-                self._staging.clear()
                 self.loggers.close()
                 self._hooks.teardown()
             finally:
@@ -1057,26 +787,12 @@ class Engine:
             if failed_save is not None:
                 raise failed_save
 
-    def _finish_saving(self) -> CheckpointError | None:
-        """At close: an asynchronous save in flight is finished first. Its failure is returned
-        (raised once the Engine is released), unless the Engine is closing because of another
-        error (then it is a warning)."""
-        try:
-            self.wait_for_save()
-        except CheckpointError as exc:
-            if not self.failing:
-                return exc
-            import warnings
-
-            warnings.warn(str(exc), stacklevel=3)
-        return None
-
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
         if kind is not None:
-            self._failing = True  # other ranks may sit in a collective: no teardown barrier
+            self._backend.left_by_error = True  # others may sit in a collective: no barrier
             if isinstance(exc[0], BaseException):
                 faults.note(exc[0])
         self.close()

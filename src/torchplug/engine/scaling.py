@@ -422,3 +422,25 @@ def _put(module: torch.nn.Module, name: str, value: torch.Tensor, like: torch.Te
         module._parameters[name] = value  # noqa: SLF001
     else:
         module._buffers[name] = value  # noqa: SLF001
+
+
+class MetaBuild:
+    """What ``engine.init_module(empty=True)`` recorded, for ``setup`` to materialise: the RNG
+    state when the build began and which module made each meta tensor."""
+
+    def __init__(self) -> None:
+        self.rng: torch.Tensor | None = None
+        self.creators: dict[int, Any] = {}
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """Build on the meta device, recording what `materialize` needs."""
+        self.rng = torch.get_rng_state()
+        with torch.device("meta"), recording_creators(self.creators):
+            yield
+
+    def materialize(
+        self, model: torch.nn.Module, device: torch.device, broadcast: Broadcast | None
+    ) -> None:
+        """`materialize` ``model`` on ``device`` with what the build recorded."""
+        materialize(model, device, self.rng, self.creators, broadcast)

@@ -112,11 +112,10 @@ def materialize(
 ) -> None:
     """Allocate a meta-device model and run its initialisation; optimizers made on the
     meta parameters are pointed at the real ones."""
-    from torchplug.engine import scaling
 
     names = {id(p): name for name, p in model.named_parameters()}
     broadcast = engine._hooks.broadcast if engine.world_size > 1 else None
-    scaling.materialize(model, device, engine._meta_rng, engine._meta_creators, broadcast)
+    engine._meta.materialize(model, device, broadcast)
     params = dict(model.named_parameters())
     for optimizer in optimizers:
         rebind_optimizer(optimizer, names, params, "materialising creates the parameters")
@@ -163,7 +162,8 @@ def portable_state_dict(engine: Engine, wrapped: torch.nn.Module, model: torch.n
 def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
     """Route ``optimizer.step()`` through the ``torchplug_optimizer_step`` hook; ``False`` when
     it is routed through ``engine`` already."""
-    if getattr(optimizer, "_torchplug_engine", None) is engine:
+    routed = getattr(optimizer, "_torchplug_engine", None)
+    if callable(routed) and routed() is engine:
         return False
     real_step = optimizer.step
     inside = False
@@ -179,11 +179,11 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
             return None  # a precision plugin found inf/NaN gradients: no update
         if inside or engine is None or engine._backend.raw_steps:
             return real_step(closure) if closure is not None else real_step()
-        if engine._accumulating is not None and not engine._accumulating[1]:
+        accumulating = engine._backend.accumulating
+        if accumulating is not None and not accumulating[1]:
             opt.step_was_skipped = True  # an accumulation step: no update yet
             return None
-        if engine._pending_save is not None:  # an async save still copying what we change
-            engine._pending_save.wait_staged()
+        engine._saves.wait_staged()  # an async save still copying what we change
         inside = True
         try:
             stepped = engine._hooks.optimizer_step(opt, closure)
@@ -202,25 +202,26 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
     # A bound method, as torch's LR schedulers expect to find on an optimizer.
     optimizer.step = types.MethodType(step, optimizer)
     optimizer.step_was_skipped = False
-    optimizer._torchplug_engine = engine
+    optimizer._torchplug_engine = weakref.ref(engine)  # the user's object holds no Engine
     return True
 
 
-def skip_zero_grad(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.zero_grad()`` that does nothing on an accumulation step."""
+def skip_zero_grad(backend: Any, optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad()`` that does nothing on an accumulation step (``backend``: the
+    Engine's `BackendState`, which knows)."""
     if getattr(optimizer, "_torchplug_zero_grad", False):
         return
     real_zero_grad = optimizer.zero_grad
-    engine_ref = weakref.ref(engine)
+    backend_ref = weakref.ref(backend)
 
     def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        engine = engine_ref()
-        if engine is not None and engine._accumulating and not engine._accumulating[1]:
+        owner = backend_ref()
+        if owner is not None and owner.accumulating and not owner.accumulating[1]:
             return
         real_zero_grad(set_to_none=set_to_none)
 
     for name in ("zero_grad", "_torchplug_zero_grad"):
-        engine._backend.restore_on_close(optimizer, name)
+        backend.restore_on_close(optimizer, name)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     optimizer._torchplug_zero_grad = True
 

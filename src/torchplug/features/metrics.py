@@ -17,6 +17,19 @@ from typing import Any
 from torchplug.contract.errors import ConfigurationError
 
 
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1}}`` as ``{"optim.lr": 1}``: what MLflow and TensorBoard's hparams
+    take (flat names to plain values)."""
+    flat: dict[str, Any] = {}
+    for name, value in params.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_params(value, f"{key}."))
+        else:
+            flat[key] = value
+    return flat
+
+
 def to_number(name: str, value: Any) -> float:
     """A metric value as a float: numbers, 0-d or one-element tensors; else a clear error."""
     if hasattr(value, "detach") and hasattr(value, "numel"):
@@ -129,6 +142,12 @@ class LoggerSet:
         return self._made
 
     def log(self, rank: int, metrics: Mapping[str, Any], step: int | None) -> None:
+        """`Engine.log`: ``metrics`` at ``step`` (``None``: the step after the last)."""
+        if not isinstance(metrics, Mapping):
+            raise TypeError(
+                f"engine.log expects a dict of metric names to numbers, e.g. "
+                f"engine.log({{'loss': 0.5}}, step=10), got {type(metrics).__name__}."
+            )
         if step is None:
             step = self.step
         self.step = step + 1
@@ -140,10 +159,17 @@ class LoggerSet:
             logger.log_metrics(values, step)
 
     def log_hyperparams(self, rank: int, params: Mapping[str, Any]) -> None:
+        """`Engine.log_hyperparams`: nested mappings flattened to ``"a.b"`` keys."""
+        if not isinstance(params, Mapping):
+            raise ConfigurationError(
+                f"engine.log_hyperparams expects a dict of names to values, e.g. "
+                f"engine.log_hyperparams({{'lr': 3e-4, 'batch_size': 32}}), got "
+                f"{type(params).__name__}."
+            )
         for logger in self.active(rank):
             method = getattr(logger, "log_hyperparams", None)
             if callable(method):
-                method(dict(params))
+                method(flatten_params(params))
 
     def close(self) -> None:
         for logger in self._made or []:
@@ -151,3 +177,22 @@ class LoggerSet:
             if callable(close):
                 close()
         self._made = None
+
+
+def call_callbacks(
+    callbacks: Iterable[object], hook_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Any]:
+    """`Engine.call`: ``hook_name(*args, **kwargs)`` on each callback that has that method."""
+    results = []
+    for callback in callbacks:
+        method = getattr(callback, hook_name, None)
+        if method is None:
+            continue
+        if not callable(method):
+            raise ConfigurationError(
+                f"engine.call({hook_name!r}): callback {type(callback).__name__} has an "
+                f"attribute {hook_name!r} that is not callable ({type(method).__name__}). "
+                f"Rename it, or make it a method."
+            )
+        results.append(method(*args, **kwargs))
+    return results

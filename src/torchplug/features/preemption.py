@@ -37,6 +37,14 @@ class Preemption:
         self.armed = False
         self._previous: dict[int, Any] = {}
 
+    @classmethod
+    def armed(cls, undo: list[Callable[[], None]]) -> Preemption:
+        """A handler armed now, its removal first on ``undo`` (what ``close()`` runs)."""
+        notice = cls()
+        if notice.arm():
+            undo.insert(0, notice.disarm)
+        return notice
+
     def arm(self) -> bool:
         """Note NOTICES from now on (chaining to a handler the script had set). Only the main
         thread can set handlers; elsewhere nothing is armed and ``False`` is returned."""
@@ -64,6 +72,14 @@ class Preemption:
                 previous(number, frame)
 
         return noted
+
+    def seen(self, any_rank: Callable[[bool], bool] | None) -> bool:
+        """`Engine.preempted`: whether any rank has been sent a notice, agreed on through
+        ``any_rank`` (a collective; ``None`` on one process) and kept once true."""
+        if not self.agreed:
+            seen = self.received is not None
+            self.agreed = any_rank(seen) if any_rank is not None else seen
+        return self.agreed
 
     def disarm(self) -> None:
         """Put back the handlers that were there before `arm`."""

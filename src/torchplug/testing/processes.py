@@ -32,7 +32,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from torchplug.contract.cluster import free_port
+from torchplug.plugins.torchrun import free_port
 
 
 def _send(conn: Connection, obj: Any) -> None:

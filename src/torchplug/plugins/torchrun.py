@@ -1,20 +1,23 @@
-"""Who am I: rank, world size and rendezvous address, from the environment a launcher set.
+"""torchrun: who am I, from the variables torchrun (and ``torchplug launch``) set, and the port
+and variable helpers every cluster environment uses. Built in, through the same
+``torchplug_cluster_environment`` hook a third-party scheduler plugin uses, as two answers:
 
-Detection is the firstresult hook ``torchplug_cluster_environment``: a plugin for a scheduler
-answers when its variables are present; the torchrun reading below answers last, and a plain
-process with no launcher is rank 0 of 1. Inside the workers torchrun starts, `detect` reads
-torchrun's variables without asking the plugins (they describe the launcher process there).
+- ``torchrun`` (this module) answers *first*, inside a worker torchrun started
+  (``TORCHELASTIC_RUN_ID``, ``RANK`` and ``WORLD_SIZE`` set): there torchrun's variables describe
+  this process, whatever else the environment holds (a scheduler's variables, SLURM's or
+  ``mpirun``'s, are inherited from the launcher process and describe it). So a scheduler plugin
+  never has to step aside in torchrun's workers (unless it marks itself ``tryfirst``: don't).
+- ``environment`` (`ENVIRONMENT`) answers *last*: ``RANK``/``WORLD_SIZE`` set by hand or by
+  another launcher, after every scheduler plugin had its say. Without either, a process is rank
+  0 of 1.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Mapping
 
-from torchplug.contract.errors import ConfigurationError
-from torchplug.contract.spec import hookimpl
-from torchplug.contract.types import ClusterInfo
+from torchplug.plugin import ClusterInfo, ConfigurationError, hookimpl
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,36 +85,9 @@ def master_port(value: str | None, name: str = "MASTER_PORT") -> int | None:
     return port
 
 
-def checked(info: ClusterInfo) -> ClusterInfo:
-    """``info`` if its numbers are consistent; else an error naming the variable and the fix."""
-    where = f"(from {info.source})"
-    if info.world_size < 1:
-        raise ConfigurationError(
-            f"World size {info.world_size} {where} is not a number of processes; expected 1 or "
-            f"more. Fix WORLD_SIZE, or unset RANK and WORLD_SIZE to run one process."
-        )
-    if not 0 <= info.rank < info.world_size:
-        raise ConfigurationError(
-            f"Rank {info.rank} {where} is outside the world of {info.world_size} processes; "
-            f"expected 0 to {info.world_size - 1}. Fix RANK/WORLD_SIZE (a rank that does not "
-            f"exist would wait for the others forever)."
-        )
-    if info.local_rank < 0 or info.node_rank < 0:
-        raise ConfigurationError(
-            f"Local rank {info.local_rank} / node rank {info.node_rank} {where} is negative; "
-            f"expected 0 or more. Fix LOCAL_RANK/GROUP_RANK."
-        )
-    return info
-
-
 def inside_torchrun(env: Mapping[str, str]) -> bool:
     """Whether this process is a worker that torchrun (or ``torchplug launch``) started."""
     return "TORCHELASTIC_RUN_ID" in env and "RANK" in env and "WORLD_SIZE" in env
-
-
-@hookimpl(trylast=True)
-def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo:
-    return torchrun_environment(env)
 
 
 def torchrun_environment(env: Mapping[str, str]) -> ClusterInfo:
@@ -134,21 +110,20 @@ def torchrun_environment(env: Mapping[str, str]) -> ClusterInfo:
     return ClusterInfo()
 
 
-def detect(env: Mapping[str, str] | None = None) -> ClusterInfo:
-    """Ask the installed cluster-environment plugins who this process is.
+@hookimpl(tryfirst=True)
+def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
+    return torchrun_environment(env) if inside_torchrun(env) else None
 
-    Inside a worker torchrun started, torchrun's variables are the answer, whatever else the
-    environment holds: a scheduler's variables (SLURM's, ``mpirun``'s) are inherited from the
-    launcher process and describe it, not its workers. So a scheduler plugin answers for the
-    launcher process and is never asked in its workers; it need not step aside itself.
-    """
-    from torchplug.contract.manager import get_registry
 
-    env = dict(os.environ if env is None else env)
-    if inside_torchrun(env):
-        return checked(torchrun_environment(env))
-    answer = get_registry().pm.hook.torchplug_cluster_environment(env=env)
-    return checked(answer) if answer is not None else ClusterInfo()
+class EnvironmentVariables:
+    """The last answer: ``RANK``/``WORLD_SIZE`` (and the rest of torchrun's names) when set."""
 
+    @hookimpl(trylast=True)
+    def torchplug_cluster_environment(self, env: Mapping[str, str]) -> ClusterInfo | None:
+        return torchrun_environment(env) if "RANK" in env and "WORLD_SIZE" in env else None
+
+
+#: The ``environment`` entry point.
+ENVIRONMENT = EnvironmentVariables()
 
 _int = env_int  # the name API 1.x cluster plugins imported
