@@ -260,3 +260,52 @@ def test_a_backend_with_its_own_collectives_is_never_bypassed(ranks, tmp_path):
         assert result["step"] == STEPS
     for name in expected["params"]:  # the ranks agree exactly: one model, replicated
         assert torch.equal(results[0]["params"][name], results[1]["params"][name])
+
+
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(), torch.nn.Linear(6, 1)
+    )
+
+
+def _bn_steps(engine: Any, model: Any, opt: Any, rank: int, world: int) -> None:
+    data = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 4, generator=data), torch.randn(8, 1, generator=data)
+        mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
+        engine.backward(loss) if engine is not None else loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def sync_batchnorm_on_own_channel() -> dict[str, Any]:
+    import sys
+
+    tpp.register(sys.modules[__name__], name="own-channel-test")
+    try:
+        with (
+            default_group_collectives_raise() as used,
+            tp.Engine("own-channel", sync_batchnorm=True) as engine,
+        ):
+            model = _bn_model()
+            model, opt = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            _bn_steps(engine, model, opt, engine.rank, engine.world_size)
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return {"used": used, "state": state}
+    finally:
+        tpp.unregister("own-channel-test")
+
+
+def test_sync_batchnorm_sums_its_statistics_through_the_backends_own_channel(ranks):
+    """Issue 33 item 5: the CPU synchronised BatchNorm (a feature) sums its statistics, and
+    their gradients, through the active set's reduce hook: on a backend whose collectives are
+    its own, two ranks of four samples train as one process on the eight."""
+    model = _bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _bn_steps(None, model, opt, 0, 1)
+    for result in ranks.run(sync_batchnorm_on_own_channel, timeout=300):
+        assert result["used"] == []
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-6)

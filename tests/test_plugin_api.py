@@ -517,6 +517,32 @@ def test_engine_plugins_accepts_module_names(tmp_path, monkeypatch):
         tp.Engine("single", plugins=["no_such_ext"])
 
 
+def test_a_plugin_registered_globally_and_given_to_an_engine_runs_once(tmp_path, monkeypatch):
+    """The same extension registered process-wide and passed as ``Engine(plugins=[...])`` (as an
+    object, and as its module's name) is one member of the active set: its hook runs once."""
+    (tmp_path / "loss_seen.py").write_text(
+        "import torchplug.plugin as tpp\n"
+        "calls = []\n\n"
+        "@tpp.hookimpl(wrapper=True)\n"
+        "def torchplug_backward(engine, loss, model):\n"
+        "    calls.append(loss.item())\n"
+        "    return (yield)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "loss_seen", raising=False)
+    import loss_seen
+
+    name = tp.register(loss_seen)
+    try:
+        for given in (loss_seen, "loss_seen"):
+            with tp.Engine("single", plugins=[given, given]) as engine:
+                engine.backward(torch.ones(2, requires_grad=True).sum())
+        assert loss_seen.calls == [2.0, 2.0]  # one call per Engine, not two or three
+    finally:
+        tp.unregister(name)
+
+
 def test_specname_implements_the_named_hook_and_is_checked_against_it():
     class Named:
         @tpp.hookimpl(specname="torchplug_backward", wrapper=True)

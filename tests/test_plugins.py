@@ -341,7 +341,9 @@ def test_a_block_naming_no_plugin_is_shown_with_the_names_to_use(fake_distributi
     monkeypatch.setenv("TORCHPLUG_BLOCK_PLUGINS", "FakePlug,torch-distributed,broken")
     registry = manager.get_registry()
     assert "fake" in registry.strategies  # the package name blocked nothing
-    lines = registry.loading_state()
+    from torchplug.cli.plugins import loading_state
+
+    lines = loading_state(registry)
     unmatched = [line for line in lines if line.startswith("blocked but matching no plugin")]
     assert len(unmatched) == 2, lines  # 'broken' is a plugin's name: it took effect
     package, typo = sorted(unmatched)

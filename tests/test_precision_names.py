@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import torchplug as tp
-from torchplug.contract.types import normalize_precision
+from torchplug.engine.config import normalize_precision
 
 
 @pytest.mark.parametrize(

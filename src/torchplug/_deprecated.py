@@ -30,5 +30,14 @@ def options_of(strategy: str) -> tuple[Option, ...]:
         stacklevel=2,
     )
     from torchplug.contract import manager
+    from torchplug.contract.errors import PluginError, did_you_mean
 
-    return manager.options_of(strategy)
+    registry = manager.registry_in_use()  # a plugin announcing may ask for a parent's
+    canonical = registry.canonical(strategy)
+    if canonical is None:
+        raise PluginError(
+            f"options_of({strategy!r}): no strategy of that name is registered (yet)."
+            f"{did_you_mean(strategy, sorted(registry.strategies))} Name an installed strategy; "
+            f"torchplug's own strategies are always registered before third-party plugins."
+        )
+    return registry.strategies[canonical].options

@@ -19,7 +19,7 @@ def check(args: Any) -> int:
         )
         return 2
     from torchplug.contract import manager
-    from torchplug.contract.types import normalize_precision
+    from torchplug.engine.config import normalize_precision
     from torchplug.testing import bodies
 
     try:

@@ -63,8 +63,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     """The file's table from the flags, each value checked; a ConfigurationError otherwise."""
     from torchplug.contract.errors import ConfigurationError
     from torchplug.contract.manager import get_registry
-    from torchplug.contract.types import normalize_precision
     from torchplug.engine import config as settings
+    from torchplug.engine.config import normalize_precision
 
     table: dict[str, Any] = {}
     registry = get_registry()

@@ -121,7 +121,9 @@ def doctor(plugins: list[str] | None = None) -> int:
         invalid += config.problems(settings, registry, env.world_size)
     print("plugins")
     print(f"  strategies usable here: {', '.join(registry.usable_names()) or 'none'}")
-    for line in registry.loading_state():
+    from torchplug.cli.plugins import loading_state
+
+    for line in loading_state(registry):
         print(f"  {line}")
     for name, error in sorted(registry.errors.items()):
         print(f"  not loaded: {name}: {error}")

@@ -206,8 +206,8 @@ def estimates(
 
 def estimate_memory(args: argparse.Namespace) -> int:
     from torchplug.contract.errors import ConfigurationError, TorchplugError
-    from torchplug.contract.types import normalize_precision
     from torchplug.engine import config as settings
+    from torchplug.engine.config import normalize_precision
 
     try:
         if args.plugin:

@@ -550,7 +550,7 @@ def launch(argv: Sequence[str]) -> int:
         if args.strategy:
             os.environ["TORCHPLUG_LAUNCH_STRATEGY"] = info.name if info else args.strategy
         if args.precision:
-            from torchplug.contract.types import normalize_precision
+            from torchplug.engine.config import normalize_precision
 
             os.environ["TORCHPLUG_LAUNCH_PRECISION"] = normalize_precision(args.precision)
         if info is not None and info.launcher == "xla":

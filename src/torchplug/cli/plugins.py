@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def table(rows: list[list[str]], header: list[str]) -> str:
     """Left-aligned columns under a dashed header line."""
@@ -117,7 +119,7 @@ def plugins(verbose: bool = False) -> int:
         for name, error in sorted(registry.errors.items()):
             print(f"  {name}: {error}")
     print("\nloading:")
-    for line in registry.loading_state():
+    for line in loading_state(registry):
         print(f"  {line}")
     return 0
 
@@ -250,3 +252,49 @@ def cluster_environments(registry: object) -> list[list[str]]:
     if not found_answer:
         rows.append(["(none answers)", "torchplug", "rank 0 of 1 (single process)"])
     return rows
+
+
+def loading_state(registry: Any) -> list[str]:
+    """Lines saying how plugins are loaded here (autoload, allow-list, blocks) and which
+    installed plugins that hides, for ``torchplug plugins`` and ``doctor``."""
+    from torchplug.contract import discovery
+
+    autoload = (
+        "off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
+        if discovery.truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD")
+        else "on"
+    )
+    allow = ", ".join(discovery.env_list("TORCHPLUG_PLUGINS")) or "none (every installed plugin)"
+    lines = [f"autoload: {autoload}", f"allow-list (TORCHPLUG_PLUGINS): {allow}"]
+    if registry.blocked:
+        lines.append(f"blocked: {', '.join(sorted(registry.blocked))}")
+        lines += _unmatched_blocks(registry)
+    lines += [f"hidden: {name}: {why}" for name, why in sorted(registry.hidden.items())]
+    return lines
+
+
+def _unmatched_blocks(registry: Any) -> list[str]:
+    """A line for each blocked name that no plugin here has: a block names a plugin (an entry
+    point's name, a built-in's, a module given to ``--plugin``), not the package providing it,
+    and one naming nothing would otherwise look as if it took effect."""
+    from torchplug.contract import discovery
+    from torchplug.contract.errors import did_you_mean
+
+    found = discovery.candidates()
+    registered = {name for name, plugin in registry.pm.list_name_plugin() if plugin is not None}
+    known = {c.name for c in found} | registered
+    by_distribution: dict[str, list[str]] = {}
+    for candidate in found:
+        distribution = candidate.origin()[0]
+        if distribution:
+            by_distribution.setdefault(distribution.lower(), []).append(candidate.name)
+    lines = []
+    for name in sorted(set(registry.blocked) - known):
+        provides = by_distribution.get(name.lower())
+        hint = (
+            f"the package {name} provides the plugin(s) {', '.join(sorted(provides))}: block those"
+            if provides
+            else (did_you_mean(name, known) + f" Plugin names here: {', '.join(sorted(known))}")
+        ).strip()
+        lines.append(f"blocked but matching no plugin: {name} ({hint})")
+    return lines

@@ -1,16 +1,9 @@
 """`HookContext`: what a hook may read and call, instead of the user-facing Engine.
 
-Every strategy hook receives it as its ``engine`` argument (the name plugins written against API
-1.0 already accept). It answers what a backend needs and nothing a user's script is for: the
-runtime facts (rank, device, the job's mesh), the selection (strategy, precision, options), the
-one collective timeout, the collectives, the active set's hooks (the state protocol), and the few
-calls a backend makes on the user's objects (`restore_on_close`, `real_optimizer_steps`,
-`skipping_updates`). Authors no longer have to guess which of the Engine's 40-odd members they may
-touch (issue 26), and the specification no longer depends on the Engine's type.
-
-Through API 1.x, reading anything else still reaches the Engine, with a `HookContextWarning`
-(a ``DeprecationWarning``) that names the member, so a plugin that followed the old docs keeps
-working and learns what to change.
+Every strategy hook receives it as its ``engine`` argument (the name API 1.0 plugins accept):
+what a backend needs and nothing a user's script is for, built from the objects that own the
+Engine's state, so the specification never depends on the Engine. Through API 1.x any other
+name still reaches the Engine, with a `HookContextWarning` naming the member.
 """
 
 from __future__ import annotations
@@ -144,23 +137,13 @@ def _fact(name: str, doc: str) -> property:
 class HookContext(RuntimeFacts):
     """What a hook may read and call: passed to every strategy hook as ``engine``.
 
-    Runtime facts (``rank``, ``world_size``, ``local_rank``, ``node_rank``, ``device``,
-    ``is_main``, ``is_local_main``, ``data_parallel_rank``/``size``, ``mesh``, ``runtime``, and
-    ``cluster``, which ``torchplug_setup`` decides from), the selection (``strategy``, ``backend``,
-    ``precision``, ``precision_options``, ``options``, ``settings``), ``failing`` (the run is
-    leaving on an error: skip collectives at teardown), ``collective_timeout`` and
-    ``checkpoint_timeout`` (the one setting each), ``checkpoint_key``, the collectives
-    (``reduce``, ``gather``, ``barrier``, ``broadcast_object``), ``hooks`` (the active set's
-    typed hooks: call the state protocol through them; ``hook``, pluggy's raw relay, is
-    deprecated since API 1.2), the user objects set up so far (``optimizers``, ``model_of``,
-    ``accumulating``) and the calls a backend makes on them (``restore_on_close``,
-    ``real_optimizer_steps``, ``skipping_updates``, ``native_state_dicts``, ``full_state``,
-    ``checkpoint_header``).
-
-    Built from the objects that own each part (the Engine's `Selection`, its collectives, its
-    ``BackendState``, its typed hooks), not from the Engine: the contract never depends on the
-    user's façade. Through API 1.x a name it does not offer still reaches the Engine (a weak
-    reference kept for that alone), with a `HookContextWarning`.
+    Runtime facts (`rank`, `device`, `mesh`, ...; `cluster`, which ``torchplug_setup`` decides
+    from), the selection (`strategy`, `backend`, `precision`, `options`, `settings`, the
+    timeouts, `checkpoint_key`), `failing`, the collectives, `hooks` (the typed state protocol;
+    ``hook``, pluggy's raw relay, is deprecated since API 1.2), the user's objects set up so far
+    and the calls a backend makes on them (`restore_on_close`, `skipping_updates`, ...).
+    Built from the owners of the Engine's state, never the Engine itself (API 1.x's
+    fall-through to it goes through a weak reference).
 
     Args:
         selection: The Engine's selection and, after setup, its runtime.

@@ -30,7 +30,7 @@ from typing import Any
 
 import pluggy
 
-from torchplug.contract.errors import PluginError, did_you_mean
+from torchplug.contract.errors import PluginError
 from torchplug.contract.validation import plugin_label
 
 #: The `torchplug.contract.registry.Registry` being filled: that module imports this one, so the
@@ -50,11 +50,11 @@ MINIMAL_PLUGINS = frozenset(
 )
 
 
-def _env_list(name: str) -> list[str]:
+def env_list(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 
 
-def _truthy(name: str) -> bool:
+def truthy(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
@@ -127,9 +127,9 @@ def hidden(candidate: Candidate, registry: Registry) -> str | None:
     name = candidate.name
     if name in registry.blocked or registry.pm.is_blocked(name):
         return "blocked (TORCHPLUG_BLOCK_PLUGINS or torchplug.block)"
-    if not candidate.own and _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD"):
+    if not candidate.own and truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD"):
         return "autoload is off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
-    allow = set(_env_list("TORCHPLUG_PLUGINS"))
+    allow = set(env_list("TORCHPLUG_PLUGINS"))
     if allow and name not in allow and not (candidate.own and name in MINIMAL_PLUGINS):
         return f"not in the allow-list TORCHPLUG_PLUGINS={','.join(sorted(allow))}"
     return None
@@ -181,47 +181,6 @@ def check_pending(registry: Registry) -> None:
         warnings.warn(f"torchplug plugin '{label}' is skipped: {exc}", stacklevel=2)
         registry.remove(name)
         check_pending(registry)
-
-
-def loading_state(registry: Registry) -> list[str]:
-    """Lines saying how plugins are loaded here (autoload, allow-list, blocks) and which
-    installed plugins that hides, for ``torchplug plugins`` and ``doctor``."""
-    autoload = (
-        "off (TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1)"
-        if _truthy("TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD")
-        else "on"
-    )
-    allow = ", ".join(_env_list("TORCHPLUG_PLUGINS")) or "none (every installed plugin)"
-    lines = [f"autoload: {autoload}", f"allow-list (TORCHPLUG_PLUGINS): {allow}"]
-    if registry.blocked:
-        lines.append(f"blocked: {', '.join(sorted(registry.blocked))}")
-        lines += _unmatched_blocks(registry)
-    lines += [f"hidden: {name}: {why}" for name, why in sorted(registry.hidden.items())]
-    return lines
-
-
-def _unmatched_blocks(registry: Registry) -> list[str]:
-    """A line for each blocked name that no plugin here has: a block names a plugin (an entry
-    point's name, a built-in's, a module given to ``--plugin``), not the package providing it,
-    and one naming nothing would otherwise look as if it took effect."""
-    found = candidates()
-    registered = {name for name, plugin in registry.pm.list_name_plugin() if plugin is not None}
-    known = {c.name for c in found} | registered
-    by_distribution: dict[str, list[str]] = {}
-    for candidate in found:
-        distribution = candidate.origin()[0]
-        if distribution:
-            by_distribution.setdefault(distribution.lower(), []).append(candidate.name)
-    lines = []
-    for name in sorted(set(registry.blocked) - known):
-        provides = by_distribution.get(name.lower())
-        hint = (
-            f"the package {name} provides the plugin(s) {', '.join(sorted(provides))}: block those"
-            if provides
-            else (did_you_mean(name, known) + f" Plugin names here: {', '.join(sorted(known))}")
-        ).strip()
-        lines.append(f"blocked but matching no plugin: {name} ({hint})")
-    return lines
 
 
 def import_plugin_module(registry: Registry, module: str, strict: bool = True) -> None:

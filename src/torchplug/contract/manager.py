@@ -27,20 +27,18 @@ from torchplug.contract.discovery import (  # noqa: F401 - re-exported: imported
     MINIMAL_PLUGINS,
     OWN_DISTRIBUTION,
     PLUGIN_MODULES_ENV,
-    _env_list,
-    _truthy,
     builtin_modules,
+    env_list,
     import_plugin_module,
     load_extension,
+    truthy,
 )
-from torchplug.contract.errors import PluginError, did_you_mean
 from torchplug.contract.registry import (  # noqa: F401 - re-exported: imported from here
     ACTION_HOOKS,
     DEFAULT_ANSWERS,
     STRATEGY_HOOKS,
     Registry,
 )
-from torchplug.contract.types import Option
 from torchplug.contract.validation import (  # noqa: F401 - re-exported: imported from here
     hook_problems,
     hook_signature,
@@ -56,7 +54,7 @@ class PluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__(spec.PROJECT)
         self.add_hookspecs(spec)
-        self.tracing = _truthy("TORCHPLUG_TRACE")
+        self.tracing = truthy("TORCHPLUG_TRACE")
         if self.tracing:
             self.add_hookcall_monitoring(self._trace_before, self._trace_after)
 
@@ -130,7 +128,7 @@ def get_registry() -> Registry:
             if _registry is None:
                 pm = new_plugin_manager()
                 registry = _building = Registry(pm)
-                for name in {*_env_list("TORCHPLUG_BLOCK_PLUGINS"), *_pending_blocks}:
+                for name in {*env_list("TORCHPLUG_BLOCK_PLUGINS"), *_pending_blocks}:
                     pm.set_blocked(name)
                     registry.blocked.add(name)
                 discovery.discover(registry)
@@ -139,7 +137,7 @@ def get_registry() -> Registry:
                 _building = None
                 # An in-house module may call torchplug.register() on import (same thread:
                 # the lock is reentrant).
-                for module in _env_list(PLUGIN_MODULES_ENV):
+                for module in env_list(PLUGIN_MODULES_ENV):
                     import_plugin_module(registry, module, strict=False)
     return _registry
 
@@ -191,26 +189,9 @@ def unregister(name: str | object) -> None:
         registry.remove(name)
 
 
-def options_of(strategy: str) -> tuple[Option, ...]:
-    """The options a registered strategy declares, to build on in a strategy that extends it:
-    ``StrategyInfo(..., options=(*tp.options_of("ddp"), Option("extra", int, 0)))``.
-    (``StrategyInfo(extends="ddp")`` does this and inherits the capabilities as well.)
-
-    Args:
-        strategy: A registered strategy's name or alias.
-
-    Returns:
-        Its options, in order.
-    """
-    registry = _building if _building is not None else get_registry()
-    canonical = registry.canonical(strategy)
-    if canonical is None:
-        raise PluginError(
-            f"options_of({strategy!r}): no strategy of that name is registered (yet)."
-            f"{did_you_mean(strategy, sorted(registry.strategies))} Name an installed strategy; "
-            f"torchplug's own strategies are always registered before third-party plugins."
-        )
-    return registry.strategies[canonical].options
+def registry_in_use() -> Registry:
+    """The registry being built (while plugins announce), else the process-wide one."""
+    return _building if _building is not None else get_registry()
 
 
 def block(names: Iterable[str] | str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from torchplug.contract import apiversion, discovery, spec
+from torchplug.contract import apiversion, spec
 from torchplug.contract.errors import ConfigurationError, PluginError, did_you_mean
 from torchplug.contract.types import LoggerInfo, PrecisionInfo, StrategyInfo
 from torchplug.contract.validation import (
@@ -240,12 +240,6 @@ class Registry:
                 warnings.warn(
                     f"torchplug plugin '{label}' failed in {hook_name}: {exc}", stacklevel=2
                 )
-
-    # -- discovery ------------------------------------------------------------------------------
-
-    def loading_state(self) -> list[str]:
-        """How plugins are loaded here (`torchplug.contract.discovery.loading_state`)."""
-        return discovery.loading_state(self)
 
     # -- lookup ---------------------------------------------------------------------------------
 

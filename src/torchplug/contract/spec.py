@@ -269,8 +269,7 @@ def torchplug_setup(engine: HookContext, cluster: ClusterInfo) -> Runtime | None
     device). A precision plugin wraps this hook to learn the device it will run on.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         cluster: Who this process is in its job, as the cluster-environment plugins found it.
     """
 
@@ -292,8 +291,7 @@ def torchplug_wrap(
     wrapped model's forward under autocast.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         model: The user's model (on the meta device when the strategy ``takes_meta_modules`` and it
             was built with ``init_module(empty=True)``).
         optimizers: The optimizers given to ``engine.setup``, made on ``model``'s parameters.
@@ -313,8 +311,7 @@ def torchplug_init_module(engine: HookContext) -> contextlib.AbstractContextMana
     Called on every rank, by ``engine.init_module(empty=True)``.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
     """
 
 
@@ -340,8 +337,7 @@ def torchplug_compile(
     asks.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         model: The model [`torchplug_wrap`][torchplug_wrap] returned.
         options: The ``torch.compile`` arguments of ``Engine(compile=...)``.
     """
@@ -361,8 +357,7 @@ def torchplug_place_batch(engine: HookContext, batch: Any) -> Any:
     its data axis. Called for every batch of a loader returned by ``engine.setup_dataloader``.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         batch: One batch as the loader yields it.
     """
 
@@ -385,8 +380,7 @@ def torchplug_backward(
     before yielding: the backend's backward then carries the change, whatever the backend does.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         loss: The loss to run backward from (scaled by ``1/steps`` inside ``engine.accumulate``).
         model: The model the user named in ``engine.backward(loss, model)``, else ``None``.
     """
@@ -416,8 +410,7 @@ def torchplug_optimizer_step(
     implementation can call it directly.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         optimizer: The optimizer ``step()`` was called on.
         closure: The closure passed to ``step()``, if any.
     """
@@ -445,8 +438,7 @@ def torchplug_clip_grad_norm(
     across shards.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         model: The model whose gradients are clipped.
         optimizer: Its optimizer, when the user passed it (a precision plugin needs it to unscale).
         max_norm: The largest total norm allowed.
@@ -469,8 +461,7 @@ def torchplug_no_sync(
     """Return a context manager in which backward does not synchronize gradients across ranks.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         model: The model whose gradient synchronization is skipped.
     """
 
@@ -488,8 +479,7 @@ def torchplug_autocast(engine: HookContext) -> AbstractContextManager[None] | No
     """Return the context manager that applies the active precision to code the user runs in it.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
     """
 
 
@@ -508,8 +498,7 @@ def torchplug_reduce(engine: HookContext, tensor: torch.Tensor, op: str) -> torc
     Returns a new tensor holding the result on every rank; the input is not modified.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         tensor: This rank's tensor.
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
     """
@@ -528,8 +517,7 @@ def torchplug_gather(engine: HookContext, tensor: torch.Tensor) -> torch.Tensor 
     """Gather ``tensor`` from all ranks into a tensor of shape ``(world_size, *tensor.shape)``.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         tensor: This rank's tensor (the same shape on every rank).
     """
 
@@ -547,8 +535,7 @@ def torchplug_barrier(engine: HookContext) -> bool | None:
     """Block until every rank reaches this point; return ``True``.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
     """
 
 
@@ -577,8 +564,7 @@ def torchplug_broadcast(engine: HookContext, tensor: torch.Tensor, src: int) -> 
     backends that take device tensors only (nccl).
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         tensor: This rank's tensor; the same shape and dtype on every rank.
         src: The rank whose value every rank gets.
     """
@@ -604,8 +590,7 @@ def torchplug_save(
     `torchplug.checkpoint`, so atomicity, hashing and failure agreement are the same.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         path: The checkpoint directory to write.
         state: What to save, by name: modules, optimizers, tensors, JSON values.
         metadata: The user's JSON values, recorded in the manifest.
@@ -631,8 +616,7 @@ def torchplug_load(
     through `torchplug.checkpoint`, which validates the manifest and never unpickles.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         path: The checkpoint directory to read.
         state: The objects to restore in place, by name; ``None``: return what the checkpoint holds.
         strict: Refuse entries that cannot be restored into the objects given.
@@ -662,8 +646,7 @@ def torchplug_model_state(engine: HookContext, model: torch.nn.Module) -> dict[s
     [`torchplug_optimizer_state`][torchplug_optimizer_state].
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         model: A model this Engine set up.
     """
 
@@ -681,8 +664,7 @@ def torchplug_load_model_state(
     ``model``; return True.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         model: A model this Engine set up.
         state: Its state, as [`torchplug_model_state`][torchplug_model_state] returns it.
         strict: Refuse missing and unexpected names.
@@ -701,8 +683,7 @@ def torchplug_optimizer_state(
     """The optimizer's state keyed by parameter name (``{"state": ..., "param_groups": ...}``).
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         model: The model whose parameters ``optimizer`` updates.
         optimizer: An optimizer this Engine set up.
     """
@@ -724,8 +705,7 @@ def torchplug_load_optimizer_state(
     ``optimizer``.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         model: The model whose parameters ``optimizer`` updates.
         optimizer: An optimizer this Engine set up.
         state: Its state, as [`torchplug_optimizer_state`][torchplug_optimizer_state] returns it.
@@ -745,8 +725,7 @@ def torchplug_reads_in_place(engine: HookContext, kind: str) -> bool | None:
     of the state (FairScale OSS), answers ``False``.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         kind: ``"module"`` or ``"optimizer"``.
     """
 
@@ -871,8 +850,7 @@ def torchplug_checkpoint_state(engine: HookContext) -> dict[str, Any] | None:
     the state small, JSON values or tensors equal on every rank: rank 0's copy is written.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
     """
 
 
@@ -891,6 +869,5 @@ def torchplug_teardown(engine: HookContext) -> None:
     sweeps); every plugin in the active set is called.
 
     Args:
-        engine: The [`HookContext`][torchplug.plugin.HookContext] of the Engine calling it
-            (``engine.device``, ``engine.rank``, ``engine.mesh``, ``engine.options``, ...).
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
     """

@@ -42,40 +42,6 @@ def missing_package(requires: tuple[str, ...], install_hint: str) -> str | None:
 
 
 #: Canonical precision names and the spellings accepted for each.
-#: Accelerate's ``"no"`` / ``"bf16"`` / ``"fp16"`` and Fabric's ``"32-true"`` / ``"bf16-mixed"`` /
-#: ``"16-mixed"`` are spellings of these; Fabric's ``"*-true"`` low-precision modes (weights held in
-#: bf16/fp16) are a different thing and are not accepted as aliases.
-PRECISIONS: dict[str, tuple[str, ...]] = {
-    "32": ("32", "fp32", "32-true", "float32", "no", "full"),
-    "bf16": ("bf16", "bf16-mixed", "bfloat16"),
-    "fp16": ("fp16", "16", "16-mixed", "float16"),
-}
-#: Precisions users ask for that no built-in backend runs (yet).
-UNSUPPORTED_PRECISIONS = ("fp8", "8", "8-mixed", "transformer-engine", "bf16-true", "16-true")
-
-
-def normalize_precision(value: str | int | None) -> str:
-    """Map a user's precision spelling to ``"32"``, ``"bf16"`` or ``"fp16"``."""
-    if value is None:
-        return "32"
-    text = str(value).strip().lower()
-    for canonical, spellings in PRECISIONS.items():
-        if text in spellings:
-            return canonical
-    if text in UNSUPPORTED_PRECISIONS:
-        raise ConfigurationError(
-            f"Precision {value!r} is not supported by the active backends: torchplug runs 32 "
-            f"(alias 'no', '32-true'), bf16 (mixed, 'bf16-mixed') and fp16 (mixed, '16-mixed'). "
-            f"Use precision='bf16' for the closest supported mode."
-        )
-    accepted = ", ".join(repr(s) for spellings in PRECISIONS.values() for s in spellings)
-    raise ConfigurationError(
-        f"Unknown precision {value!r}."
-        f"{did_you_mean(text, [s for v in PRECISIONS.values() for s in v])}"
-        f" Expected one of {accepted} (or None for full precision)."
-    )
-
-
 DEFAULT_TIMEOUT = 1800.0
 """Seconds before a collective (or a checkpoint phase) gives up, unless the strategy's
 ``timeout`` option says otherwise: the one default every backend and the checkpoint share."""

@@ -20,82 +20,13 @@ from typing import Any
 
 from torchplug.checkpoint.settings import problems as checkpoint_problems
 from torchplug.contract.errors import ConfigurationError, did_you_mean
-from torchplug.contract.types import normalize_precision
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    value: Any
-    source: str
-
-
-#: What `Settings.rows` says of a shared file option the chosen strategy does not know.
-UNUSED_NOTE = "(not an option of this strategy: unused)"
-
-
-@dataclasses.dataclass
-class Settings:
-    strategy: Setting
-    precision: Setting
-    #: Strategy options: the config file's shared ``[options]``, overlaid by the launcher's
-    #: ``--option`` flags and the code's keyword arguments. `for_strategy` adds the
-    #: chosen strategy's own table and drops shared file options that strategy does not know.
-    options: dict[str, Setting] = dataclasses.field(default_factory=dict)
-    config_file: Path | None = None
-    #: ``[strategies.NAME]`` tables of the config file: name as written -> option -> setting.
-    strategy_tables: dict[str, dict[str, Setting]] = dataclasses.field(default_factory=dict)
-    #: Shared ``[options]`` from the file that the chosen strategy does not know (not applied).
-    ignored: dict[str, Setting] = dataclasses.field(default_factory=dict)
-    #: The config file's ``loggers`` (used when the code, the launcher and the environment
-    #: name none), or ``None``.
-    file_loggers: Setting | None = None
-    #: The config file's ``processes`` and ``nodes`` (read by ``torchplug launch`` for ``-n`` and
-    #: ``--nnodes`` when its command line leaves them out), by key.
-    file_sizes: dict[str, Setting] = dataclasses.field(default_factory=dict)
-
-    def rows(self) -> list[tuple[str, Any, str]]:
-        """``(name, value, source)`` for every setting, for ``torchplug doctor``."""
-        rows = [
-            ("strategy", self.strategy.value, self.strategy.source),
-            ("precision", self.precision.value, self.precision.source),
-        ]
-        rows += [(f"options.{k}", s.value, s.source) for k, s in sorted(self.options.items())]
-        rows += [
-            (f"options.{k}", s.value, f"{s.source} {UNUSED_NOTE}")
-            for k, s in sorted(self.ignored.items())
-        ]
-        for table, values in sorted(self.strategy_tables.items()):
-            rows += [(f"strategies.{table}.{k}", s.value, s.source) for k, s in values.items()]
-        return rows
-
-    def for_strategy(self, info: Any, canonical: Callable[[str], str | None]) -> dict[str, Setting]:
-        """The options in effect for strategy ``info``, each with its source; sets
-        `options` to them.
-
-        Highest first: code argument > ``torchplug launch --option`` > the file's
-        ``[strategies.NAME]`` table for this strategy (by name or alias) > the file's shared
-        ``[options]`` > the strategy's default. A shared ``[options]`` entry this strategy does
-        not know is left out (recorded in `ignored`) unless no installed strategy knows it
-        (then it is a typo, checked by `problems` and the Engine); a name in the strategy's
-        own table, the launcher's or the code's that it does not know is an error.
-        """
-        known = {o.name for o in info.options}
-        chosen: dict[str, Setting] = {}
-        self.ignored = {}
-        for name, setting in self.options.items():
-            if setting.source.startswith("config file") and name not in known:
-                self.ignored[name] = setting
-            elif setting.source.startswith("config file"):
-                chosen[name] = setting
-        for table, values in self.strategy_tables.items():
-            if canonical(table) == info.name:
-                chosen.update(values)
-        chosen.update(
-            {n: s for n, s in self.options.items() if not s.source.startswith("config file")}
-        )
-        self.options = chosen
-        return chosen
-
+from torchplug.engine.settings import (  # noqa: F401 - re-exported: the records of settings
+    PRECISIONS,
+    UNUSED_NOTE,
+    Setting,
+    Settings,
+    normalize_precision,
+)
 
 CONFIG_KEYS = ("strategy", "precision", "options", "strategies", "processes", "nodes", "loggers")
 

@@ -21,11 +21,10 @@ from torchplug.contract.types import (
     DEFAULT_TIMEOUT,
     ClusterInfo,
     StrategyInfo,
-    normalize_precision,
     resolve_options,
 )
 from torchplug.engine import config
-from torchplug.engine.config import auto_strategy, is_auto  # noqa: F401 - re-exported
+from torchplug.engine.config import auto_strategy, is_auto, normalize_precision  # noqa: F401 - re-exported
 
 
 def select_strategy(
@@ -143,7 +142,10 @@ def active_set(
                 f"{type(plugin).__name__} {plugin!r}. Pass e.g. plugins=['my_module'] or "
                 f"plugins=[MyExtension()]."
             )
-    active += [manager.load_extension(p) if isinstance(p, str) else p for p in plugins]
+    for plugin in plugins:  # one already active (registered globally too) is active once
+        loaded = manager.load_extension(plugin) if isinstance(plugin, str) else plugin
+        if not any(loaded is other for other in active):
+            active.append(loaded)
     return backend, active, resolved
 
 

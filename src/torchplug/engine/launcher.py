@@ -146,8 +146,8 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from torchplug.contract.types import normalize_precision
     from torchplug.engine import config
+    from torchplug.engine.config import normalize_precision
 
     method = _start_method(start_method)
     config_ = LaunchConfig(

@@ -79,7 +79,9 @@ def setup(
         from torchplug.features import syncbn
 
         # before the wrap sees the layers
-        engine._backend.undo += syncbn.convert(model, engine.device)
+        engine._backend.undo += syncbn.convert(
+            model, engine.device, engine._collectives.reduce, engine.world_size
+        )
     meta = scaling.is_meta(model)
     if not meta:
         scaling.replicate_from_rank_zero(model, engine._hooks.broadcast, engine.world_size)

@@ -5,9 +5,9 @@ batch. With synchronised BatchNorm the statistics are those of the whole global 
 ranks of four samples train exactly like one process with eight. On GPUs (and XPU/HPU) that is
 torch's own ``nn.SyncBatchNorm``; torch's refuses CPU tensors, so on the CPU torchplug uses
 `GlobalBatchNorm`, built from torch's own pieces: per-channel sums, sums of squares and
-counts summed over the ranks with ``torch.distributed.nn.functional.all_reduce``, which is
-differentiable (its backward sums the gradients over the ranks, as the statistics' dependence on
-every rank's input requires).
+counts summed over the ranks through the active set's reduce hook (the backend's collectives,
+whatever they are), made differentiable by `SumOverRanks` (its backward sums the gradients over
+the ranks, as the statistics' dependence on every rank's input requires).
 
 The converted modules share the original modules' parameters and buffers (the optimizer, the
 state dict's names and checkpoints are unchanged), and ``close()`` puts the original modules
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,28 +52,45 @@ def setting(value: bool | None) -> bool:
     )
 
 
+#: ``reduce(tensor, op)``: the Engine's reduce (through the active set's hook).
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+class SumOverRanks(torch.autograd.Function):
+    """A sum over the ranks that gradients flow through: forward and backward are each a
+    ``"sum"`` reduce (the gradient of a sum over ranks is the sum of the ranks' gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, reduce: Reduce) -> torch.Tensor:
+        ctx.reduce = reduce
+        return reduce(tensor.detach().clone(), "sum")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.reduce(grad.contiguous().clone(), "sum"), None
+
+
 class GlobalBatchNorm(_BATCH_NORM):
     """BatchNorm whose training statistics are taken over every rank's batch (any device and
-    process group backend); in eval, or in a world of one, it is plain BatchNorm."""
+    backend: the sums go through the Engine's reduce); in eval, or in a world of one, it is
+    plain BatchNorm."""
+
+    reduce: Reduce | None = None
+    world_size: int = 1
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if not self.training or world == 1:
+        if not self.training or self.world_size == 1 or self.reduce is None:
             return super().forward(input)
-        from torch.distributed.nn.functional import all_reduce
-
         self._check_input_dim(input)
         channels = input.size(1)
         dims = [0, *range(2, input.dim())]
         x = input.float()
         count = torch.full((1,), float(input.numel() // channels), device=input.device)
-        stats = all_reduce(torch.cat([x.sum(dims), (x * x).sum(dims), count]))
+        stats = SumOverRanks.apply(torch.cat([x.sum(dims), (x * x).sum(dims), count]), self.reduce)
         total = stats[-1]
         mean = stats[:channels] / total
         var = (stats[channels : 2 * channels] / total - mean * mean).clamp_min(0)
@@ -99,11 +117,14 @@ def _put_back(parent: torch.nn.Module, name: str, original: torch.nn.Module) -> 
     setattr(parent, name, original)
 
 
-def convert(model: torch.nn.Module, device: torch.device) -> list[Callable[[], None]]:
+def convert(
+    model: torch.nn.Module, device: torch.device, reduce: Reduce, world_size: int
+) -> list[Callable[[], None]]:
     """Replace every BatchNorm of ``model`` (in place, sharing its tensors) by a synchronised
     one: torch's ``SyncBatchNorm`` where torch supports the device, else
-    `GlobalBatchNorm`. Returns the undo steps; a model whose root is a BatchNorm is
-    refused (there is no parent to put the new module in)."""
+    `GlobalBatchNorm` summing through ``reduce`` over ``world_size`` ranks. Returns the undo
+    steps; a model whose root is a BatchNorm is refused (there is no parent to put the new
+    module in)."""
     if isinstance(model, _BATCH_NORM):
         raise ConfigurationError(
             f"sync_batchnorm=True cannot convert a model that is itself a "
@@ -124,6 +145,8 @@ def convert(model: torch.nn.Module, device: torch.device) -> list[Callable[[], N
                 setattr(new, attr, getattr(child, attr))
             if native:
                 new.process_group = None
+            else:
+                new.reduce, new.world_size = reduce, world_size
             for pname, param in child._parameters.items():  # noqa: SLF001
                 new._parameters[pname] = param  # noqa: SLF001 - the same Parameter objects
             for bname, buffer in child._buffers.items():  # noqa: SLF001

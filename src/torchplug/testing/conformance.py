@@ -40,7 +40,7 @@ def require_precision(strategy: str, precision: str | None, plugins: Sequence[st
     """Skip the calling test when ``precision`` cannot run under ``strategy`` on this machine,
     with the registry's reason (the probe ``torchplug plugins``, ``launch`` and ``check`` use)."""
     from torchplug.contract import manager
-    from torchplug.contract.types import normalize_precision
+    from torchplug.engine.config import normalize_precision
     from torchplug.testing import bodies
 
     bodies.register(plugins)
