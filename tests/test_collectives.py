@@ -106,3 +106,48 @@ def test_broadcast_object_sends_src_s_object_through_the_reduce_hook(ranks):
     for out in ranks.run(broadcasting, timeout=60):
         assert out["got"] == expected
         assert out["calls"] == [("max", "torch.int64"), ("sum", "torch.uint8")], out["calls"]
+
+
+def gathering_like_the_peers() -> dict:
+    """Issue 34 point 3: what Accelerate's ``gather`` and Fabric's ``all_gather`` /
+    ``all_reduce`` take: nested tuples, lists and dicts of tensors and numbers."""
+    with tp.Engine("ddp") as engine:
+        r = engine.rank
+        logits = torch.full((3, 2), float(r))
+        labels = torch.tensor([r, r + 10, r + 20])
+        pair = engine.gather((logits, labels), concat=True)  # accelerator.gather((a, b))
+        stacked = engine.gather({"x": labels, "n": r})  # fabric.all_gather(dict)
+        reduced = engine.reduce({"loss": torch.tensor(float(r + 1)), "n": [r, 2 * r]}, "sum")
+        kept = torch.tensor([1.0 + r])
+        engine.reduce(kept, "sum")
+        objects = engine.gather_object([f"rank{r}"])  # accelerate gather_object
+        values = engine.gather_object({"r": r})
+        return {
+            "pair": [t.tolist() for t in pair],
+            "pair_shapes": [tuple(t.shape) for t in pair],
+            "stacked": {k: v.tolist() for k, v in stacked.items()},
+            "reduced": {"loss": reduced["loss"].item(), "n": [t.item() for t in reduced["n"]]},
+            "kept": kept.item(),
+            "rank": r,
+            "scalar": engine.gather(torch.tensor(float(r)), concat=True).tolist(),
+            "objects": objects,
+            "values": values,
+        }
+
+
+def test_gather_and_reduce_take_what_the_peers_take(ranks):
+    for result in ranks.run(gathering_like_the_peers, timeout=120):
+        assert result["pair_shapes"] == [(6, 2), (6,)]  # concatenated, as Accelerate's
+        assert result["pair"][1] == [0, 10, 20, 1, 11, 21]
+        assert result["pair"][0] == [[0.0, 0.0]] * 3 + [[1.0, 1.0]] * 3
+        assert result["stacked"] == {"x": [[0, 10, 20], [1, 11, 21]], "n": [0, 1]}
+        assert result["reduced"] == {"loss": 3.0, "n": [1, 2]}
+        assert result["kept"] == 1.0 + result["rank"]  # the input is not changed in place
+        assert result["scalar"] == [0.0, 1.0]
+        assert result["objects"] == ["rank0", "rank1"]  # lists joined
+        assert result["values"] == [{"r": 0}, {"r": 1}]
+
+
+def test_gather_names_what_it_takes_when_given_something_else():
+    with tp.Engine("single") as engine, pytest.raises(TypeError, match="gather_object"):
+        engine.gather(("a", "b"))

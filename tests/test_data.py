@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
@@ -16,8 +17,15 @@ def epochs_seen(shuffle: bool, custom_batches: bool = False) -> dict:
         loader = DataLoader(data, batch_size=2, shuffle=shuffle)
     with tp.Engine("ddp", timeout=60.0) as engine:
         loader = engine.setup_dataloader(loader)
-        epochs = [[b[0].tolist() for b in loader] for _ in range(2)]
-        return {"epochs": epochs, "len": len(loader)}
+        epochs, paddings = [], []
+        for _ in range(2):
+            seen, pads = [], []
+            for b in loader:
+                seen.append(b[0].tolist())
+                pads.append(loader.batch_padding)
+            epochs.append(seen)
+            paddings.append(pads)
+        return {"epochs": epochs, "len": len(loader), "paddings": paddings}
 
 
 def flat(batches: list[list[int]]) -> list[int]:
@@ -44,10 +52,12 @@ def test_shuffled_loader_agrees_across_ranks_and_reshuffles_each_epoch(ranks):
 
 def test_custom_batch_sampler_is_sharded_by_batch(ranks):
     r0, r1 = ranks.run(epochs_seen, False, True)
-    # 7 batches of 3 (last one short): rounds of 2 -> 3 each, the odd 7th batch dropped
-    assert r0["len"] == r1["len"] == 3
-    assert r0["epochs"][0] == [[0, 1, 2], [6, 7, 8], [12, 13, 14]]
-    assert r1["epochs"][0] == [[3, 4, 5], [9, 10, 11], [15, 16, 17]]
+    # 7 batches of 3 (the last one short) in rounds of 2: the odd 7th batch is not dropped
+    # (issue 34): rank 0 takes it, rank 1 a repeat of it, marked as padding
+    assert r0["len"] == r1["len"] == 4
+    assert r0["epochs"][0] == [[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19]]
+    assert r1["epochs"][0] == [[3, 4, 5], [9, 10, 11], [15, 16, 17], [18, 19]]
+    assert r0["paddings"][0] == [0, 0, 0, 0] and r1["paddings"][0] == [0, 0, 0, 2]
 
 
 def test_single_process_loader_is_unchanged():
@@ -79,3 +89,54 @@ def test_a_users_own_sampler_keeps_its_epoch_and_a_probe_shifts_nothing():
         fresh = engine.setup_dataloader(DataLoader(data, batch_size=4, shuffle=True))
         assert [b[0].tolist() for b in fresh] == first  # the probe shifted nothing
         assert second != first and shuffled.epoch == 2
+
+
+def samples_of_an_own_sampler(kind: str, n: int = 600, batch: int = 32) -> dict:
+    """Issue 34 point 2: a loader with a sampler of the user's own, on every rank; which
+    indices each rank's batches hold (the sampler draws from 1,000 items) and what
+    ``gather_for_metrics`` of them returns."""
+    from torch.utils.data import IterableDataset, SubsetRandomSampler, WeightedRandomSampler
+
+    data = TensorDataset(torch.arange(1000))
+    picked = torch.randperm(1000, generator=torch.Generator().manual_seed(5))[:n].tolist()
+    if kind == "subset":
+        loader = DataLoader(data, batch_size=batch, sampler=SubsetRandomSampler(picked))
+    elif kind == "weighted":
+        weights = torch.zeros(1000)
+        weights[picked] = 1.0
+        sampler = WeightedRandomSampler(weights, n, replacement=False)
+        loader = DataLoader(data, batch_size=batch, sampler=sampler)
+    else:
+
+        class Stream(IterableDataset):
+            def __iter__(self):
+                return iter(torch.tensor(picked).split(batch))
+
+        loader = DataLoader(Stream(), batch_size=None)
+    with tp.Engine("ddp") as engine:
+        loader = engine.setup_dataloader(loader)
+        rows, gathered, steps = [], [], 0
+        for b in loader:
+            x = b if kind == "stream" else b[0]
+            rows += x.tolist()
+            gathered += engine.gather_for_metrics(x).tolist()
+            steps += 1
+        return {"rows": rows, "gathered": gathered, "steps": steps, "picked": picked}
+
+
+@pytest.mark.parametrize("kind", ["subset", "weighted", "stream"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_own_sampler_or_a_stream_loses_no_sample_on_any_number_of_ranks(kind, world):
+    """600 indices, batch 32, on 2 and 3 ranks: every index the sampler (or stream) yields is
+    seen in the epoch, once apart from padding repeats; every rank runs the same number of
+    steps; ``gather_for_metrics`` returns each index exactly once (the padding dropped)."""
+    from torchplug.testing import RankPool
+
+    with RankPool(world) as pool:
+        results = pool.run(samples_of_an_own_sampler, kind, timeout=300)
+    picked = sorted(results[0]["picked"])
+    seen = sorted({i for r in results for i in r["rows"]})
+    assert seen == picked  # nothing dropped (Fabric's kfold: 600 seen, not 576)
+    assert len({r["steps"] for r in results}) == 1
+    for r in results:
+        assert sorted(r["gathered"]) == picked  # each index once: the repeats were padding

@@ -101,6 +101,77 @@ def large_batch_reference() -> list[float]:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
+def accumulated_over_epochs(strategy: str, epochs: int = 2, steps: int = 4) -> dict:
+    """Issue 34: 5 batches per epoch per rank, ``accumulate(steps=4)``: what updates when."""
+    with tp.Engine(strategy) as engine:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = engine.setup(model, optimizer)
+        g = torch.Generator().manual_seed(1)
+        n = 10 * engine.world_size  # 5 batches of 2 per rank
+        x, y = torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
+        loader = engine.setup_dataloader(DataLoader(TensorDataset(x, y), batch_size=2))
+        updates, after_epoch = [], []
+        for _ in range(epochs):
+            stepped = 0
+            for xb, yb in loader:
+                with engine.accumulate(model, steps=steps):
+                    engine.backward(torch.nn.functional.mse_loss(model(xb), yb))
+                    optimizer.step()
+                    stepped += not optimizer.step_was_skipped
+                    optimizer.zero_grad()
+            updates.append(stepped)
+            after_epoch.append([p.detach().clone() for p in model.parameters()])
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return {"updates": updates, "after_epoch": after_epoch, "grads_left": grads}
+
+
+def accelerate_reference(world: int, epochs: int = 2, steps: int = 4) -> list[list]:
+    """Accelerate's semantics in plain PyTorch (``GradientAccumulationPlugin`` defaults): each
+    loss divided by ``steps``; the update on every ``steps``-th batch and on the last batch of
+    the pass, where the count starts again. The global batch of ``world`` ranks' batches of 2
+    is ``2 * world`` consecutive items of each round (DistributedSampler interleaves)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    n = 10 * world
+    x, y = torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
+    out = []
+    for _ in range(epochs):
+        count = 0
+        for b in range(5):
+            rows = slice(b * 2 * world, (b + 1) * 2 * world)
+            (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / steps).backward()
+            count += 1
+            if count % steps == 0 or b == 4:
+                optimizer.step()
+                optimizer.zero_grad()
+                count = 0
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_accumulate_completes_the_group_at_the_end_of_each_loader_pass(ranks, world):
+    """Issue 34 point 1: 5 batches per epoch and steps=4 update twice per epoch (4 + the last
+    1), as Accelerate's default does, not once with a group spanning two epochs; no gradient
+    is left unapplied at the end; the numbers equal Accelerate's semantics in plain PyTorch."""
+    results = (
+        [accumulated_over_epochs("single")]
+        if world == 1
+        else ranks.run(accumulated_over_epochs, "ddp", timeout=120)
+    )
+    expected = accelerate_reference(world)
+    for result in results:
+        assert result["updates"] == [2, 2]
+        assert all(not bool(g.abs().sum()) for g in result["grads_left"])  # nothing left over
+        for got, want in zip(result["after_epoch"], expected, strict=True):
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_accumulate_rejects_a_bad_count():
     with tp.Engine("single") as engine:
         model = engine.setup(torch.nn.Linear(1, 1))

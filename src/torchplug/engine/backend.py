@@ -199,13 +199,18 @@ class BackendState:
         return result
 
     @contextlib.contextmanager
-    def accumulate(self, model: torch.nn.Module, steps: int) -> Iterator[bool]:
+    def accumulate(
+        self, model: torch.nn.Module, steps: int, end_of_pass: bool = False
+    ) -> Iterator[bool]:
         """`Engine.accumulate`'s count: yields whether this micro-batch synchronizes (the
-        ``steps``-th of its model's group), with `accumulating` set inside.
+        ``steps``-th of its model's group, or the last batch of a loader pass, which completes
+        the group and starts the count again, as Accelerate's ``sync_with_dataloader``), with
+        `accumulating` set inside.
 
         Args:
             model: The model the count is kept for.
             steps: Micro-batches per optimizer update.
+            end_of_pass: The batch is the last of its loader's pass.
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ConfigurationError(
@@ -218,7 +223,7 @@ class BackendState:
                 "block per micro-batch."
             )
         count = self.accumulated.get(id(model), 0) + 1
-        sync = count % steps == 0
+        sync = end_of_pass or count % steps == 0
         self.accumulated[id(model)] = 0 if sync else count
         for optimizer in self.optimizers:
             wrappers.skip_zero_grad(self, optimizer)

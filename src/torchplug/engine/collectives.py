@@ -23,6 +23,7 @@ from torchplug.contract.errors import ConfigurationError
 from torchplug.contract.types import REDUCE_OPS, Runtime
 from torchplug.features import faults, sharing
 from torchplug.util import torchprivate
+from torchplug.util.nested import map_tensors
 
 if TYPE_CHECKING:
     from torchplug.contract.context import Selection
@@ -73,6 +74,11 @@ class Collectives:
         """The loader a batch last came from (its padding is what ``gather_for_metrics`` drops)."""
         self._last_loader = weakref.ref(loader)
 
+    def loader_ending(self) -> bool:
+        """Whether the batch handed out last (by any loader of this Engine) ends its pass."""
+        loader = self._last_loader() if self._last_loader is not None else None
+        return bool(getattr(loader, "end_of_pass", False))
+
     def as_tensor(self, value: Any) -> torch.Tensor:
         device = self._runtime.device
         if isinstance(value, torch.Tensor):
@@ -104,6 +110,31 @@ class Collectives:
         tensor = self.as_tensor(tensor)
         self.check("gather", tensor)
         return self.guarded("gather", lambda: self._hooks.gather(tensor))
+
+    def gather_all(self, data: Any, concat: bool) -> Any:
+        """`Engine.gather`: every tensor (or number) of ``data``, nested in tuples, lists and
+        dicts, gathered: stacked ``(world_size, *shape)``, or with ``concat`` joined along the
+        first dimension (a number or 0-d tensor gives ``(world_size,)``), as Accelerate's."""
+
+        def one(tensor: torch.Tensor) -> torch.Tensor:
+            stacked = self.gather(tensor)
+            if not concat:
+                return stacked
+            return stacked.reshape(-1, *tensor.shape[1:]) if tensor.dim() else stacked.flatten()
+
+        return map_tensors(tensors_of(data, "gather"), one)
+
+    def reduce_all(self, data: Any, op: str) -> Any:
+        """`Engine.reduce` of every tensor (or number) of ``data``, nested in containers."""
+        return map_tensors(tensors_of(data, "reduce"), lambda t: self.reduce(t, op))
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """`Engine.gather_object`: every rank's JSON value, in rank order (lists joined)."""
+        rt = self._runtime
+        values = [self.broadcast_object(obj, src) for src in range(rt.world_size)]
+        if all(isinstance(v, list) for v in values):
+            return [item for value in values for item in value]
+        return values
 
     def barrier(self) -> None:
         self.check("barrier", None)
@@ -157,25 +188,7 @@ class Collectives:
                 value = value[: max(0, value.shape[0] - padding)]
             return self.gather_uneven(value)
 
-        def prepare(value: Any) -> Any:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return torch.tensor(value)
-            if isinstance(value, dict):
-                return {key: prepare(item) for key, item in value.items()}
-            if isinstance(value, tuple) and hasattr(value, "_fields"):
-                return type(value)(*(prepare(v) for v in value))
-            if isinstance(value, (list, tuple)):
-                return type(value)(prepare(v) for v in value)
-            if isinstance(value, torch.Tensor):
-                return value
-            raise TypeError(
-                f"gather_for_metrics expects tensors or numbers (alone or in tuples, lists and "
-                f"dicts), got {type(value).__name__}."
-            )
-
-        from torchplug.util.nested import map_tensors
-
-        return map_tensors(prepare(data), one)
+        return map_tensors(tensors_of(data, "gather_for_metrics"), one)
 
     def gather_uneven(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate ``tensor`` from every rank along dim 0; first dimensions may differ."""
@@ -212,3 +225,23 @@ class Collectives:
             first_of_replica.setdefault(int(shapes[r, -1]), r)
         firsts = sorted(first_of_replica.items())
         return torch.cat([stacked[r, : int(shapes[r, 1])] for _, r in firsts])
+
+
+def tensors_of(data: Any, what: str) -> Any:
+    """``data`` with its numbers as tensors; tensors and numbers nested in tuples (named too),
+    lists and dicts; anything else is an error naming ``what`` was called."""
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        return torch.tensor(data)
+    if isinstance(data, dict):
+        return {key: tensors_of(item, what) for key, item in data.items()}
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(tensors_of(v, what) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(tensors_of(v, what) for v in data)
+    if isinstance(data, torch.Tensor):
+        return data
+    raise TypeError(
+        f"engine.{what} expects tensors or numbers (alone or in tuples, lists and dicts), got "
+        f"{type(data).__name__}. For other values (strings, lists of them) use "
+        f"engine.gather_object (JSON values) or engine.broadcast_object."
+    )

@@ -108,17 +108,10 @@ class Engine(RuntimeFacts):
         hook: pluggy's relay of the active set's hooks (torchplug calls them typed).
         settings: Every setting with where it came from (code, launcher, environment, config file).
         cluster: Who this process is in its job ([`ClusterInfo`][torchplug.ClusterInfo]).
-        seed: The seed of the data order.
         checkpoint_key: The key checkpoints are signed and verified with (``None``: no signatures).
         checkpoints: ``checkpoint_dir``, ``resume`` and ``keep_last``, checked.
-        compile_options: ``torch.compile`` arguments (``None``: not compiled), applied after the
-            wrap.
-        activation_checkpointing: Block classes whose activations are recomputed in backward.
-        sync_batchnorm: BatchNorm statistics over the global batch (the argument, else the
-            environment).
-        loggers: The loggers [`log`][torchplug.Engine.log] writes to (names checked at once, files
-            opened on first log).
-        callbacks: The objects [`call`][torchplug.Engine.call] runs methods of.
+        seed, compile_options, activation_checkpointing, sync_batchnorm, loggers, callbacks:
+            The arguments of those names, checked (``sync_batchnorm`` else the environment's).
     """
 
     def __init__(
@@ -281,12 +274,10 @@ class Engine(RuntimeFacts):
             obj: A module [`setup`][torchplug.Engine.setup] returned, or anything else (returned as
                 it is).
         """
-        if isinstance(obj, torch.nn.Module):
-            try:
-                return self._originals.get(obj, obj)
-            except TypeError:
-                return obj
-        return obj
+        try:
+            return self._originals.get(obj, obj)
+        except TypeError:  # not weakly referable: not a module this Engine returned
+            return obj
 
     def setup_dataloader(
         self,
@@ -397,19 +388,22 @@ class Engine(RuntimeFacts):
                 optimizer.zero_grad()
         ```
 
-        On the first ``steps - 1`` calls backward skips gradient synchronization (the backend's
-        ``no_sync``; DeepSpeed marks them as no accumulation boundary), and ``optimizer.step()``
-        and ``optimizer.zero_grad()`` do nothing; on every ``steps``-th call all three run. Each
-        loss is divided by ``steps``, so the update equals one on the ``steps`` times larger
-        batch. ``optimizer.step_was_skipped`` is ``True`` after an accumulation step (step a
-        scheduler only when it is ``False``). The count is kept per model.
+        The first ``steps - 1`` calls skip gradient synchronization (the backend's ``no_sync``)
+        and make ``optimizer.step()`` and ``zero_grad()`` do nothing; every ``steps``-th call,
+        and the last batch of a pass of a [`setup_dataloader`][torchplug.Engine.setup_dataloader]
+        loader (the count then starts again: Accelerate's ``sync_with_dataloader``), runs all
+        three. Each loss is divided by ``steps`` (a short last group's too, as Accelerate's), so
+        a full group updates as the ``steps`` times larger batch would. After an accumulation
+        step ``optimizer.step_was_skipped`` is ``True`` (step a scheduler only when it is
+        ``False``). The count is kept per model.
 
         Args:
             model: The model [`setup`][torchplug.Engine.setup] returned (the count is kept per
                 model).
             steps: Micro-batches per optimizer update (1: every step updates).
         """
-        with self._backend.accumulate(model, steps) as sync, self.no_sync(model, not sync):
+        ending = self._collectives.loader_ending()
+        with self._backend.accumulate(model, steps, ending) as sync, self.no_sync(model, not sync):
             yield
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -418,22 +412,37 @@ class Engine(RuntimeFacts):
 
     # -- collectives ------------------------------------------------------------------------------
 
-    def reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result.
+    def reduce(self, tensor: Any, op: str = "mean") -> Any:
+        """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result,
+        a new tensor (Fabric's ``all_reduce`` too: neither changes its input).
 
         Args:
-            tensor: This rank's tensor (or number).
+            tensor: This rank's tensor or number, or tensors nested in tuples, lists and dicts
+                (each reduced; the same structure returned).
             op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
         """
-        return self._collectives.reduce(tensor, op)
+        return self._collectives.reduce_all(tensor, op)
 
-    def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
-        """Stack ``tensor`` from every rank: shape ``(world_size, *tensor.shape)``.
+    def gather(self, tensor: Any, *, concat: bool = False) -> Any:
+        """Every rank's ``tensor``: stacked, shape ``(world_size, *tensor.shape)`` (Fabric's
+        ``all_gather``); with ``concat=True`` joined along the first dimension,
+        ``(world_size * B, ...)`` (Accelerate's ``gather``; a number gives ``(world_size,)``).
+        Tensors nested in tuples, lists and dicts are each gathered, in the same structure.
 
         Args:
-            tensor: This rank's tensor (or number), the same shape on every rank.
+            tensor: This rank's tensor or number (the same shape on every rank), or a nesting.
+            concat: Join along the first dimension instead of stacking.
         """
-        return self._collectives.gather(tensor)
+        return self._collectives.gather_all(tensor, concat)
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON values: no pickle), in rank order; lists are joined into
+        one list, as Accelerate's ``gather_object`` does. A collective.
+
+        Args:
+            obj: This rank's JSON value (a list, to get one joined list).
+        """
+        return self._collectives.gather_object(obj)
 
     @contextlib.contextmanager
     def split_between_processes(self, items: Any, apply_padding: bool = False) -> Iterator[Any]:
@@ -621,21 +630,14 @@ class Engine(RuntimeFacts):
     ) -> None:
         """Write ``state`` (modules, optimizers, tensors, JSON values) as a checkpoint at ``path``.
 
-        Call it on every rank. The previous checkpoint at ``path`` stays intact until the new one
-        is complete. ``metadata`` (JSON values) is recorded in the manifest for your own use.
-        A failure on any rank raises a CheckpointError on every rank naming the rank and the
-        error; a save that some ranks never call fails after ``checkpoint_timeout`` seconds.
-
-        With ``async_=True`` it returns once buffers and values are copied (staged) in memory;
-        parameters and optimizer state are copied by a background thread while the loop runs
-        its next forward and backward (the next ``optimizer.step()`` waits for that copy), then
-        writing, hashing, fsync and the commit go on there while training continues. Change
-        saved parameters or optimizer state in place only through ``optimizer.step()`` until
-        then (or call [`wait_for_save`][torchplug.Engine.wait_for_save] first): a tensor changed
-        during its copy fails the save instead of writing a mix of two states. The next save,
-        load or resume and [`close`][torchplug.Engine.close] wait for it, and raise its failure,
-        on every rank. A backend that writes its own format (DeepSpeed's
-        ``native_checkpoint``) saves synchronously.
+        Call it on every rank; the previous checkpoint at ``path`` stays intact until the new
+        one is complete. A failure on any rank raises a CheckpointError on every rank naming it;
+        a save some ranks never call fails after ``checkpoint_timeout`` seconds. ``async_=True``
+        returns once the state is staged in memory and writes in the background (change saved
+        tensors in place only through ``optimizer.step()`` until then: one changed during its
+        copy fails the save rather than mixing two states); the next save, load, resume or
+        [`close`][torchplug.Engine.close] waits for it and raises its failure, on every rank. A
+        backend with a format of its own (DeepSpeed's ``native_checkpoint``) saves synchronously.
 
         Args:
             path: The checkpoint directory to write (replaced once the new one is complete).

@@ -8,9 +8,15 @@ resumed run shuffles as the uninterrupted one did. Starting a pass does not coun
 ``next(iter(loader))`` probe shifts nothing), and a sampler you built yourself is left to you
 (torchplug never calls its ``set_epoch`` unless you call ``loader.set_epoch``).
 
-Anything else (custom samplers, batch samplers, iterable datasets) is sharded by batch: rank
-``r`` of ``N`` takes batches ``r, r+N, ...`` and the last incomplete round is dropped, so every
-rank runs the same number of steps and no collective waits forever.
+A sampler of your own (``SubsetRandomSampler``, ``WeightedRandomSampler``, any ``Sampler``) is
+sharded by index, as Fabric's ``DistributedSamplerWrapper`` does: each pass's indices are drawn
+once (the same on every rank: a torch sampler without a generator gets one seeded from the
+seed and the epoch), padded by repeating from the start to a multiple of the ranks, and rank
+``r`` of ``N`` takes positions ``r, r+N, ...``: every index is seen, the repeats are padding that
+``gather_for_metrics`` drops. Batch samplers and iterable datasets are sharded by batch: rank
+``r`` takes batches ``r, r+N, ...``; a last incomplete round is completed by repeating its
+batches (marked as padding), so no sample is dropped and every rank runs the same number of
+steps (no collective waits forever).
 """
 
 from __future__ import annotations
@@ -19,9 +25,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from torchplug.util.nested import map_tensors
+
+#: The end of a pass (a batch may be ``None``).
+_END = object()
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -45,6 +60,11 @@ def _with_distributed_sampler(
         seed=seed,
         drop_last=loader.drop_last,
     )
+    return _rebuilt(loader, sampler, batch_size)
+
+
+def _rebuilt(loader: DataLoader, sampler: Any, batch_size: int | None = None) -> DataLoader:
+    """``loader`` with another sampler (and batch size), everything else kept."""
     kwargs: dict[str, Any] = {
         "batch_size": loader.batch_size if batch_size is None else batch_size,
         "sampler": sampler,
@@ -70,12 +90,93 @@ def _worker_seeding(loader: DataLoader) -> Callable[[int], None] | None:
     return seed_worker if loader.num_workers > 0 and seeding_workers() else None
 
 
+class ShardedSampler(torch.utils.data.Sampler):
+    """This rank's share of another sampler's indices: each pass's indices, padded by repeating
+    from the start to a multiple of ``num_replicas``, at positions ``rank, rank + N, ...``.
+
+    Args:
+        sampler: The loader's own sampler (anything that yields dataset indices).
+        num_replicas: The data-parallel ranks.
+        rank: This rank's data-parallel index.
+        seed: Seeds a torch sampler that has no generator of its own (with the epoch), so every
+            rank draws the same order.
+    """
+
+    def __init__(self, sampler: Any, num_replicas: int, rank: int, seed: int = 0) -> None:
+        self.sampler, self.num_replicas, self.rank, self.seed = sampler, num_replicas, rank, seed
+        self.epoch = 0
+        #: How many indices the last pass drew (the rest of this rank's share is padding).
+        self.drawn = len(sampler) if hasattr(sampler, "__len__") else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        inner = getattr(self.sampler, "set_epoch", None)
+        if callable(inner):
+            inner(epoch)
+
+    def _draw(self) -> list[Any]:
+        if hasattr(self.sampler, "generator") and self.sampler.generator is None:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            self.sampler.generator = generator  # one order on every rank, this pass only
+            try:
+                return list(self.sampler)
+            finally:
+                self.sampler.generator = None
+        return list(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = self._draw()
+        self.drawn = len(indices)
+        if not indices:
+            return iter(())
+        total = -(-len(indices) // self.num_replicas) * self.num_replicas
+        while len(indices) < total:
+            indices += indices[: total - len(indices)]
+        return iter(indices[self.rank : total : self.num_replicas])
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.num_replicas)
+
+    def real(self) -> int:
+        """How many of this rank's indices in the last pass were not padding."""
+        return len(range(self.rank, self.drawn, self.num_replicas))
+
+
+def _with_sharded_sampler(
+    loader: DataLoader, num_replicas: int, rank: int, seed: int
+) -> DataLoader:
+    """``loader`` with its own sampler replaced by this rank's `ShardedSampler` of it."""
+    return _rebuilt(loader, ShardedSampler(loader.sampler, num_replicas, rank, seed))
+
+
+def _batch_size_of(batch: Any) -> int:
+    """The number of samples in a batch: the first dimension of its first tensor."""
+    found: list[int] = []
+
+    def first(tensor: torch.Tensor) -> torch.Tensor:
+        if not found and tensor.dim() > 0:
+            found.append(tensor.shape[0])
+        return tensor
+
+    map_tensors(batch, first)
+    return found[0] if found else (len(batch) if hasattr(batch, "__len__") else 1)
+
+
 def padding_per_batch(
     sampler: Any, batch_size: int | None, drop_last: bool
 ) -> Callable[[int], int]:
     """For batch ``i`` of this rank, how many of its samples are padding: ``DistributedSampler``
     repeats samples so every rank gets as many; those repeats sit at the end of the ranks whose
     share is short, one each, and must not be counted twice in metrics."""
+    if isinstance(sampler, ShardedSampler) and batch_size:
+
+        def sharded(i: int) -> int:
+            start, end = i * batch_size, min((i + 1) * batch_size, len(sampler))
+            if drop_last and end - start < batch_size:
+                return 0
+            return max(0, end - max(start, sampler.real()))
+
+        return sharded
     if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not batch_size:
         return lambda i: 0
     size = len(sampler.dataset)  # type: ignore[arg-type]
@@ -174,6 +275,14 @@ class EngineDataLoader:
             ):
                 if split_batches:
                     self._split = num_replicas
+                elif (
+                    isinstance(loader, DataLoader)
+                    and loader.batch_size is not None
+                    and not isinstance(loader.dataset, IterableDataset)
+                    and hasattr(loader.sampler, "__len__")
+                ):  # a sampler of the user's own: sharded by index, nothing dropped
+                    loader = _with_sharded_sampler(loader, num_replicas, rank, seed)
+                    self._own_sampler = True
                 else:
                     self._shard_batches = num_replicas
         self.loader = loader
@@ -191,6 +300,9 @@ class EngineDataLoader:
         self._epoch_rng: dict[str, torch.Tensor] | None = None
         self._skip = 0
         self._replay_rng: dict[str, torch.Tensor] = {}
+        #: Whether the batch handed out last is the last of its pass (what ``engine.accumulate``
+        #: completes a group on, as Accelerate's ``sync_with_dataloader``).
+        self.end_of_pass = False
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands: epoch and batches consumed (for resuming mid-epoch).
@@ -234,7 +346,7 @@ class EngineDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         sampler = getattr(self.loader, "sampler", None)
-        if self._own_sampler and isinstance(sampler, DistributedSampler):
+        if self._own_sampler and isinstance(sampler, (DistributedSampler, ShardedSampler)):
             sampler.set_epoch(self.epoch)
         skip, self._skip = self._skip, 0
         replay, self._replay_rng = self._replay_rng, {}
@@ -254,6 +366,35 @@ class EngineDataLoader:
         if generator is not None:
             self._epoch_rng["epoch_generator"] = generator.get_state()
         self._consumed = 0
+        self.end_of_pass = False
+        total: int | None = None  # unknown: the last batch is known by looking one ahead
+        if not isinstance(getattr(self.loader, "dataset", None), IterableDataset):
+            try:  # a sized loader: its last batch is known by count (none fetched early)
+                total = len(self)
+            except TypeError:
+                total = None
+        batches = self._pass(skip, resume_rng)
+        pending = next(batches, _END)
+        while pending is not _END:
+            following = _END if total is not None else next(batches, _END)
+            batch, repeated = pending
+            self.batch_padding = (
+                _batch_size_of(batch) if repeated else self._padding(self._consumed)
+            )
+            self._consumed += 1
+            self.end_of_pass = self._consumed >= total if total is not None else following is _END
+            if self._on_batch is not None:
+                self._on_batch(self)
+            yield self.place(batch) if self.place is not None else batch
+            pending = next(batches, _END) if total is not None else following
+        self.end_of_pass = False
+        self._consumed = None
+        self.epoch += 1  # a completed pass: the next one shuffles for the next epoch
+
+    def _pass(self, skip: int, resume_rng: Any) -> Iterator[tuple[Any, bool]]:
+        """This rank's batches of one pass, after the ``skip`` a resumed pass skips (counted in
+        ``_consumed``; the global RNG goes back to the checkpoint's once they are skipped), each
+        with whether it is a whole batch of padding (a repeat completing the last round)."""
         n, rank = self._shard_batches, self._rank
         round_: list[Any] = []
         for batch in self.loader:
@@ -266,23 +407,19 @@ class EngineDataLoader:
                 batch = _part_of(batch, rank, self._split)
             if skip:
                 skip -= 1
-                self._consumed += 1
+                self._consumed = (self._consumed or 0) + 1
                 if not skip and resume_rng is not None:
                     torch.set_rng_state(resume_rng)
                     resume_rng = None
                 continue
-            self.batch_padding = self._padding(self._consumed)
-            self._consumed += 1
-            if self._on_batch is not None:
-                self._on_batch(self)
-            yield self.place(batch) if self.place is not None else batch
+            yield batch, False
+        if round_ and not skip:  # a last incomplete round: its batches repeated, as padding
+            yield round_[rank % len(round_)], rank >= len(round_)
         if resume_rng is not None:  # the pass was shorter than the batches to skip
             torch.set_rng_state(resume_rng)
-        self._consumed = None
-        self.epoch += 1  # a completed pass: the next one shuffles for the next epoch
 
     def __len__(self) -> int:
-        return len(self.loader) // self._shard_batches
+        return -(-len(self.loader) // self._shard_batches)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("loader", "_on_batch"):  # not set yet (unpickling): no recursion
