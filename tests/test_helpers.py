@@ -462,7 +462,7 @@ def test_split_between_processes_in_one_process_and_its_errors():
         assert engine.any(False) is False and engine.all(True) is True
 
 
-def train_at_the_largest_batch_that_fits() -> dict:
+def train_at_the_largest_batch_that_fits(factor: float = 0.5) -> dict:
     """On each rank: a model whose activations for more than 16 samples cannot be allocated (a
     real allocation failure: 2**47 bytes per extra sample, past any address space, so refused
     whatever the overcommit policy), trained one DDP step at the batch size
@@ -470,7 +470,7 @@ def train_at_the_largest_batch_that_fits() -> dict:
     engine = tp.Engine("ddp", timeout=120.0)
     model = engine.setup(torch.nn.Linear(4, 1))
 
-    @tp.find_executable_batch_size(starting_batch_size=128)
+    @tp.find_executable_batch_size(starting_batch_size=128, factor=factor)
     def step(batch_size: int, scale: float) -> float:
         if batch_size > 16:
             torch.empty((batch_size - 16) << 47, dtype=torch.uint8)  # past any address space
@@ -491,6 +491,20 @@ def test_find_executable_batch_size_halves_on_real_out_of_memory_errors(ranks):
     assert results[0]["grad"] == results[1]["grad"]  # one step together, gradients averaged
 
 
+def test_find_executable_batch_size_backs_off_as_accelerate_does_by_default():
+    """Issue 34 point 5: Accelerate's current back-off, 0.9 per retry (64, 57, 51, 45, 40)."""
+
+    @tp.find_executable_batch_size(starting_batch_size=64)
+    def step(batch_size: int) -> int:
+        if batch_size > 40:
+            torch.empty((batch_size - 40) << 47, dtype=torch.uint8)  # past any address space
+        return batch_size
+
+    assert step() == 40 and step.tried == [64, 57, 51, 45, 40]
+    with pytest.raises(tp.ConfigurationError, match="factor=1.5"):
+        tp.find_executable_batch_size(starting_batch_size=8, factor=1.5)
+
+
 def test_find_executable_batch_size_raises_other_errors_at_once_and_names_the_end():
     calls = []
 
@@ -503,7 +517,7 @@ def test_find_executable_batch_size_raises_other_errors_at_once_and_names_the_en
         broken()
     assert calls == [8]
 
-    @tp.find_executable_batch_size(starting_batch_size=4)
+    @tp.find_executable_batch_size(starting_batch_size=4, factor=0.5)
     def never_fits(batch_size: int) -> None:
         torch.empty(1 << 50, dtype=torch.uint8)
 
