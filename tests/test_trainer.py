@@ -296,3 +296,42 @@ def test_trainer_throughput_off_and_wrong_arguments():
     with pytest.raises(tp.ConfigurationError, match="flops_per_batch"):
         tp.Trainer(model, optimizer, loss, data, strategy="single", flops_per_batch=-1.0)
     other.close()
+
+
+def test_trainer_accumulation_completes_the_last_group_of_each_epoch():
+    """Issue 34 point 1 through the Trainer: 5 batches per epoch and grad_accum=4 are 2
+    optimizer steps per epoch (4 batches, then the last 1), the scheduler stepping with them,
+    and the parameters those of plain PyTorch doing the same (loss / 4 on every batch)."""
+    model, optimizer = trainer_body.model_and_optimizer()
+    data = trainer_body.data(n=40)
+    with tp.Trainer(
+        model,
+        optimizer,
+        torch.nn.functional.cross_entropy,
+        torch.utils.data.DataLoader(data, batch_size=8),
+        strategy="single",
+        grad_accum=4,
+        max_epochs=2,
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    ) as trainer:
+        result = trainer.fit()
+        trained = [p.detach().clone() for p in trainer.model.parameters()]
+    assert result["step"] == 4
+    reference, ref_opt = trainer_body.model_and_optimizer()
+    x, y = data.tensors
+    lrs = [0.2, 0.1, 0.05, 0.025]
+    step = 0
+    for _ in range(2):
+        for b in range(5):
+            loss = torch.nn.functional.cross_entropy(
+                reference(x[b * 8 : b * 8 + 8]), y[b * 8 : b * 8 + 8]
+            )
+            (loss / 4).backward()
+            if b in (3, 4):
+                for group in ref_opt.param_groups:
+                    group["lr"] = lrs[step]
+                ref_opt.step()
+                ref_opt.zero_grad()
+                step += 1
+    for got, want in zip(trained, reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

@@ -388,8 +388,8 @@ class Trainer:
         self, state: dict[str, Any], last_saved: int | None
     ) -> tuple[list[float], bool, int | None]:
         engine, model, optimizer = self.engine, self.model, self.optimizer
-        total = (
-            len(self.train_loader) // self.grad_accum
+        total = (  # the last batch of the epoch completes a short group (engine.accumulate)
+            -(-len(self.train_loader) // self.grad_accum)
             if hasattr(self.train_loader, "__len__")
             else None
         )
@@ -405,7 +405,9 @@ class Trainer:
         stop = False
         try:
             for batch in self.train_loader:
-                sync = (len(micro) + 1) % self.grad_accum == 0
+                sync = (len(micro) + 1) % self.grad_accum == 0 or bool(
+                    getattr(self.train_loader, "end_of_pass", False)
+                )
                 with engine.accumulate(model, self.grad_accum):
                     with engine.autocast():  # the forward and loss; backward runs outside
                         loss = self.training_step(batch)
