@@ -763,3 +763,36 @@ def test_profile_settings_are_checked_and_the_trainer_passes_them(tmp_path):
     ) as trainer:
         trainer.fit()
     assert len(list((tmp_path / "profile").glob("rank-0.*.pt.trace.json"))) == 1
+
+
+def test_accumulate_over_micro_batches_of_a_batch_completes_at_the_last_one():
+    """A loop that splits each loader batch into micro-batches (two ``accumulate`` blocks per
+    batch) completes the pass's last group at the last micro-batch of the last batch, not at
+    its first: 3 batches of 2 micro-batches, steps=4 -> updates after micro-batches 4 and 6."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 3, generator=g), torch.randn(12, 1, generator=g)
+    reference = torch.nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for i in range(6):
+        rows = slice(2 * i, 2 * i + 2)
+        (torch.nn.functional.mse_loss(reference(x[rows]), y[rows]) / 4).backward()
+        if i in (3, 5):
+            ref_opt.step()
+            ref_opt.zero_grad()
+    with tp.Engine("single") as engine:
+        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = engine.setup_dataloader(DataLoader(TensorDataset(x, y), batch_size=4))
+        stepped = []
+        for xb, yb in loader:
+            for xs, ys in zip(xb.chunk(2), yb.chunk(2), strict=True):
+                with engine.accumulate(model, steps=4):
+                    engine.backward(torch.nn.functional.mse_loss(model(xs), ys))
+                    optimizer.step()
+                    stepped.append(not optimizer.step_was_skipped)
+                    optimizer.zero_grad()
+    assert stepped == [False, False, False, True, False, True]
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

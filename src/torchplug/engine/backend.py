@@ -56,6 +56,9 @@ class BackendState:
         self.accumulating: tuple[int, bool] | None = None
         #: Micro-batches counted so far in each model's open accumulation group (by id).
         self.accumulated: dict[int, int] = {}
+        #: Per model (by id): the current loader batch, its ``accumulate`` blocks so far, and
+        #: how many the batch before it had.
+        self._blocks: dict[int, list[int]] = {}
         #: Set when the Engine is left by an exception (teardown then skips its barrier).
         self.left_by_error = False
         #: What ``close()`` undoes, newest last: patches on user objects, SyncBatchNorm, ...
@@ -200,17 +203,22 @@ class BackendState:
 
     @contextlib.contextmanager
     def accumulate(
-        self, model: torch.nn.Module, steps: int, end_of_pass: bool = False
+        self, model: torch.nn.Module, steps: int, batch: tuple[int, bool] = (0, False)
     ) -> Iterator[bool]:
         """`Engine.accumulate`'s count: yields whether this micro-batch synchronizes (the
-        ``steps``-th of its model's group, or the last batch of a loader pass, which completes
-        the group and starts the count again, as Accelerate's ``sync_with_dataloader``), with
+        ``steps``-th of its model's group, or the end of a loader pass, which completes the
+        group and starts the count again, as Accelerate's ``sync_with_dataloader``), with
         `accumulating` set inside.
+
+        The end of a pass is its last batch's last ``accumulate`` block (per model): a loop
+        that splits each batch into micro-batches (several blocks per batch) completes the
+        group at the last of them, as many blocks into the last batch as it made per batch
+        before.
 
         Args:
             model: The model the count is kept for.
             steps: Micro-batches per optimizer update.
-            end_of_pass: The batch is the last of its loader's pass.
+            batch: Which loader batch is current, and whether it ends its pass.
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ConfigurationError(
@@ -222,8 +230,14 @@ class BackendState:
                 "engine.accumulate() was entered inside another engine.accumulate(). Use one "
                 "block per micro-batch."
             )
+        current, last_of_pass = batch
+        seen = self._blocks.setdefault(id(model), [0, 0, 1])  # batch, blocks in it, before
+        if current != seen[0]:  # a new batch: how many blocks the one before it had
+            seen[:] = [current, 0, seen[1] or seen[2]]
+        seen[1] += 1
+        ending = last_of_pass and seen[1] >= seen[2]
         count = self.accumulated.get(id(model), 0) + 1
-        sync = end_of_pass or count % steps == 0
+        sync = ending or count % steps == 0
         self.accumulated[id(model)] = 0 if sync else count
         for optimizer in self.optimizers:
             wrappers.skip_zero_grad(self, optimizer)

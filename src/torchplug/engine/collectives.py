@@ -50,6 +50,8 @@ class Collectives:
         self._collective_timeout = selection.collective_timeout
         self._checker: faults.CollectiveChecker | None = None
         self._last_loader: weakref.ref[Any] | None = None
+        #: Batches handed out so far by this Engine's loaders (which batch is current).
+        self.batches = 0
 
     @property
     def _runtime(self) -> Runtime:
@@ -73,11 +75,13 @@ class Collectives:
     def note_loader(self, loader: Any) -> None:
         """The loader a batch last came from (its padding is what ``gather_for_metrics`` drops)."""
         self._last_loader = weakref.ref(loader)
+        self.batches += 1
 
-    def loader_ending(self) -> bool:
-        """Whether the batch handed out last (by any loader of this Engine) ends its pass."""
+    def loader_position(self) -> tuple[int, bool]:
+        """Which batch is current (a count over this Engine's loaders), and whether it is the
+        last of its loader's pass."""
         loader = self._last_loader() if self._last_loader is not None else None
-        return bool(getattr(loader, "end_of_pass", False))
+        return self.batches, bool(getattr(loader, "end_of_pass", False))
 
     def as_tensor(self, value: Any) -> torch.Tensor:
         device = self._runtime.device

@@ -402,8 +402,8 @@ class Engine(RuntimeFacts):
                 model).
             steps: Micro-batches per optimizer update (1: every step updates).
         """
-        ending = self._collectives.loader_ending()
-        with self._backend.accumulate(model, steps, ending) as sync, self.no_sync(model, not sync):
+        batch = self._collectives.loader_position()
+        with self._backend.accumulate(model, steps, batch) as sync, self.no_sync(model, not sync):
             yield
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
