@@ -277,3 +277,47 @@ def test_a_parameter_changed_in_place_during_the_background_copy_fails_the_save(
         state = {"model": model, "step": 0}
         engine.load(path, state)
         assert state["step"] == 1
+
+
+UNCLOSED = """
+import sys
+import torch
+import torchplug as tp
+from torchplug.checkpoint import tensors
+
+if sys.argv[2] == "fail":
+    def broken(root, mine, rank):
+        raise OSError(28, "No space left on device", str(root))
+    tensors.write = broken
+engine = tp.Engine("single")
+model = engine.setup(torch.nn.Linear(3, 2))
+engine.save(sys.argv[1], {"model": model}, async_=True)
+print("the script's last line ran")
+"""
+
+
+@pytest.mark.parametrize("outcome", ["fail", "ok"])
+def test_an_async_save_that_fails_in_a_script_that_never_closes_is_not_lost(tmp_path, outcome):
+    """Issue 36 item 2: with no close(), a failed asynchronous save used to end the process
+    with status 0, nothing printed, the checkpoint missing. Now its failure is printed at exit
+    and the status is 1; a save that succeeds is committed and the status stays 0."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED)
+    path = tmp_path / "ckpt"
+    done = subprocess.run(
+        [sys.executable, str(script), str(path), outcome],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert "the script's last line ran" in done.stdout
+    if outcome == "fail":
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert "asynchronous save of" in done.stderr and "No space left" in done.stderr
+        assert "not written" in done.stderr and not path.exists()
+    else:
+        assert done.returncode == 0, done.stderr[-2000:]
+        with tp.Engine("single") as engine:
+            model = engine.setup(torch.nn.Linear(3, 2))
+            engine.load(path, {"model": model})

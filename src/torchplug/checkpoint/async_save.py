@@ -20,8 +20,11 @@ synchronous one) is raised there.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +38,36 @@ from torchplug.util import torchprivate
 _HANDOFF: contextvars.ContextVar[PendingSave | None] = contextvars.ContextVar(
     "torchplug_async_save", default=None
 )
+
+
+#: Saves started and not waited for yet: a failure among them is reported at exit.
+_UNCLAIMED: set[PendingSave] = set()
+
+
+def _report_unclaimed() -> None:
+    """At interpreter exit (after Python has joined the save threads; registered on import,
+    so it runs after the handlers registered later): a save that failed while nobody waited
+    for it (a script that never called ``close()`` or ``wait_for_save()``) must not end the
+    process as a success with its checkpoint missing. Its failure is printed and the process
+    exits with status 1."""
+    failed = [p for p in list(_UNCLAIMED) if p.error is not None]
+    if not failed:
+        return
+    for pending in failed:
+        error = pending.error
+        print(
+            f"torchplug: the asynchronous save of {pending.path} failed, and the script ended "
+            f"without waiting for it (engine.close(), `with Engine(...)`, or "
+            f"engine.wait_for_save() raise it): {type(error).__name__}: {error}. That "
+            f"checkpoint was not written; exiting with status 1.",
+            file=sys.stderr,
+        )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+atexit.register(_report_unclaimed)
 
 
 class PendingSave:
@@ -73,6 +106,7 @@ class PendingSave:
                 self.staged.set()
 
         self.thread = threading.Thread(target=run, name=f"torchplug-save {self.path}")
+        _UNCLAIMED.add(self)
         self.thread.start()
 
     def then(self, step: Callable[[], None]) -> None:
@@ -99,6 +133,7 @@ class PendingSave:
         """Block until the write has committed; raise its failure as a CheckpointError."""
         if self.thread is not None:
             self.thread.join()
+        _UNCLAIMED.discard(self)
         if self.error is not None:
             error, self.error = self.error, None
             if isinstance(error, CheckpointError):
