@@ -233,3 +233,65 @@ def test_load_pretrained_without_safetensors_names_the_install(tmp_path, monkeyp
         model = engine.setup(torch.nn.Linear(2, 2))
         with pytest.raises(tp.CheckpointError, match=r"pip install torchplug\[convert\]"):
             engine.load_pretrained(model, tmp_path)
+
+
+def _two_shards(root, second: dict) -> None:
+    """A save_pretrained-style index over two shards; ``second`` is the second shard's content."""
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file({"0.weight": torch.full((3, 2), 7.0), "0.bias": torch.full((3,), 7.0)},
+              str(root / "a.safetensors"))  # fmt: skip
+    save_file(second, str(root / "b.safetensors"))
+    weight_map = {"0.weight": "a.safetensors", "0.bias": "a.safetensors",
+                  "1.weight": "b.safetensors", "1.bias": "b.safetensors"}  # fmt: skip
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        ("shape", r"b\.safetensors holds '1\.weight' with shape \(5, 3\)"),
+        ("absent", r"names b\.safetensors for '1\.bias', but that shard has no tensor"),
+        ("header", r"b\.safetensors is not a readable safetensors file"),
+        ("huge", r"b\.safetensors is not a readable safetensors file"),
+        ("list", r"'weight_map' is a list"),
+        ("nul", r"which is not a file name inside"),
+    ],
+)
+def test_load_pretrained_is_all_or_nothing_and_names_every_bad_input(tmp_path, problem, message):
+    """Issue 36 item 4: a bad second shard (a shape that does not fit, a tensor the index names
+    but the shard lacks, a malformed or hostile header), a weight_map that is a list, a NUL in a
+    name: one CheckpointError naming the file and the problem, and the model unchanged (the
+    first shard, which is fine, was not copied either)."""
+    import json
+    import struct
+
+    import torchplug as tp
+
+    good = {"1.weight": torch.ones(1, 3), "1.bias": torch.ones(1)}
+    if problem == "shape":
+        _two_shards(tmp_path, {"1.weight": torch.ones(5, 3), "1.bias": torch.ones(1)})
+    elif problem == "absent":
+        _two_shards(tmp_path, {"1.weight": torch.ones(1, 3)})
+    elif problem in ("header", "huge"):
+        _two_shards(tmp_path, good)
+        raw = b"not a header at all" if problem == "header" else struct.pack("<Q", 2**63) + b"{}"
+        (tmp_path / "b.safetensors").write_bytes(raw)
+    else:
+        _two_shards(tmp_path, good)
+        index = tmp_path / "model.safetensors.index.json"
+        body = json.loads(index.read_text())
+        if problem == "list":
+            body["weight_map"] = list(body["weight_map"].items())
+        else:
+            body["weight_map"]["1.bias"] = "b.safetensors\u0000"
+        index.write_text(json.dumps(body))
+    with tp.Engine("single") as engine:
+        model = engine.setup(torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(tp.CheckpointError, match=message):
+            engine.load_pretrained(model, tmp_path)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-loaded

@@ -6,6 +6,11 @@ Hugging Face checkpoints are one ``model.safetensors`` or shards listed by
 whole model on one rank: each parameter here is either a plain tensor (read whole) or a DTensor,
 whose rank reads only the block of its own shard. safetensors maps the file and a slice reads only
 the bytes of the rows it covers, so a rank reads roughly its share of the bytes.
+
+All or nothing: every name, file, header and shape is resolved and checked before the first
+tensor is copied, so a bad shard leaves the model as it was; every malformed input (an index
+that is not a name -> file map, a header safetensors refuses, a tensor the index names but its
+shard lacks) is a CheckpointError naming the file (safetensors bounds the header it parses).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torchplug.checkpoint.io import unwrapped
 from torchplug.checkpoint.manifest import INDEX_FILE, SINGLE_FILE
 from torchplug.contract.errors import CheckpointError
+from torchplug.util import torchprivate
 
 
 def _safe_open() -> Any:
@@ -34,6 +40,17 @@ def _safe_open() -> Any:
             "package: pip install torchplug[convert] (or pip install safetensors)."
         ) from None
     return safe_open
+
+
+def _open(safe_open: Any, file: Path) -> Any:
+    """``safe_open`` on ``file``, its refusal (a malformed header) as a CheckpointError."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors' errors are its own types
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file: {type(exc).__name__}: {exc}. Copy it "
+            f"again from its source (save_pretrained writes valid ones)."
+        ) from None
 
 
 def files_of(path: str | os.PathLike[str]) -> dict[str, Path]:
@@ -52,10 +69,21 @@ def files_of(path: str | os.PathLike[str]) -> dict[str, Path]:
                     f"{index} is not a safetensors index (a JSON object with a 'weight_map' of "
                     f"tensor name -> shard file): {exc}."
                 ) from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(
+                    f"{index}: 'weight_map' is a {type(weight_map).__name__}; expected an "
+                    f"object of tensor name -> shard file."
+                )
             where = {}
             for name, shard in weight_map.items():
-                target = (root / str(shard)).resolve()
-                if not target.is_relative_to(root.resolve()) or not target.is_file():
+                bad = not isinstance(shard, str) or "\0" in shard or "\0" in name
+                target = None if bad else (root / shard).resolve()
+                if target is None or not target.is_relative_to(root.resolve()):
+                    raise CheckpointError(
+                        f"{index} names shard {shard!r} for {name!r}, which is not a file name "
+                        f"inside {root}. Copy the index and shards save_pretrained wrote."
+                    )
+                if not target.is_file():
                     raise CheckpointError(
                         f"{index} names shard {shard!r} for {name!r}, which is not a file in "
                         f"{root}. Copy every shard the index lists."
@@ -69,7 +97,7 @@ def files_of(path: str | os.PathLike[str]) -> dict[str, Path]:
             f"with {SINGLE_FILE} or {INDEX_FILE} (what save_pretrained and torchplug convert "
             f"write)."
         )
-    with safe_open(str(root), framework="pt") as handle:
+    with _open(safe_open, root) as handle:
         return {name: root for name in handle.keys()}  # noqa: SIM118 - safe_open's API
 
 
@@ -91,7 +119,8 @@ def _targets(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_into(model: torch.nn.Module, path: str | os.PathLike[str], strict: bool = True) -> dict:
     """Copy the weights at ``path`` into ``model``'s tensors in place; return what was read:
-    ``{"loaded": [...], "missing": [...], "unexpected": [...]}``."""
+    ``{"loaded": [...], "missing": [...], "unexpected": [...]}``. Nothing is copied unless
+    everything checks."""
     from torch.distributed.tensor import DTensor
 
     safe_open = _safe_open()
@@ -106,44 +135,49 @@ def load_into(model: torch.nn.Module, path: str | os.PathLike[str], strict: bool
             f"{' ...' if len(missing) > 8 else ''}. Load into the architecture that was saved, "
             f"or pass strict=False to load the ones it has."
         )
-    loaded = []
     with ExitStack() as files, torch.no_grad():
         handles: dict[Path, Any] = {}
+        names: dict[Path, set[str]] = {}
+        plan = []  # (name, tensor, the stored slice, its shape): every check first
         for name, tensor in targets.items():
             if name not in where:
                 continue
-            if hasattr(tensor, "ds_id"):
-                raise CheckpointError(
-                    f"The model's {name!r} is a DeepSpeed ZeRO-partitioned parameter, which "
-                    f"load_pretrained does not read into. Load the weights before setup "
-                    f"(e.g. from_pretrained, or load_pretrained under init_module() without "
-                    f"empty=True), or use a strategy whose parameters are DTensors (fsdp, tp)."
-                )
-            file = where[name]
-            if file not in handles:
-                handles[file] = files.enter_context(safe_open(str(file), framework="pt"))
-            stored = handles[file].get_slice(name)
-            shape = tuple(stored.get_shape())
-            if shape != tuple(tensor.shape):
-                raise CheckpointError(
-                    f"{file} holds {name!r} with shape {shape}; the model's is "
-                    f"{tuple(tensor.shape)}. Load into the architecture that was saved."
-                )
-            if isinstance(tensor, DTensor):
-                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-                local = tensor.to_local()
-                sizes, offsets = compute_local_shape_and_global_offset(
-                    tensor.shape, tensor.device_mesh, tensor.placements
-                )
-                if local.numel():
-                    block = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
-                    local.copy_(stored[block] if block else handles[file].get_tensor(name))
-            elif tensor.is_meta:
+            if tensor.is_meta:
                 raise CheckpointError(
                     f"The model's {name!r} is still on the meta device: call load_pretrained "
                     f"after engine.setup(model), which materialises an empty-built model."
                 )
+            file = where[name]
+            if file not in handles:
+                handles[file] = files.enter_context(_open(safe_open, file))
+                names[file] = set(handles[file].keys())
+            if name not in names[file]:
+                raise CheckpointError(
+                    f"The index names {file.name} for {name!r}, but that shard has no tensor "
+                    f"of that name. Copy the index and shards of one save_pretrained together."
+                )
+            try:
+                stored = handles[file].get_slice(name)
+                shape = tuple(stored.get_shape())
+            except Exception as exc:  # noqa: BLE001 - safetensors' errors are its own types
+                raise CheckpointError(
+                    f"{file}: {name!r} cannot be read: {type(exc).__name__}: {exc}."
+                ) from None
+            if shape != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"{file} holds {name!r} with shape {shape}; the model's is "
+                    f"{tuple(tensor.shape)}. Load into the architecture that was saved "
+                    f"(nothing was loaded)."
+                )
+            plan.append((name, tensor, stored, shape, file))
+        loaded = []
+        for name, tensor, stored, shape, file in plan:
+            if isinstance(tensor, DTensor):
+                local = tensor.to_local()
+                sizes, offsets = torchprivate.local_block(tensor)
+                if local.numel():
+                    block = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+                    local.copy_(stored[block] if block else handles[file].get_tensor(name))
             else:
                 tensor.copy_(stored[:] if shape else handles[file].get_tensor(name))
             loaded.append(name)

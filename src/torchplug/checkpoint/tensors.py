@@ -34,6 +34,7 @@ import torch
 from torchplug.checkpoint.files import confined, hasher, open_pinned, preferred_digest
 from torchplug.checkpoint.manifest import DTYPES, TENSORS, dtype_name
 from torchplug.contract.errors import CheckpointError
+from torchplug.util import torchprivate
 
 
 @contextlib.contextmanager
@@ -509,8 +510,6 @@ def _read_raw(
     """Read chunks whose bytes are stored raw: straight into the target when it is the whole
     chunk, contiguous and of the same dtype on the CPU; otherwise into a temporary, then the
     requested part is copied (resharding, casting, a device)."""
-    from torch.distributed._shard._utils import narrow_tensor_by_index
-
     by_file: dict[str, list[Any]] = {}
     for item in items:
         by_file.setdefault(raw_chunks[item.storage_index][0], []).append(item)
@@ -534,7 +533,7 @@ def _read_raw(
                 into = target if in_place else torch.empty(sizes, dtype=dtype)
                 _fill(handle, start, into, path)
                 if not in_place:
-                    part = narrow_tensor_by_index(into, item.storage_offsets, item.lengths)
+                    part = torchprivate.narrow_by_index(into, item.storage_offsets, item.lengths)
                     if part.shape != target.shape:
                         raise CheckpointError(
                             f"Checkpoint {root}: chunk of {item.storage_index.fqn} has shape "

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchplug.contract.errors import ConfigurationError
+from torchplug.util import torchprivate
 
 if TYPE_CHECKING:
     from torchplug.engine._typing import Engine
@@ -402,16 +403,13 @@ def _local_part(full: torch.Tensor, like: Any) -> torch.Tensor:
     says where it lies (no copy: the full tensor is the largest thing alive), else cut by
     ``distribute_tensor``."""
     try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = torchprivate.local_block(like)
     except ImportError:  # a torch without it: a copy of the piece
         from torch.distributed.tensor import distribute_tensor
 
         return distribute_tensor(
             full, like.device_mesh, like.placements, src_data_rank=None
         ).to_local()
-    shape, offset = compute_local_shape_and_global_offset(
-        full.shape, like.device_mesh, like.placements
-    )
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
 

@@ -24,7 +24,7 @@ torch 2.13 has no public equivalent of any:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -87,3 +87,24 @@ def mark_scheduler_wrapped(step: object) -> None:
 def mark_optimizer_called(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer stepped: what torch's LR schedulers look for (``_opt_called``)."""
     optimizer._opt_called = True  # type: ignore[attr-defined]  # noqa: SLF001
+
+
+def local_block(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A DTensor's local shard as ``(sizes, offsets)`` in the global tensor
+    (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(
+        tensor.shape,
+        tensor.device_mesh,  # type: ignore[attr-defined]
+        tensor.placements,  # type: ignore[attr-defined]
+    )
+    return tuple(sizes), tuple(offsets)
+
+
+def narrow_by_index(tensor: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
+    """The view of ``tensor`` at ``offsets`` with ``sizes`` (a DCP read item's place in its
+    target: ``torch.distributed._shard._utils.narrow_tensor_by_index``)."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    return narrow_tensor_by_index(tensor, offsets, sizes)

@@ -409,6 +409,22 @@ class DeepSpeedStrategy(DistributedStrategy):
         return deepspeed.zero.Init(config_dict_or_path=self.config, remote_device=None)
 
     @hookimpl
+    def torchplug_load_pretrained(
+        self, engine: HookContext, model: torch.nn.Module, path: Any, strict: bool
+    ) -> dict[str, list[str]] | None:
+        """ZeRO-3's partitioned parameters are not read into: refused before anything is read
+        (other stages hold whole parameters: the built-in answer reads them)."""
+        partitioned = [n for n, p in model.named_parameters() if hasattr(p, "ds_id")]
+        if partitioned:
+            raise CheckpointError(
+                f"The model's {partitioned[0]!r} is a DeepSpeed ZeRO-partitioned parameter, "
+                f"which load_pretrained does not read into. Load the weights before setup "
+                f"(e.g. from_pretrained, or load_pretrained under init_module() without "
+                f"empty=True), or use a strategy whose parameters are DTensors (fsdp, tp)."
+            )
+        return None
+
+    @hookimpl
     def torchplug_broadcast(
         self, engine: HookContext, tensor: torch.Tensor, src: int
     ) -> torch.Tensor | None:
