@@ -699,6 +699,29 @@ def test_zero3_builds_the_model_partitioned_under_init_module(ranks):
         assert all(has_id and numel == 0 and full > 0 for has_id, numel, full in local), local
 
 
+def load_pretrained_into_zero3(path: str) -> str:
+    with tp.Engine("deepspeed-zero3") as engine:
+        with engine.init_module(empty=True):
+            model = bodies.make_model()
+        model, _ = engine.setup(model, torch.optim.AdamW(model.parameters()))
+        try:
+            engine.load_pretrained(model, path)
+        except tp.CheckpointError as exc:
+            return str(exc)
+        return "loaded"
+
+
+@needs_deepspeed
+def test_load_pretrained_refuses_zero3_partitions_before_reading(ranks, tmp_path):
+    """The DeepSpeed plugin answers torchplug_load_pretrained itself for ZeRO-3's partitioned
+    parameters (no DeepSpeed knowledge in the checkpoint package): refused, saying what works."""
+    from safetensors.torch import save_file
+
+    save_file({"nothing": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    for message in ranks.run(load_pretrained_into_zero3, str(tmp_path), timeout=300):
+        assert "ZeRO-partitioned parameter" in message and "init_module()" in message
+
+
 @needs_deepspeed
 def test_fp16_resume_carries_deepspeeds_loss_scale(ranks, tmp_path):
     require_precision("deepspeed-zero2", "fp16")
