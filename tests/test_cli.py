@@ -127,6 +127,53 @@ def test_plugins_table_lists_built_ins_with_package_and_status():
     assert "amp" in rows["bf16"] and "amp" in rows["fp16"]
 
 
+def test_config_never_writes_through_a_planted_name_and_every_failure_is_one_line(tmp_path):
+    """Issue 36 item 5: a symlink or FIFO planted at the old temporary name is never followed
+    or opened (the temporary file is made exclusively); a directory, a missing parent and the
+    end of input under --ask are one line and exit 2, nothing written."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "torchplug.toml.tmp").symlink_to(victim)
+    made = torchplug("config", "--strategy", "ddp", cwd=tmp_path, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert victim.read_text() == "precious"  # the planted link was not written through
+    assert 'strategy = "ddp"' in (tmp_path / "torchplug.toml").read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".torchplug.toml.")]
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "torchplug.toml.tmp")  # opening it for writing would block forever
+    made = torchplug("config", "--strategy", "ddp", cwd=fifo, timeout=120)
+    assert made.returncode == 0 and (fifo / "torchplug.toml").is_file(), made.stderr
+    (tmp_path / "adir").mkdir()
+    cases = {
+        "directory": ("config", "--strategy", "ddp", "-o", "adir", "--force"),
+        "parent": ("config", "--strategy", "ddp", "-o", "no/such/dir/torchplug.toml"),
+        "eof": ("config", "--ask", "-o", "asked.toml"),
+    }
+    for case, args in cases.items():
+        done = torchplug(*args, cwd=tmp_path, timeout=120, input="")
+        assert done.returncode == 2, (case, done.stderr)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in done.stderr, (case, done.stderr)
+    assert not (tmp_path / "asked.toml").exists()
+
+
+def test_a_config_file_that_cannot_be_read_is_an_error_not_silence(tmp_path):
+    """Issue 36 item 5: a dangling torchplug.toml link and a deeply nested file are one
+    ConfigurationError each (they used to drop every setting silently, or raise
+    RecursionError)."""
+    import torchplug as tp
+    from torchplug.engine.config import find_config
+
+    (tmp_path / "torchplug.toml").symlink_to(tmp_path / "gone.toml")
+    with pytest.raises(tp.ConfigurationError, match="does not exist: its settings would"):
+        find_config(cwd=tmp_path, env={})
+    (tmp_path / "torchplug.toml").unlink()
+    (tmp_path / "torchplug.toml").write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(tp.ConfigurationError, match="torchplug.toml"):
+        find_config(cwd=tmp_path, env={})
+
+
 def test_plugins_lists_the_cluster_environments_in_the_order_asked_and_which_answers():
     """Issue 26 item 8: cluster plugins are listed, with what each answers here."""
     plain = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_"))}

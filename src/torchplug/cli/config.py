@@ -117,25 +117,63 @@ def render(table: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def config(args: argparse.Namespace) -> int:
-    from torchplug.contract.errors import TorchplugError
+def _write(out: Path, text: str) -> None:
+    """``text`` into a fresh temporary file beside ``out`` (``mkstemp``: created exclusively,
+    so a name planted there, a link or a FIFO, is never followed or opened), checked as
+    torchplug will read it, then renamed over ``out``."""
+    import os
+    import tempfile
+
     from torchplug.engine.config import _checked, _load_toml
 
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        _checked(_load_toml(tmp), out)  # what torchplug will read back, checked as it will be
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def config(args: argparse.Namespace) -> int:
+    from torchplug.contract.errors import TorchplugError
+
     out = Path(args.output)
-    if out.exists() and not args.force:
+    if (out.exists() or out.is_symlink()) and not args.force:
         print(f"torchplug config: {out} exists; pass --force to replace it.", file=sys.stderr)
+        return 2
+    if out.is_dir():
+        print(
+            f"torchplug config: {out} is a directory; name the file to write with -o, e.g. "
+            f"-o {out / 'torchplug.toml'}.",
+            file=sys.stderr,
+        )
         return 2
     try:
         if args.ask:
             _ask(args)
         table = settings_from(args)
         text = render(table)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text)
-        _checked(_load_toml(tmp), out)  # what torchplug will read back, checked as it will be
-        tmp.replace(out)
+        _write(out, text)
     except TorchplugError as exc:
         print(f"torchplug config: {exc}", file=sys.stderr)
+        return 2
+    except EOFError:
+        print(
+            "torchplug config --ask: the input ended before every question was answered; "
+            "nothing was written. Answer on a terminal, or pass the settings as flags.",
+            file=sys.stderr,
+        )
+        return 2
+    except OSError as exc:
+        print(
+            f"torchplug config: cannot write {out}: {exc.strerror or exc}"
+            f"{f' ({exc.filename})' if exc.filename else ''}. Nothing was written; check the "
+            f"directory exists and is writable.",
+            file=sys.stderr,
+        )
         return 2
     print(f"wrote {out}:\n{text}", end="")
     return 0

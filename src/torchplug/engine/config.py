@@ -57,6 +57,11 @@ def _load_toml(path: Path) -> dict[str, Any]:
             f"Config file {path} is not text (UTF-8 TOML): {exc.reason} at byte {exc.start}. "
             f"Replace it with a TOML file, or remove it."
         ) from None
+    except RecursionError:
+        raise ConfigurationError(
+            f"Config file {path} nests tables or arrays too deeply to read. Flatten it: "
+            f"torchplug's settings are one table of values and an [options] table."
+        ) from None
     except OSError as exc:
         raise ConfigurationError(
             f"Cannot read config file {path}: {exc.strerror or exc}. Fix its permissions, or "
@@ -98,6 +103,11 @@ def find_config(
             table = data
         return _checked(table, path), path
     own = cwd / "torchplug.toml"
+    if own.is_symlink() and not own.exists():
+        raise ConfigurationError(
+            f"{own} is a link to {os.readlink(own)}, which does not exist: its settings would "
+            f"be silently missing. Point the link at the file, or remove it."
+        )
     if own.exists() and not own.is_file():
         raise ConfigurationError(
             f"{own} is not a file (a {'directory' if own.is_dir() else 'special file'}); "
