@@ -401,3 +401,25 @@ def test_a_multi_node_run_on_a_host_named_as_loopback_names_the_interface_variab
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     warn_loopback(2, "10.1.2.3")
     assert capsys.readouterr().err == ""
+
+
+def test_a_master_addr_that_does_not_resolve_fails_at_once_naming_it(tmp_path):
+    """Issue 36 item 7: a leftover MASTER_ADDR that names no host used to wait for torch's
+    1800 s default without a word; now the Engine refuses at once, naming the variable, its
+    value and where the identity came from."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_"))}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    env.update(
+        RANK="1", WORLD_SIZE="2", MASTER_ADDR="no-such-host.invalid",
+        MASTER_PORT=str(tpp.free_port()),
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", "import torchplug as tp; tp.Engine('ddp')"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "MASTER_ADDR='no-such-host.invalid'" in done.stderr, done.stderr[-2000:]
+    assert "environment (RANK/WORLD_SIZE)" in done.stderr and "does not resolve" in done.stderr

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import itertools
 import os
+import socket
 import sys
 import time
 import warnings
@@ -297,6 +298,7 @@ class DistributedStrategy(Strategy):
                         f"`torchplug launch` or torchrun, which set them."
                     )
                 port = free_port()  # a world of one, e.g. in a notebook
+            _check_address(cluster)  # a bad name fails now, not after the collective timeout
             host = f"[{cluster.master_addr}]" if ":" in cluster.master_addr else cluster.master_addr
             timeout = datetime.timedelta(seconds=self.timeout)
             where: dict[str, Any] = {"init_method": f"tcp://{host}:{port}"}
@@ -347,6 +349,39 @@ class DistributedStrategy(Strategy):
         the interpreter tears down gloo's threads (which aborts: 'terminate called ...'). An
         uncaught exception ending the interpreter (``sys.last_value``) means no barrier."""
         self._release(failing=getattr(sys, "last_value", None) is not None)
+
+
+#: Cluster environments whose rendezvous host name may appear after the process starts (a
+#: PyTorchJob's master service): their name is waited for, up to this many seconds, not refused.
+LATE_NAMES = {"Kubeflow PyTorchJob": 300.0}
+
+
+def _check_address(cluster: ClusterInfo) -> None:
+    """The rendezvous address resolves: a leftover or mistyped ``MASTER_ADDR`` would otherwise
+    wait for the whole timeout (30 minutes by default) without a word."""
+    deadline = time.monotonic() + LATE_NAMES.get(cluster.source, 0.0)
+    said = False
+    while True:
+        try:
+            socket.getaddrinfo(cluster.master_addr, None)
+            return
+        except OSError as exc:
+            if time.monotonic() < deadline:
+                if not said:
+                    print(
+                        f"torchplug: MASTER_ADDR={cluster.master_addr!r} ({cluster.source}) "
+                        f"does not resolve yet; waiting for it.",
+                        file=sys.stderr,
+                    )
+                    said = True
+                time.sleep(1.0)
+                continue
+            raise ConfigurationError(
+                f"MASTER_ADDR={cluster.master_addr!r} (as {cluster.source} gave it) does not "
+                f"resolve: {exc.strerror or exc}. Set MASTER_ADDR to the host of rank 0 (e.g. "
+                f"the first of `scontrol show hostnames`), or unset it and start the script "
+                f"with `torchplug launch`, which sets it."
+            ) from None
 
 
 def _attempt_store(
