@@ -157,6 +157,29 @@ class PerRankBuffers(DDPStrategy):
         return wrapped, optimizers
 
 
+class FloorsIntegerMeans(DDPStrategy):
+    """Averages integers in their own dtype: reduce(int_tensor, "mean") floors (2, not 2.5)."""
+
+    @tpp.hookimpl
+    def torchplug_reduce(self, engine, tensor, op):
+        result = tensor.detach().clone()
+        dist.all_reduce(result, op=dist.ReduceOp.MAX if op == "max" else
+                        dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)  # fmt: skip
+        if op == "mean":
+            result = result // engine.world_size if not result.is_floating_point() else (
+                result / engine.world_size
+            )  # fmt: skip
+        return result
+
+
+class IgnoresNormType(DDPStrategy):
+    """Clips by the L2 norm whatever ``norm_type`` asks (an inf-norm reported as the L2 one)."""
+
+    @tpp.hookimpl
+    def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
@@ -170,6 +193,8 @@ BROKEN = {
     "refuses-clipping": (RefusesClipping, "clipping"),
     "averages-buffers": (AveragesBuffers, "real_model"),
     "per-rank-buffers": (PerRankBuffers, "replicas"),
+    "floors-integer-means": (FloorsIntegerMeans, "collectives"),
+    "ignores-norm-type": (IgnoresNormType, "clipping"),
 }
 #: What a broken strategy's registration declares beyond the defaults.
 DECLARED = {"claims-sharding": {"shards_optimizer": True}}

@@ -84,6 +84,7 @@ _EXPORTS = {
     "finish_wrap": "torchplug.plugins.sharding",
     "compile_units": "torchplug.plugins.sharding",
     "without_gradient_sync": "torchplug.plugins.sharding",
+    "clip_largest": "torchplug.plugins.sharding",
     "shard_units": "torchplug.plugins.sharding",
     "shard_norms_in_fp32": "torchplug.plugins.sharding",
     "make_contiguous": "torchplug.plugins.sharding",

@@ -187,7 +187,8 @@ class StrategyInfo:
             PowerSGD's).
         refuses: What the strategy refuses by design with a ConfigurationError, by the conformance
             kit's names: ``"compile"`` (Engine(compile=True)), ``"clipping"``, ``"accumulation"``,
-            ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate). The kit passes
+            ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate),
+            ``"clip_norm_type"`` (a clipping norm other than L2). The kit passes
             a declared refusal as such and fails one that is not declared.
         deviations: Conformance-kit properties the strategy fails by design, each with the reason,
             e.g. ``{"clipping": "local SGD clips each rank's gradients"}``: the kit still runs them

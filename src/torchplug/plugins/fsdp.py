@@ -32,6 +32,7 @@ from torchplug.plugin import (
     Runtime,
     StrategyInfo,
     ceil_div,
+    clip_largest,
     compile_units,
     finish_wrap,
     fully_shard_kwargs,
@@ -117,6 +118,9 @@ class FSDPStrategy(DistributedStrategy):
     ) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
+        if math.isinf(norm_type):  # torch's refuses a rank whose shards are empty
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            return clip_largest(grads, max_norm, engine.reduce)
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
 

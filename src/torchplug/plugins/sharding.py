@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -294,3 +294,35 @@ def without_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         setter(True)
+
+
+def clip_largest(
+    grads: list[torch.Tensor],
+    max_norm: float,
+    reduce: Callable[[torch.Tensor, str], torch.Tensor],
+) -> torch.Tensor:
+    """``clip_grad_norm_(norm_type=inf)`` over sharded gradients: the largest absolute value
+    of every rank's local shards (a rank whose shards are empty contributes nothing: torch's
+    own inf-norm refuses an empty tensor), agreed with a ``"max"`` reduce, then each local shard
+    scaled by ``min(1, max_norm / (largest + 1e-6))`` as torch scales. A replicated value counts
+    once whatever its copies: the largest value does not depend on how often it is held.
+
+    Args:
+        grads: The gradients (DTensors or plain tensors).
+        max_norm: The largest total norm the gradients may have.
+        reduce: The Engine's reduce (``engine.reduce`` of the hook's context).
+
+    Returns:
+        The total (inf) norm before clipping, the same on every rank.
+    """
+    from torch.distributed.tensor import DTensor
+
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    peaks = [t.detach().abs().max().float() for t in local if t.numel()]
+    device = local[0].device if local else torch.device("cpu")
+    mine = torch.stack(peaks).max() if peaks else torch.zeros((), device=device)
+    total = reduce(mine, "max")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for tensor in local:
+        tensor.detach().mul_(coef.to(tensor.device, tensor.dtype))
+    return total

@@ -22,6 +22,7 @@ strategy.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ from torchplug.plugin import (
     Option,
     Runtime,
     StrategyInfo,
+    clip_largest,
     compile_units,
     finish_wrap,
     fully_shard_kwargs,
@@ -287,6 +289,8 @@ class TensorParallelStrategy(DistributedStrategy):
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if math.isinf(norm_type):  # torch's inf-norm refuses a rank whose shards are empty
+            return clip_largest(grads, max_norm, engine.reduce)
         norms = []
         for grad in grads:
             norm = torch.linalg.vector_norm(grad.detach(), norm_type)

@@ -128,6 +128,7 @@ def reference(
     scheduler: str | None = None,
     inf_at_step: int | None = None,
     nan_at_step: int | None = None,
+    norm_type: float = 2.0,
 ) -> dict[str, Any]:
     """The same run as `train` in plain PyTorch: one process, the combined batch, no
     torchplug at all (no Engine, no optimizer patch, no loader wrapper, no state gathering), so a
@@ -155,7 +156,7 @@ def reference(
         if clip is not None:
             if scaler:
                 scaler.unscale_(opt)
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type).item())
         if scaler:
             scale = scaler.get_scale()
             scaler.step(opt)
@@ -198,6 +199,7 @@ def train(
     scheduler: str | None = None,
     inf_at_step: int | None = None,
     nan_at_step: int | None = None,
+    norm_type: float = 2.0,
     nan_guard: bool = False,
     probe_sync: bool = False,
     width: int = 16,
@@ -275,7 +277,7 @@ def train(
                     synced.append(_grads_agree(engine, model))
                 parts.append(part.detach())
             if clip is not None:
-                norms.append(engine.clip_grad_norm_(model, clip).item())
+                norms.append(engine.clip_grad_norm_(model, clip, norm_type=norm_type).item())
             opt.step()
             skipped.append(bool(getattr(opt, "step_was_skipped", False)))
             opt.zero_grad()
@@ -480,6 +482,9 @@ def collectives(
     with tp.Engine(strategy, **(options or {})) as engine:
         value = torch.tensor([engine.rank + 1.0, -2.0 * (engine.rank + 1)])
         out: dict[str, Any] = {op: engine.reduce(value, op).cpu().tolist() for op in REDUCE_OPS}
+        whole = torch.tensor([engine.rank + 1, 2 * engine.rank + 1])  # integers: a true mean
+        out["int mean"] = engine.reduce(whole, "mean").cpu().tolist()
+        out["int sum"] = engine.reduce(whole, "sum").cpu().tolist()
         out["gather"] = engine.gather(value).cpu().tolist()
         out["rank"], out["world_size"] = engine.rank, engine.world_size
         engine.barrier()

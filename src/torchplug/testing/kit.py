@@ -294,7 +294,42 @@ class Kit:
             if self.tolerance is None:  # lossy: heavy clipping slows it, nothing to compare with
                 return Outcome("clipping", True, "total norm equal on every rank (lossy backend)")
             outcome = self.compare("clipping", results, reference, "SGD clipped to 0.05")
-            detail = f"total norm equal on every rank and to the reference; {outcome.detail}"
+            # the norm's order is honoured (the largest gradient value, not the L2 norm)
+            inf = float("inf")
+            try:
+                largest = self.run(
+                    bodies.train, optimizer="SGD", lr=0.1, clip=0.05, norm_type=inf, steps=2
+                )
+            except (RankError, ConfigurationError) as exc:
+                if isinstance(exc, RankError) and "ConfigurationError" not in str(exc):
+                    raise
+                refusal = self.refusal("clipping", "clip_norm_type", _last_line(str(exc)))
+                if not refusal.passed:
+                    return refusal
+                return Outcome(
+                    "clipping",
+                    outcome.passed,
+                    f"total norm equal on every rank and to the reference; norm_type=inf "
+                    f"{refusal.detail}; {outcome.detail}",
+                )
+            expected = self.reference(optimizer="SGD", lr=0.1, clip=0.05, norm_type=inf, steps=2)
+            off = max(
+                abs(a - b) / max(abs(b), 1e-12)
+                for r in largest
+                for a, b in zip(r["norms"], expected["norms"], strict=True)
+            )
+            if off > max(tolerance, 1e-5) * 10:
+                return Outcome(
+                    "clipping",
+                    False,
+                    f"clip_grad_norm_(norm_type=inf) total norms {largest[0]['norms']} differ "
+                    f"from the reference's {expected['norms']} (relative {off:.2e}): the "
+                    f"norm_type argument is not honoured",
+                )
+            detail = (
+                f"total norm (L2 and inf) equal on every rank and to the reference; "
+                f"{outcome.detail}"
+            )
             return Outcome("clipping", outcome.passed, detail)
 
         return self.refused("clipping", body)
@@ -466,6 +501,9 @@ class Kit:
             "max": [max(v[i] for v in values) for i in range(2)],
             "min": [min(v[i] for v in values) for i in range(2)],
             "gather": values,
+            # integers: the mean is a true mean (2.5, not 2), the sum stays whole
+            "int mean": [sum(r + 1 for r in range(n)) / n, sum(2 * r + 1 for r in range(n)) / n],
+            "int sum": [sum(r + 1 for r in range(n)), sum(2 * r + 1 for r in range(n))],
         }
         wrong = [
             f"rank {r['rank']} {op}: got {r[op]}, expected {want}"
@@ -476,7 +514,8 @@ class Kit:
         return Outcome(
             "collectives",
             not wrong,
-            "; ".join(wrong) or f"sum/mean/max/min and gather correct on {n} ranks",
+            "; ".join(wrong)
+            or f"sum/mean/max/min (floats and integers) and gather correct on {n} ranks",
         )
 
     def _saved(self) -> tuple[str, dict[str, Any]]:

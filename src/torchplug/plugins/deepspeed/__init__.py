@@ -754,7 +754,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
         "shards_optimizer": True,
         # DeepSpeed compiles through its own config; micro-batches are marked by
         # engine.accumulate (its gradient-accumulation boundary), not by a bare no_sync.
-        "refuses": ("compile", "no_sync"),
+        "refuses": ("compile", "no_sync", "clip_norm_type"),
     }
     register(
         StrategyInfo(
