@@ -499,15 +499,19 @@ def test_a_third_party_ddp_subclass_installed_with_pip_passes_check_and_launches
         assert "RANK 0 ddp-bf16comm {'find_unused_parameters': True}" in run.stdout
 
 
+#: An extension module that records every loss backward sees.
+LOSS_COUNTER = (
+    "import torchplug.plugin as tpp\n"
+    "calls = []\n\n"
+    "@tpp.hookimpl(wrapper=True)\n"
+    "def torchplug_backward(engine, loss, model):\n"
+    "    calls.append(loss.item())\n"
+    "    return (yield)\n"
+)
+
+
 def test_engine_plugins_accepts_module_names(tmp_path, monkeypatch):
-    (tmp_path / "loss_counter.py").write_text(
-        "import torchplug.plugin as tpp\n"
-        "calls = []\n\n"
-        "@tpp.hookimpl(wrapper=True)\n"
-        "def torchplug_backward(engine, loss, model):\n"
-        "    calls.append(loss.item())\n"
-        "    return (yield)\n"
-    )
+    (tmp_path / "loss_counter.py").write_text(LOSS_COUNTER)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "loss_counter", raising=False)
     with tp.Engine("single", plugins=["loss_counter"]) as engine:
@@ -520,14 +524,7 @@ def test_engine_plugins_accepts_module_names(tmp_path, monkeypatch):
 def test_a_plugin_registered_globally_and_given_to_an_engine_runs_once(tmp_path, monkeypatch):
     """The same extension registered process-wide and passed as ``Engine(plugins=[...])`` (as an
     object, and as its module's name) is one member of the active set: its hook runs once."""
-    (tmp_path / "loss_seen.py").write_text(
-        "import torchplug.plugin as tpp\n"
-        "calls = []\n\n"
-        "@tpp.hookimpl(wrapper=True)\n"
-        "def torchplug_backward(engine, loss, model):\n"
-        "    calls.append(loss.item())\n"
-        "    return (yield)\n"
-    )
+    (tmp_path / "loss_seen.py").write_text(LOSS_COUNTER)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "loss_seen", raising=False)

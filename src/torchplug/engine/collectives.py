@@ -119,6 +119,8 @@ class Collectives:
         """`Engine.gather`: every tensor (or number) of ``data``, nested in tuples, lists and
         dicts, gathered: stacked ``(world_size, *shape)``, or with ``concat`` joined along the
         first dimension (a number or 0-d tensor gives ``(world_size,)``), as Accelerate's."""
+        if isinstance(data, torch.Tensor) and not concat:  # the common call: no nesting
+            return self.gather(data)
 
         def one(tensor: torch.Tensor) -> torch.Tensor:
             stacked = self.gather(tensor)
@@ -130,6 +132,8 @@ class Collectives:
 
     def reduce_all(self, data: Any, op: str) -> Any:
         """`Engine.reduce` of every tensor (or number) of ``data``, nested in containers."""
+        if isinstance(data, torch.Tensor):  # the common call (a loss per step): no nesting
+            return self.reduce(data, op)
         return map_tensors(tensors_of(data, "reduce"), lambda t: self.reduce(t, op))
 
     def gather_object(self, obj: Any) -> list[Any]:
