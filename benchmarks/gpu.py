@@ -1,15 +1,21 @@
-"""The GPU section (run by ``python -m benchmarks`` only when CUDA is present; ~3 minutes).
+"""The GPU section: one command, one GPU, a few minutes (run by ``python -m benchmarks`` too,
+when CUDA is present).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 1 -m benchmarks.gpu --out R.jsonl
-    python -m torch.distributed.run --standalone --nproc-per-node 1 -m benchmarks.gpu --cpu-dry-run
+    python benchmarks/gpu.py --out R.jsonl     # on the GPU machine; installs nothing
+    python benchmarks/gpu.py --dry-run         # on any CPU: tiny sizes, checks it starts (CI)
 
 1. Single-rank FSDP2 bf16 on a GPT-style decoder: torchplug ``fsdp`` against ``fully_shard``
    written by hand (one unit per block, bf16 params, fp32 reduce), interleaved; step time, the
    ratio, and MFU (6 x params x tokens + attention FLOPs over the GPU's dense bf16 peak).
-2. DeepSpeed ZeRO-2 bf16 against ``ddp`` bf16 on the same MLP (step-time ratio), when installed.
+2. Checkpoints of that model: torchplug's save and verified load against plain DCP on the same
+   sharded state (GB/s), and the time an asynchronous save blocks the loop against a
+   synchronous one.
+3. DeepSpeed ZeRO-2 bf16 against ``ddp`` bf16 on the same MLP (step-time ratio), when installed.
 
-``--cpu-dry-run`` runs the same code with tiny sizes on the CPU (fp32 only), to check it before
-spending GPU time.
+Why it starts its own one-rank process group: a lent GPU machine is held by the minute, and the
+run should be one command that needs neither torchrun nor a second shell. Under torchrun (``RANK``
+set) it uses torchrun's group instead. ``--dry-run`` (or ``--cpu-dry-run``) runs the same code
+with tiny sizes on the CPU (fp32 only) to check it before spending GPU time.
 """
 
 from __future__ import annotations
@@ -18,15 +24,24 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import shutil
+import sys
+import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/gpu.py): the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
 
 import torchplug as tp
 from benchmarks.common import interleaved, record, write_records
+from torchplug.plugin import free_port
 
 #: Dense bf16 peak TFLOP/s by device name fragment (vendor data sheets, no sparsity).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -73,7 +88,11 @@ class GPT(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-def fsdp_gpt(args: argparse.Namespace, device: torch.device, records: list[dict[str, Any]]) -> None:
+def fsdp_gpt(
+    args: argparse.Namespace, device: torch.device, records: list[dict[str, Any]]
+) -> tuple[tp.Engine, torch.nn.Module, torch.nn.Module]:
+    """Step time and MFU; returns the Engine, its model and the hand-written FSDP2 model, both
+    trained a few steps (their sharded state is what the checkpoint section saves)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def model() -> GPT:
@@ -157,7 +176,87 @@ def fsdp_gpt(args: argparse.Namespace, device: torch.device, records: list[dict[
         mfu = f", MFU {achieved / peak:.1%}" if peak else ""
         rec["detail"] = f"{achieved:.0f} TFLOP/s{mfu}"
         records.append(rec)
-    engine.close()
+    return engine, m, raw
+
+
+def checkpoints(
+    args: argparse.Namespace,
+    engine: tp.Engine,
+    model: torch.nn.Module,
+    raw: torch.nn.Module,
+    records: list[dict[str, Any]],
+) -> None:
+    """torchplug save / verified load against plain DCP of the same sharded state (GB/s), and
+    the seconds an async save blocks the loop against a synchronous one."""
+    import torch.distributed.checkpoint as dcp
+
+    base = Path(args.dir or tempfile.gettempdir()) / f"torchplug-gpu-ckpt-{os.getpid()}"
+    base.mkdir(parents=True, exist_ok=True)
+    gigabytes = sum(p.numel() * p.element_size() for p in raw.state_dict().values()) / 1e9
+
+    def rate(fn: Callable[[], Any]) -> Callable[[], float]:
+        def run() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            dist.barrier()
+            return gigabytes / (time.perf_counter() - start)
+
+        return run
+
+    def blocked(background: bool) -> Callable[[], float]:
+        def run() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            engine.save(base / "async", {"model": model}, async_=background)
+            took = time.perf_counter() - start
+            engine.wait_for_save()  # the rest of an async save, outside the timing
+            return took
+
+        return run
+
+    try:
+        saves = interleaved(
+            {
+                "plain DCP save": rate(
+                    lambda: dcp.save(raw.state_dict(), checkpoint_id=base / "dcp")
+                ),
+                "torchplug save": rate(lambda: engine.save(base / "tp", {"model": model})),
+            },
+            args.rounds,
+            dist.barrier,
+        )
+        loads = interleaved(
+            {
+                "plain DCP load": rate(
+                    lambda: dcp.load(raw.state_dict(), checkpoint_id=base / "dcp")
+                ),
+                "torchplug load (verified)": rate(
+                    lambda: engine.load(base / "tp", {"model": model})
+                ),
+            },
+            args.rounds,
+            dist.barrier,
+        )
+        waits = interleaved(
+            {"torchplug save: loop blocked": blocked(False),
+             "torchplug async save: loop blocked": blocked(True)},
+            args.rounds,
+            dist.barrier,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    group = f"checkpoint of the GPT above, {gigabytes:.2f} GB"
+    for results, baseline in ((saves, "plain DCP save"), (loads, "plain DCP load")):
+        for name, values in results.items():
+            target = None if name == baseline else {"min": 1.0}
+            records.append(
+                record("gpu", group, name, "GB/s", values, results[baseline], baseline, target)
+            )
+    sync_name = "torchplug save: loop blocked"
+    for name, values in waits.items():
+        target = {"max": 0.1} if "async" in name else None
+        records.append(record("gpu", group, name, "s", values, waits[sync_name], sync_name, target))
 
 
 def zero2(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
@@ -183,7 +282,14 @@ def zero2(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
-    parser.add_argument("--cpu-dry-run", action="store_true")
+    parser.add_argument(
+        "--dry-run",
+        "--cpu-dry-run",
+        dest="dry_run",
+        action="store_true",
+        help="tiny sizes on the CPU: checks that the run starts and finishes",
+    )
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -195,18 +301,25 @@ def main() -> None:
     parser.add_argument("--mlp-width", type=int, default=4096)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    if args.cpu_dry_run:
+    if args.dry_run:
         args.vocab, args.dim, args.layers, args.heads, args.seq, args.batch = 64, 32, 2, 2, 16, 2
         args.rounds, args.steps = 2, 2
     elif not torch.cuda.is_available():
-        print("no CUDA device: the GPU section does not run here (try --cpu-dry-run)")
+        print("no CUDA device: the GPU section does not run here (try --dry-run)")
         return
-    device = torch.device("cuda", 0) if not args.cpu_dry_run else torch.device("cpu")
+    device = torch.device("cuda", 0) if not args.dry_run else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if "RANK" not in os.environ:  # one command, no torchrun: a one-rank group of its own
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        )  # fmt: skip
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     records: list[dict[str, Any]] = []
-    fsdp_gpt(args, device, records)
+    engine, model, raw = fsdp_gpt(args, device, records)
+    checkpoints(args, engine, model, raw, records)
+    engine.close()
     zero2(args, records)
     for rec in records:
         print(rec["group"], rec["name"], [round(v, 2) for v in rec["values"]], rec.get("detail"))
