@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import torchplug as tp
-from checkpoint_attacks import forge
+from checkpoint_attacks import as_format3, forge
 from reference import make_model, snapshot, train
+from torchplug.checkpoint import read_manifest
 
 
 def load_and_snapshot(path: str, strategy: str) -> dict:
@@ -42,7 +43,11 @@ def test_manifest_records_run_and_files(saved_on_two_ranks):
     path, _ = saved_on_two_ranks
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     assert manifest["format"] == "torchplug-checkpoint"
-    assert manifest["format_version"] == 3
+    assert manifest["format_version"] == 4
+    # the tensor index is manifest.index (columns), recorded with its size and digest
+    assert "tensors" not in manifest
+    assert manifest["index"]["file"] == "manifest.index"
+    assert (Path(path) / "manifest.index").stat().st_size == manifest["index"]["size"]
     assert manifest["strategy"]["name"] == "ddp"
     assert manifest["world_size"] == 2
     assert manifest["step"] == 3
@@ -52,7 +57,9 @@ def test_manifest_records_run_and_files(saved_on_two_ranks):
         "tensors/rank-0/__0_0.distcp",
         "tensors/rank-1/__0_0.distcp",
     }
-    assert manifest["tensors"]["model/0.weight"]["shape"] == [16, 8]
+    index = read_manifest(path)["tensors"]
+    assert index["model/0.weight"]["shape"] == [16, 8]
+    assert index["model/0.weight"]["dtype"] == "float32"
     assert manifest["entries"]["step"] == {"kind": "value", "data": 3}
     assert manifest["entries"]["model"]["kind"] == "module"
     assert manifest["entries"]["model"]["data"]["0.weight"] == {"__tensor__": "model/0.weight"}
@@ -110,6 +117,7 @@ def _as_format_2(path: Path) -> None:
     """Rewrite a checkpoint's manifest as format 2 wrote it: sha256 per file, version 2."""
     from torchplug.checkpoint import manifest as mf
 
+    as_format3(path)  # format 2 held the tensor index in manifest.json, as format 3 does
     body = json.loads((path / "manifest.json").read_text())
     for name, info in body["files"].items():
         del info["blake3"]
@@ -209,13 +217,16 @@ def test_tensors_read_raw_equal_what_was_saved_in_every_layout(tmp_path):
     }
     with tp.Engine("single") as engine:
         engine.save(tmp_path / "ckpt", dict(saved))
-        manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
-        assert all("raw" in c for t in manifest["tensors"].values() for c in t["chunks"])
+        index = read_manifest(tmp_path / "ckpt")["tensors"]
+        assert all("raw" in c for t in index.values() for c in t["chunks"])
         loaded = engine.load(tmp_path / "ckpt", {k: None for k in saved})
         for key, value in saved.items():
             assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
 
-        # the same checkpoint without "raw": the DCP path gives the same tensors
+        # the same checkpoint without "raw" (format 3, as written before "raw" existed): the
+        # DCP path gives the same tensors
+        as_format3(tmp_path / "ckpt")
+
         def drop_raw(body: dict) -> None:
             for meta in body["tensors"].values():
                 for chunk in meta["chunks"]:

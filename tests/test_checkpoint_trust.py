@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchplug as tp
-from checkpoint_attacks import forge, load_state, no_unpickling, same
+from checkpoint_attacks import as_format3, forge, load_state, no_unpickling, same
 from reference import make_model, train
 
 KEY = "k" * 32
@@ -39,13 +39,29 @@ def fsdp_ckpt(ranks, tmp_path_factory) -> tuple[Path, dict]:
     return path, ranks.run(train, "fsdp", steps=3, save_to=str(path))[0]
 
 
-@pytest.fixture
-def copy(single_ckpt, tmp_path) -> Path:
-    """A fresh copy of the single-process checkpoint to tamper with."""
+@pytest.fixture(params=["format 4", "format 3"])
+def copy(single_ckpt, tmp_path, request) -> Path:
+    """A fresh copy of the single-process checkpoint to tamper with: as saved (format 4, the
+    tensor index in manifest.index), and as an older torchplug saved it (format 3, the index as
+    JSON in manifest.json), which still loads."""
     import shutil
 
     target = tmp_path / "ckpt"
     shutil.copytree(single_ckpt[0], target)
+    if request.param == "format 3":
+        as_format3(target)
+    return target
+
+
+@pytest.fixture
+def copy3(single_ckpt, tmp_path) -> Path:
+    """A format 3 copy: for the forgeries of the JSON tensor index (format 4's are in
+    tests/test_checkpoint_index.py)."""
+    import shutil
+
+    target = tmp_path / "ckpt"
+    shutil.copytree(single_ckpt[0], target)
+    as_format3(target)
     return target
 
 
@@ -87,17 +103,17 @@ def test_planted_metadata_pickles_are_never_read(single_ckpt, copy, tmp_path):
     assert not marker.exists()
 
 
-def test_chunk_pointing_to_an_unlisted_file_is_refused(copy):
+def test_chunk_pointing_to_an_unlisted_file_is_refused(copy3):
     import shutil
 
-    shutil.copy(copy / SHARD, copy / "tensors" / "extra.bin")
+    shutil.copy(copy3 / SHARD, copy3 / "tensors" / "extra.bin")
 
     def change(body):
         body["tensors"]["model/0.weight"]["chunks"][0]["file"] = "tensors/extra.bin"
 
-    forge(copy, change)
+    forge(copy3, change)
     with pytest.raises(tp.CheckpointError, match=r"model/0\.weight.*a file listed in 'files'"):
-        load_state(str(copy))
+        load_state(str(copy3))
 
 
 # -- validated manifest ------------------------------------------------------------------------
@@ -165,12 +181,28 @@ FORGERIES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(FORGERIES))
+#: The forgeries of format 3's JSON tensor index (format 4's: tests/test_checkpoint_index.py).
+JSON_INDEX = {
+    "unknown dtype of a tensor", "chunk outside the tensor", "chunk not covering the tensor",
+    "byte range past the file", "raw data before its chunk", "raw data past its chunk",
+    "raw data as text",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(set(FORGERIES) - JSON_INDEX))
 def test_forged_manifest_is_refused_naming_the_key(copy, name):
     change, message = FORGERIES[name]
     forge(copy, change)
     with pytest.raises(tp.CheckpointError, match=message):
         load_state(str(copy))
+
+
+@pytest.mark.parametrize("name", sorted(JSON_INDEX))
+def test_a_forged_json_tensor_index_is_refused_naming_the_key(copy3, name):
+    change, message = FORGERIES[name]
+    forge(copy3, change)
+    with pytest.raises(tp.CheckpointError, match=message):
+        load_state(str(copy3))
 
 
 def test_edit_without_new_digest_is_refused(copy):
@@ -349,15 +381,15 @@ def test_an_empty_key_variable_is_an_error_not_no_key(monkeypatch, single_ckpt):
         tp.Engine("single")
 
 
-def test_a_forged_shape_cannot_make_a_load_allocate_more_than_the_files_hold(copy):
+def test_a_forged_shape_cannot_make_a_load_allocate_more_than_the_files_hold(copy3):
     def change(body):
         meta = body["tensors"]["model/0.weight"]
         meta["shape"] = [10**11]
         meta["chunks"][0].update(offsets=[0], sizes=[10**11])
 
-    forge(copy, change)
+    forge(copy3, change)
     with pytest.raises(tp.CheckpointError, match="large enough for its 100000000000 elements"):
-        load_state(str(copy))
+        load_state(str(copy3))
 
 
 def test_an_unsaveable_value_is_named_by_its_key(tmp_path):

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchplug.checkpoint import async_save as background
-from torchplug.checkpoint import deferred, verify
+from torchplug.checkpoint import columns, deferred, verify
 from torchplug.checkpoint import files as fs
 from torchplug.checkpoint import manifest as mf
 from torchplug.checkpoint import tensors as store
@@ -243,12 +243,9 @@ def save(
             for part in written:
                 described.update(part["files"])
             described.update(_describe(tmp, tmp, skip=described))
-            body = mf.build(
-                recorded,
-                entries,
-                store.merge([part["index"] for part in written]),
-                described,
-            )
+            index = store.merge([part["index"] for part in written])
+            index_file = columns.write(tmp, index)
+            body = mf.build(recorded, entries, {}, described, index_file=index_file)
             verify.sign(body, engine.checkpoint_key)
             _write_manifest(tmp, body)
             old = fs.swap_into_place(tmp, final, remove_old=False)
@@ -356,7 +353,13 @@ def read_manifest(path: str | os.PathLike[str], key: bytes | None = None) -> dic
     # The signature first: with a key, a forged manifest costs one HMAC, not a validation.
     body = mf.load_json(raw, str(where))
     verify.check_signature(body, key, str(root))
-    mf.check(body, str(where))
+    sizes = {}
+
+    def read_index(checked: dict[str, Any]) -> Any:
+        sizes.update((name, info["size"]) for name, info in checked["files"].items())
+        return columns.read(root, checked["index"], sizes)
+
+    mf.check(body, str(where), read_index)
     return body
 
 

@@ -27,7 +27,7 @@ import json
 import operator
 import re
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,10 +38,16 @@ from torchplug.contract.errors import CheckpointError
 FORMAT = "torchplug-checkpoint"
 #: Version 2: tensor chunks are indexed in the manifest (no pickled metadata is ever read).
 #: Version 3: a file's digest may be BLAKE3 (``"blake3"`` beside ``"size"``) instead of sha256.
-FORMAT_VERSION = 3
+#: Version 4: the tensor index is in ``manifest.index`` as columns (`torchplug.checkpoint.columns`),
+#: described by ``"index"``; ``"tensors"`` is no longer in manifest.json.
+FORMAT_VERSION = 4
+#: The last version with the tensor index in manifest.json (what `build` writes without a file).
+JSON_INDEX_VERSION = 3
 MIN_FORMAT_VERSION = 2
 LAYOUT = "dcp"
 MANIFEST = "manifest.json"
+#: Format 4's tensor index, beside manifest.json (`torchplug.checkpoint.columns`).
+INDEX = "manifest.index"
 #: Where a loaded manifest keeps the pins of its verified files (never written to disk).
 PINS = "torchplug_verified_files"
 TENSORS = "tensors"
@@ -203,19 +209,28 @@ def build(
     entries: Mapping[str, Any],
     index: Mapping[str, Any],
     files: Mapping[str, Any],
+    *,
+    index_file: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A complete manifest body with its digest (the signature is added by the caller)."""
+    """A complete manifest body with its digest (the signature is added by the caller).
+
+    With ``index_file`` (what `torchplug.checkpoint.columns.write` returned) the body is format
+    4 and ``index`` is not in it; without, ``index`` is written as JSON, format 3 (what older
+    torchplug reads, and what the tests of old checkpoints make)."""
     body = {
         **json.loads(json.dumps(dict(header), default=repr)),
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if index_file is not None else JSON_INDEX_VERSION,
         "layout": LAYOUT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "torch_version": torch.__version__,
         "entries": json.loads(json.dumps(dict(entries))),
-        "tensors": json.loads(json.dumps(dict(index))),
         "files": dict(files),
     }
+    if index_file is None:
+        body["tensors"] = json.loads(json.dumps(dict(index)))
+    else:
+        body["index"] = dict(index_file)
     body["digest"] = hashlib.sha256(canonical(body)).hexdigest()
     return body
 
@@ -263,10 +278,13 @@ def load_json(raw: bytes, where: str) -> Any:
     return body
 
 
-def check(body: Any, where: str) -> None:
-    """Validate a manifest body (see `validate`), as a CheckpointError naming the key."""
+def check(
+    body: Any, where: str, read_index: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
+) -> None:
+    """Validate a manifest body (see `validate`), as a CheckpointError naming the key.
+    ``read_index(body)`` reads and validates a format 4 index once the rest is known valid."""
     try:
-        validate(body, where)
+        validate(body, where, read_index)
     except _Invalid as exc:
         raise CheckpointError(
             f"Checkpoint manifest {where} is invalid: {exc}. The checkpoint is damaged or was not "
@@ -293,8 +311,14 @@ def _is_ints(value: Any, minimum: int = 0) -> bool:
     return isinstance(value, list) and all(_is_int(v) and v >= minimum for v in value)
 
 
-def validate(body: Any, where: str = MANIFEST) -> None:
-    """Check every key torchplug reads; raise ``_Invalid`` naming the first bad one."""
+def validate(
+    body: Any,
+    where: str = MANIFEST,
+    read_index: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None,
+) -> None:
+    """Check every key torchplug reads; raise ``_Invalid`` naming the first bad one. A format 4
+    body gets its ``tensors`` from ``read_index(body)``, called once the files are validated
+    (the index names its files by their place among them)."""
     _expect(isinstance(body, dict), "the manifest", "a JSON object")
     _expect(body.get("format") == FORMAT, "'format'", repr(FORMAT))
     version = body.get("format_version")
@@ -357,13 +381,33 @@ def validate(body: Any, where: str = MANIFEST) -> None:
             f"files[{name!r}]",
             "an object {size: integer >= 0, blake3 or sha256: 64 hex digits}",
         )
-    tensors = body.get("tensors")
-    _expect(isinstance(tensors, dict), "'tensors'", "an object")
-    sizes = {name: info["size"] for name, info in files.items()}
-    checked = _validate_batch(tensors, sizes)
-    for name, meta in tensors.items():
-        if name not in checked:
-            _validate_tensor(name, meta, files, sizes)
+    if version > JSON_INDEX_VERSION:
+        _expect("tensors" not in body, "'tensors'", f"absent (format {version}: see {INDEX})")
+        info = body.get("index")
+        _expect(
+            isinstance(info, dict)
+            and info.get("file") == INDEX
+            and _is_int(info.get("size"))
+            and info["size"] >= 0
+            and any(d in info for d in FILE_DIGESTS)
+            and all(
+                isinstance(info[d], str) and bool(_HEX64.fullmatch(info[d]))
+                for d in FILE_DIGESTS
+                if d in info
+            ),
+            "'index'",
+            f"an object {{file: {INDEX!r}, size: integer >= 0, blake3 or sha256: 64 hex digits}}",
+        )
+        _expect(read_index is not None, "the tensor index", f"read from {INDEX} (format {version})")
+        body["tensors"] = tensors = read_index(body)  # type: ignore[misc]
+    else:
+        tensors = body.get("tensors")
+        _expect(isinstance(tensors, dict), "'tensors'", "an object")
+        sizes = {name: info["size"] for name, info in files.items()}
+        checked = _validate_batch(tensors, sizes)
+        for name, meta in tensors.items():
+            if name not in checked:
+                _validate_tensor(name, meta, files, sizes)
     entries = body.get("entries")
     _expect(isinstance(entries, dict), "'entries'", "an object")
     for key, entry in entries.items():
@@ -669,14 +713,35 @@ def _validate_group(
     nbytes = _chunks_fit(column, o, s, start, span, room, raw, bound, itemsize)
     if nbytes is None:
         return []
-    volume = torch.zeros(len(group), dtype=torch.int64).index_add_(0, owner, nbytes // itemsize)
-    if not torch.equal(volume, shapes.prod(dim=1)):
+    shape_lists = [g[1] for g in group]
+    counts = [len(g[3]) for g in group]
+    if not covered_once(o, s, owner, bound, shapes.prod(dim=1), shape_lists, counts):
         return []
-    # Disjoint: pieces split along the first dimension only (fsdp's rows), empty ones aside,
-    # sorted by (tensor, first row) in two stable sorts: each must end where the next starts.
+    return [g[0] for g in group]
+
+
+def covered_once(
+    o: torch.Tensor,
+    s: torch.Tensor,
+    owner: torch.Tensor,
+    bound: torch.Tensor,
+    numel: torch.Tensor,
+    shapes: list[list[int]],
+    counts: list[int],
+) -> bool:
+    """Whether the chunks of every tensor cover it exactly once: their volumes add up to its
+    ``numel`` and no two overlap. The chunks (offsets ``o``, sizes ``s``, already known to lie
+    inside their tensor of shape ``bound``) are rows grouped by tensor: ``owner`` numbers each
+    row's tensor, ``counts`` says how many rows each has. Pieces split along the first dimension
+    only (fsdp's rows), empty ones aside, are checked for all tensors at once, sorted by (tensor,
+    first row) in two stable sorts: each must end where the next starts; any other split goes to
+    `_disjoint_columns`, tensor by tensor."""
+    volume = torch.zeros(len(counts), dtype=torch.int64).index_add_(0, owner, s.prod(dim=1))
+    if not torch.equal(volume, numel):
+        return False
     full = (s > 0).all(dim=1)
     rows = full & (o[:, 1:] == 0).all(dim=1) & (s[:, 1:] == bound[:, 1:]).all(dim=1)
-    other = torch.zeros(len(group), dtype=torch.int64).index_add_(0, owner, (full & ~rows).long())
+    other = torch.zeros(len(counts), dtype=torch.int64).index_add_(0, owner, (full & ~rows).long())
     keep = rows & (other[owner] == 0)
     first, last, who = o[keep, 0], o[keep, 0] + s[keep, 0], owner[keep]
     if not bool(((who[:-1] < who[1:]) | ((who[:-1] == who[1:]) & (first[:-1] <= first[1:]))).all()):
@@ -684,15 +749,13 @@ def _validate_group(
         order = order[torch.sort(who[order], stable=True).indices]
         first, last, who = first[order], last[order], who[order]
     if not bool(((last[:-1] <= first[1:]) | (who[:-1] != who[1:])).all()):
-        return []
-    accepted = []
+        return False
     at = 0
-    for (name, shape, _, chunks), split in zip(group, other.tolist(), strict=True):
-        lo, at = at, at + len(chunks)  # each tensor's chunks lie together
+    for shape, count, split in zip(shapes, counts, other.tolist(), strict=True):
+        lo, at = at, at + count  # each tensor's chunks lie together
         if split and not _disjoint_columns(shape, o[lo:at], s[lo:at]):
-            return []
-        accepted.append(name)
-    return accepted
+            return False
+    return True
 
 
 def _disjoint_columns(shape: list[int], starts: torch.Tensor, sizes: torch.Tensor) -> bool:
