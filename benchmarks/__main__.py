@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     section("step", steps)
     section("dispatch", dispatch)
-    section("import", lambda: startup.imports(max(rounds, 5), have))
+    section("import", lambda: startup.imports(max(rounds, 5) if not smoke else 2, have))
     section("cli", lambda: startup.cli(max(rounds, 5) if not smoke else 2, have))
     section("launch", lambda: startup.launch(5 if not smoke else 1, have))
     section("memory", memory)
