@@ -241,12 +241,12 @@ def test_with_a_key_a_forged_index_is_refused_before_it_is_read(tmp_path, monkey
 
 
 def test_every_byte_of_the_index_flipped_and_re_recorded_is_refused_or_loads(copy, saved):
-    """Each byte flipped (the low, high or a middle bit, in turn), the index re-recorded as a forger without the key would:
-    every load fails with a CheckpointError naming the manifest or the data it points to, or
-    loads (a forger who can rewrite the manifest can rewrite the data too, so what loads may
-    differ: a signed checkpoint is the defence against that). Never another exception, never an
-    allocation the files cannot back, nothing unpickled. Unaltered-digest flips: the test above
-    and tests/test_checkpoint_fuzz.py."""
+    """Each byte flipped (the low, high or a middle bit, in turn), the index re-recorded as a
+    forger without the key would: every load fails with a CheckpointError naming the manifest or
+    the data it points to, or loads (a forger who can rewrite the manifest can rewrite the data
+    too, so what loads may differ: a signed checkpoint is the defence against that). Never another
+    exception, never an allocation the files cannot back, nothing unpickled. Flips without a new
+    digest: the test above and tests/test_checkpoint_fuzz.py."""
     original = (copy / "manifest.index").read_bytes()
     counts = {"refused": 0, "loaded": 0}
     load = Loader()  # one Engine for every load
