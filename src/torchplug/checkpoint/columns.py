@@ -215,12 +215,11 @@ def read(root: Path, recorded: Mapping[str, Any], file_sizes: Mapping[str, int])
         ) from None
 
 
-def _strings(lengths: torch.Tensor, blob: torch.Tensor, what: str) -> list[str]:
+def _strings(lengths: torch.Tensor, data: bytes, what: str) -> list[str]:
     """UTF-8 strings stored as their lengths and their bytes, concatenated."""
     lengths = lengths.to(torch.int64)
     _expect(bool((lengths >= 0).all()), f"a {what} length is negative")
-    _expect(int(lengths.sum()) == len(blob), f"its {what} lengths add up to {len(blob)} bytes")
-    data = bytes(blob.numpy())
+    _expect(int(lengths.sum()) == len(data), f"its {what} lengths add up to {len(data)} bytes")
     out = []
     at = 0
     for length in lengths.tolist():
@@ -252,9 +251,12 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
         sections = _sections(t, c, e, k, n, f, g, widths)
         at = _HEADER.size
         self._columns: dict[str, torch.Tensor] = {}
+        text: dict[str, bytes] = {}  # the names' bytes (no numpy: torch's bridge may be absent)
         for section, letter, count in sections:
             end = at + count * _SIZE[letter]
             _expect(end <= len(data), f"its {section} section runs past the end of the file")
+            if section in ("names", "file_names"):
+                text[section] = bytes(data[at:end])
             self._columns[section] = (
                 torch.frombuffer(data, dtype=_TORCH[letter], count=count, offset=at)
                 if count
@@ -263,12 +265,10 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
             at = end + _pad(end)
         _expect(at == len(data), f"it holds {len(data) - at} bytes after its last section")
         self._data = data  # the columns are views of it
-        self._names = _strings(self._columns["name_len"], self._columns["names"], "tensor name")
+        self._names = _strings(self._columns["name_len"], text["names"], "tensor name")
         _expect(len(set(self._names)) == t, "a tensor name appears twice")
         self._position = {name: i for i, name in enumerate(self._names)}
-        self._files = _strings(
-            self._columns["file_name_len"], self._columns["file_names"], "file name"
-        )
+        self._files = _strings(self._columns["file_name_len"], text["file_names"], "file name")
         # a file manifest.json does not list has no size: -1 fails every chunk naming it
         self._validate(t, c, e, k, [file_sizes.get(name, -1) for name in self._files])
         self._made: dict[str, dict[str, Any]] = {}
