@@ -311,6 +311,21 @@ def _is_ints(value: Any, minimum: int = 0) -> bool:
     return isinstance(value, list) and all(_is_int(v) and v >= minimum for v in value)
 
 
+def _is_file_record(info: Any) -> bool:
+    """A file's record: its size and at least one digest (64 hex digits each)."""
+    return (
+        isinstance(info, dict)
+        and _is_int(info.get("size"))
+        and info["size"] >= 0
+        and any(d in info for d in FILE_DIGESTS)
+        and all(
+            isinstance(info[d], str) and bool(_HEX64.fullmatch(info[d]))
+            for d in FILE_DIGESTS
+            if d in info
+        )
+    )
+
+
 def validate(
     body: Any,
     where: str = MANIFEST,
@@ -369,15 +384,7 @@ def validate(
     _expect(isinstance(files, dict), "'files'", "an object")
     for name, info in files.items():
         _expect(
-            isinstance(info, dict)
-            and _is_int(info.get("size"))
-            and info["size"] >= 0
-            and any(d in info for d in FILE_DIGESTS)
-            and all(
-                isinstance(info[d], str) and bool(_HEX64.fullmatch(info[d]))
-                for d in FILE_DIGESTS
-                if d in info
-            ),
+            _is_file_record(info),
             f"files[{name!r}]",
             "an object {size: integer >= 0, blake3 or sha256: 64 hex digits}",
         )
@@ -385,16 +392,7 @@ def validate(
         _expect("tensors" not in body, "'tensors'", f"absent (format {version}: see {INDEX})")
         info = body.get("index")
         _expect(
-            isinstance(info, dict)
-            and info.get("file") == INDEX
-            and _is_int(info.get("size"))
-            and info["size"] >= 0
-            and any(d in info for d in FILE_DIGESTS)
-            and all(
-                isinstance(info[d], str) and bool(_HEX64.fullmatch(info[d]))
-                for d in FILE_DIGESTS
-                if d in info
-            ),
+            _is_file_record(info) and info.get("file") == INDEX,
             "'index'",
             f"an object {{file: {INDEX!r}, size: integer >= 0, blake3 or sha256: 64 hex digits}}",
         )
