@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel
 
 import torchplug as tp
-from benchmarks.common import interleaved, mlp, record, write_records
+from benchmarks.common import interleaved, mlp, per_second, record, write_records
 
 
 def _pins_only(root: Path, files: Any, names: list[str]) -> dict[str, Any]:
@@ -69,14 +69,7 @@ def main() -> None:
     mb = nbytes / 1e6
 
     def timed(fn: Callable[[], Any]) -> Callable[[], float]:
-        def run() -> float:
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            dist.barrier()
-            return mb / (time.perf_counter() - start)
-
-        return run
+        return per_second(mb, fn, dist.barrier)
 
     def torch_save() -> None:
         if rank == 0:

@@ -80,6 +80,22 @@ def interleaved(
     return results
 
 
+def per_second(
+    amount: float, fn: Callable[[], Any], sync: Callable[[], None]
+) -> Callable[[], float]:
+    """A contestant for `interleaved`: ``amount`` (MB, GB) over the wall time of ``fn``, every
+    rank synchronised before and after (a save or load is done when the slowest rank is)."""
+
+    def run() -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return amount / (time.perf_counter() - start)
+
+    return run
+
+
 def time_steps(step: Callable[[], Any], steps: int, warmup: int, sync: Callable[[], None]) -> float:
     """Seconds per step in steady state: ``warmup`` steps first, not timed."""
     for _ in range(warmup):

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import torchplug as tp
-from benchmarks.common import interleaved, record, write_records
+from benchmarks.common import interleaved, per_second, record, write_records
 from torchplug.plugin import free_port
 
 #: Dense bf16 peak TFLOP/s by device name fragment (vendor data sheets, no sparsity).
@@ -195,14 +195,7 @@ def checkpoints(
     gigabytes = sum(p.numel() * p.element_size() for p in raw.state_dict().values()) / 1e9
 
     def rate(fn: Callable[[], Any]) -> Callable[[], float]:
-        def run() -> float:
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            dist.barrier()
-            return gigabytes / (time.perf_counter() - start)
-
-        return run
+        return per_second(gigabytes, fn, dist.barrier)
 
     def blocked(background: bool) -> Callable[[], float]:
         def run() -> float:
