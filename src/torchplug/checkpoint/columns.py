@@ -452,11 +452,8 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
         if bool(bad.any()):
             row = at + int(torch.nonzero(bad)[0])
             t = int(torch.searchsorted(self._chunk_end, row, right=True))
-            i = row - int(self._chunk_end[t] - self._count_of(t))
+            i = row - int(self._chunk_end[t] - self._columns["count"][t])
             raise _Bad(f"tensors[{self._names[t]!r}].chunks[{i}]{field} must be {what}")
-
-    def _count_of(self, t: int) -> int:
-        return int(self._columns["count"][t])
 
     # -- the mapping -----------------------------------------------------------------------------
 
