@@ -13,6 +13,9 @@ The file is read into the process's own memory, not mapped: a mapping would let 
 between the digest check and the use of the numbers (a single read costs ~10 ms at 1,024 ranks).
 Python objects are made only for the tensors a rank asks for (`ColumnIndex`).
 
+It is over 500 lines because the layout, its writer and its checks change together: one
+module, so that a change to the layout cannot miss one of them.
+
 Layout (every count and offset little-endian; each section starts at a multiple of 8)::
 
     b"TPLUGIX\\x01"                                 magic and layout version
