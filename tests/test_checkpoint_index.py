@@ -119,6 +119,42 @@ def test_random_layouts_are_accepted_as_columns_exactly_when_the_json_checks_acc
     assert min(outcomes.values()) > 150, outcomes
 
 
+
+def test_many_tensors_checked_in_small_blocks_name_the_same_tensor_as_the_json_checks(monkeypatch):
+    """Indexes of 2-6 random tensors of mixed dimensionality (the chunks of one dimensionality
+    are then not one run of rows), checked in blocks of 4 chunks: accepted exactly when format
+    3's JSON checks accept every tensor, and refused naming the one tensor that is spoiled."""
+    monkeypatch.setattr(columns, "_BLOCK", 4)
+    rng = random.Random(5)
+    outcomes = {True: 0, False: 0}
+    tried = 0
+    while tried < 400:
+        index, bad = {}, []
+        for t in range(rng.randint(2, 6)):
+            meta, files = _random_tensor(rng)
+            sizes = {name: info["size"] for name, info in files.items()}
+            try:
+                columns.encode({"t": meta})
+                mf._validate_tensor(f"t{t}", meta, files, sizes)
+            except (KeyError, TypeError, ValueError, OverflowError, AttributeError, struct.error):
+                continue  # a spoil no fixed-width column can hold
+            except (tp.CheckpointError, mf._Invalid):
+                bad.append(f"t{t}")
+            index[f"t{t}"] = meta
+        if len(bad) > 1 or not index:
+            continue
+        tried += 1
+        try:
+            columns.ColumnIndex(bytearray(columns.encode(index)), sizes)
+            refused = None
+        except columns._Bad as exc:
+            refused = str(exc)
+        assert (refused is None) == (not bad), (refused, bad, index)
+        if bad:
+            assert f"tensors[{bad[0]!r}]" in refused, (refused, bad)
+        outcomes[not bad] += 1
+    assert min(outcomes.values()) > 100, outcomes
+
 def _names(cols: dict) -> list[bytes]:
     out, at = [], 0
     for length in cols["name_len"]:

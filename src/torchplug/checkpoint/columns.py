@@ -316,71 +316,28 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
             numel[has] *= shape[tensor_cell[has] + d]
         self._tensor_fault(numel * itemsize >= _COLUMN_LIMIT, "shape", "a shape below 2**62 bytes")
         self._chunk_end = torch.cumsum(count, 0)
-        # per chunk: its file and its byte range
-        file = col["file"]
-        start = col["start"]
-        length = col["length"].to(torch.int64)
-        raw = col["raw"].to(torch.int64)
-        offsets, sizes = col["offsets"].to(torch.int64), col["sizes"].to(torch.int64)
-        chunk_ndim = torch.repeat_interleave(ndim, count)
-        chunk_cell = torch.cumsum(chunk_ndim, 0) - chunk_ndim  # each chunk's first cell
-        chunk_start = torch.cumsum(count, 0) - count
-        nbytes = torch.empty(c, dtype=torch.int64)
-        for d in torch.unique(ndim).tolist():  # the d-dimensional tensors, a block at a time
+        chunk_start = self._chunk_end - count
+        cells = count * ndim
+        first_cell = torch.cumsum(cells, 0) - cells  # each tensor's first chunk's first cell
+        # Per chunk, a block of tensors of one dimensionality at a time, the narrow columns
+        # widened only there: no temporary the size of a column (at 8,192 ranks those cost more
+        # per chunk than the checks, in page faults and cache misses).
+        sizes_of = torch.tensor(file_sizes, dtype=torch.int64)
+        for d in torch.unique(ndim).tolist():
             of_d = torch.nonzero(ndim == d).flatten()
             first = held = 0
             for i, n in enumerate(count[of_d].tolist()):
                 held += n
                 if held >= _BLOCK or i == len(of_d) - 1:
-                    self._shapes_fit(d, of_d[first : i + 1], count, shape, tensor_cell,
-                                     chunk_start, chunk_cell, offsets, sizes, numel, itemsize,
-                                     nbytes)  # fmt: skip
+                    self._chunks_fit(d, of_d[first : i + 1], count, shape, tensor_cell,
+                                     chunk_start, first_cell, numel, itemsize,
+                                     sizes_of)  # fmt: skip
                     first, held = i + 1, 0
-        sizes_of = torch.tensor(file_sizes, dtype=torch.int64)
-        for lo in range(0, c, _BLOCK):  # each chunk's file and bytes, a block at a time
-            self._bytes_fit(lo, file[lo : lo + _BLOCK], start[lo : lo + _BLOCK],
-                            length[lo : lo + _BLOCK], raw[lo : lo + _BLOCK],
-                            nbytes[lo : lo + _BLOCK], sizes_of)  # fmt: skip
         self._shape, self._dtype, self._count, self._ndim = shape, dtype, count, ndim
-        self._tensor_cell, self._chunk_cell, self._chunk_start = (
-            tensor_cell,
-            chunk_cell,
-            chunk_start,
-        )
-        self._offsets, self._sizes = offsets, sizes
-        self._file, self._start, self._length, self._raw = file, start, length, raw
+        self._tensor_cell, self._first_cell = tensor_cell, first_cell
+        self._chunk_start = chunk_start
 
-    def _bytes_fit(
-        self,
-        at: int,
-        file: torch.Tensor,
-        start: torch.Tensor,
-        length: torch.Tensor,
-        raw: torch.Tensor,
-        nbytes: torch.Tensor,
-        sizes_of: torch.Tensor,
-    ) -> None:
-        """Chunks ``at`` onwards: a listed file, a byte range inside it, room for the chunk's
-        ``nbytes``, a raw position inside the range."""
-        unknown = (file < 0) | (file >= len(sizes_of))
-        unknown[~unknown] = sizes_of[file[~unknown]] < 0  # named, but not listed in 'files'
-        self._chunk_fault(unknown, "a file listed in 'files'", ".file", at)
-        room = sizes_of[file]
-        self._chunk_fault(
-            (start < 0) | (length < 0) | (start > room - length),
-            "a byte range inside its file",
-            "",
-            at,
-        )
-        self._chunk_fault(nbytes > length, "a byte range large enough for its elements", "", at)
-        self._chunk_fault(
-            (raw != -1) & ((raw < 0) | (raw > length - nbytes)),
-            "a byte position inside the chunk's byte range, with room for its elements",
-            ".raw",
-            at,
-        )
-
-    def _shapes_fit(
+    def _chunks_fit(
         self,
         d: int,
         tensors: torch.Tensor,
@@ -388,60 +345,93 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
         shape: torch.Tensor,
         tensor_cell: torch.Tensor,
         chunk_start: torch.Tensor,
-        chunk_cell: torch.Tensor,
-        offsets: torch.Tensor,
-        sizes: torch.Tensor,
+        first_cell: torch.Tensor,
         numel: torch.Tensor,
         itemsize: torch.Tensor,
-        nbytes: torch.Tensor,
+        sizes_of: torch.Tensor,
     ) -> None:
-        """The chunks of the ``d``-dimensional tensors: inside their tensor, their bytes (put in
-        ``nbytes``), and each tensor covered exactly once (`manifest.covered_once`). Where a
-        save wrote them (tensors of one dimensionality together) they are views, not copies."""
+        """The chunks of some ``d``-dimensional tensors: inside their tensor, each tensor covered
+        exactly once (`manifest.covered_once`), in a listed file, with a byte range inside it
+        large enough for their elements, a raw position inside the range. Where a save wrote
+        them (tensors of one dimensionality together) the rows are one slice, not a gather."""
+        col = self._columns
         counts = count[tensors]
         n = int(counts.sum())
         first = int(chunk_start[tensors[0]])
-        if n and int(chunk_start[tensors[-1]] + counts[-1]) - first == n:  # one run of rows
-            rows: torch.Tensor | slice = slice(first, first + n)
-            cell = int(chunk_cell[first])
-            o = offsets[cell : cell + n * d].view(n, d)
-            s = sizes[cell : cell + n * d].view(n, d)
+        local = torch.repeat_interleave(torch.arange(len(tensors)), counts)
+        rows: torch.Tensor | slice
+        if int(chunk_start[tensors[-1]] + counts[-1]) - first == n:  # one run of rows
+            rows = slice(first, first + n)
+            cell = int(first_cell[tensors[0]])
+            o = col["offsets"][cell : cell + n * d].view(n, d).to(torch.int64)
+            s = col["sizes"][cell : cell + n * d].view(n, d).to(torch.int64)
         else:
             these = torch.zeros(len(count), dtype=torch.bool).index_fill_(0, tensors, True)
             rows = torch.nonzero(torch.repeat_interleave(these, count)).flatten()
-            cells = chunk_cell[rows].unsqueeze(1) + torch.arange(d)
-            o, s = offsets[cells], sizes[cells]
-        local = torch.repeat_interleave(torch.arange(len(tensors)), counts)
+            within = torch.arange(n) - (torch.cumsum(counts, 0) - counts)[local]
+            at = (first_cell[tensors][local] + within * d).unsqueeze(1) + torch.arange(d)
+            o, s = col["offsets"][at].to(torch.int64), col["sizes"][at].to(torch.int64)
         shapes = shape[tensor_cell[tensors].unsqueeze(1) + torch.arange(d)]
         bound = shapes[local]
         outside = ((o < 0) | (s < 0) | (o > bound - s)).any(dim=1)
-        if bool(outside.any()):
-            bad = torch.zeros(len(nbytes), dtype=torch.bool)
-            bad[rows] = outside
-            self._chunk_fault(bad, "inside the tensor's shape")
-        nbytes[rows] = s.prod(dim=1) * itemsize[tensors][local]  # sizes <= shape: no overflow
+        self._chunk_fault(outside, "inside the tensor's shape", rows=rows)
+        nbytes = s.prod(dim=1) * itemsize[tensors][local]  # sizes <= shape: no overflow
         if d == 0:  # a scalar: exactly one chunk
             bad = torch.zeros(len(count), dtype=torch.bool)
             bad[tensors] = counts != 1
             self._tensor_fault(bad, "chunks", "one chunk (the tensor is a scalar)")
-            return
+        else:
+            self._covered(tensors, o, s, local, bound, numel, shapes, counts)
+        file = col["file"][rows]
+        start = col["start"][rows]
+        length = col["length"][rows].to(torch.int64)
+        raw = col["raw"][rows].to(torch.int64)
+        unknown = (file < 0) | (file >= len(sizes_of))
+        unknown[~unknown] = sizes_of[file[~unknown]] < 0  # named, but not listed in 'files'
+        self._chunk_fault(unknown, "a file listed in 'files'", ".file", rows)
+        room = sizes_of[file]
+        self._chunk_fault(
+            (start < 0) | (length < 0) | (start > room - length), "a byte range inside its file",
+            rows=rows,
+        )  # fmt: skip
+        self._chunk_fault(nbytes > length, "a byte range large enough for its elements", rows=rows)
+        self._chunk_fault(
+            (raw != -1) & ((raw < 0) | (raw > length - nbytes)),
+            "a byte position inside the chunk's byte range, with room for its elements",
+            ".raw",
+            rows,
+        )
+
+    def _covered(
+        self,
+        tensors: torch.Tensor,
+        o: torch.Tensor,
+        s: torch.Tensor,
+        local: torch.Tensor,
+        bound: torch.Tensor,
+        numel: torch.Tensor,
+        shapes: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> None:
+        """Each of ``tensors`` covered exactly once by its chunks; else the first that is not."""
         try:
             ok = covered_once(o, s, local, bound, numel[tensors], shapes.tolist(), counts.tolist())
         except Exception as exc:  # manifest's irregular-layout refusal
             raise _Bad(str(exc)) from None
-        if not ok:
-            for i, tensor in enumerate(tensors.tolist()):  # which one, for the message
-                mine = local == i
-                one = torch.zeros(int(mine.sum()), dtype=torch.int64)
-                if not covered_once(
-                    o[mine], s[mine], one, bound[mine], numel[tensor].reshape(1),
-                    [shapes[i].tolist()], [len(one)],
-                ):  # fmt: skip
-                    raise _Bad(
-                        f"tensors[{self._names[tensor]!r}].chunks must be pieces that cover the "
-                        f"tensor exactly once"
-                    )
-            raise _Bad("the chunks of a tensor must cover it exactly once")
+        if ok:
+            return
+        for i, tensor in enumerate(tensors.tolist()):  # which one, for the message
+            mine = local == i
+            one = torch.zeros(int(mine.sum()), dtype=torch.int64)
+            if not covered_once(
+                o[mine], s[mine], one, bound[mine], numel[tensor].reshape(1),
+                [shapes[i].tolist()], [len(one)],
+            ):  # fmt: skip
+                raise _Bad(
+                    f"tensors[{self._names[tensor]!r}].chunks must be pieces that cover the "
+                    f"tensor exactly once"
+                )
+        raise _Bad("the chunks of a tensor must cover it exactly once")
 
     def _tensor_fault(self, bad: torch.Tensor, field: str, what: str) -> None:
         """Raise naming the first tensor ``bad`` marks (a mask over the tensors)."""
@@ -449,11 +439,18 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
             t = int(torch.nonzero(bad)[0])
             raise _Bad(f"tensors[{self._names[t]!r}].{field} must be {what}")
 
-    def _chunk_fault(self, bad: torch.Tensor, what: str, field: str = "", at: int = 0) -> None:
-        """Raise naming the first chunk ``bad`` marks (a mask over the chunks), as format 3's
-        ``tensors[name].chunks[i]``."""
+    def _chunk_fault(
+        self,
+        bad: torch.Tensor,
+        what: str,
+        field: str = "",
+        rows: slice | torch.Tensor = slice(0, 0),
+    ) -> None:
+        """Raise naming the first chunk ``bad`` marks (a mask over ``rows``: a slice of the
+        chunks, or their ascending numbers), as format 3's ``tensors[name].chunks[i]``."""
         if bool(bad.any()):
-            row = at + int(torch.nonzero(bad)[0])
+            i = int(torch.nonzero(bad)[0])
+            row = rows.start + i if isinstance(rows, slice) else int(rows[i])
             t = int(torch.searchsorted(self._chunk_end, row, right=True))
             i = row - int(self._chunk_end[t] - self._columns["count"][t])
             raise _Bad(f"tensors[{self._names[t]!r}].chunks[{i}]{field} must be {what}")
@@ -480,16 +477,17 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
         lo = int(self._chunk_start[t])
         hi = lo + int(self._count[t])
         first = int(self._tensor_cell[t])
-        cells = int(self._chunk_cell[lo]) if hi > lo else 0
-        offsets = self._offsets[cells : cells + d * (hi - lo)].view(hi - lo, d).tolist()
-        sizes = self._sizes[cells : cells + d * (hi - lo)].view(hi - lo, d).tolist()
+        cells = int(self._first_cell[t])
+        col = self._columns
+        offsets = col["offsets"][cells : cells + d * (hi - lo)].view(hi - lo, d).tolist()
+        sizes = col["sizes"][cells : cells + d * (hi - lo)].view(hi - lo, d).tolist()
         chunks = []
         for i, (file, start, length, raw) in enumerate(
             zip(
-                self._file[lo:hi].tolist(),
-                self._start[lo:hi].tolist(),
-                self._length[lo:hi].tolist(),
-                self._raw[lo:hi].tolist(),
+                col["file"][lo:hi].tolist(),
+                col["start"][lo:hi].tolist(),
+                col["length"][lo:hi].tolist(),
+                col["raw"][lo:hi].tolist(),
                 strict=True,
             )
         ):
