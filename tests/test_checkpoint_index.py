@@ -119,7 +119,6 @@ def test_random_layouts_are_accepted_as_columns_exactly_when_the_json_checks_acc
     assert min(outcomes.values()) > 150, outcomes
 
 
-
 def test_many_tensors_checked_in_small_blocks_name_the_same_tensor_as_the_json_checks(monkeypatch):
     """Indexes of 2-6 random tensors of mixed dimensionality (the chunks of one dimensionality
     are then not one run of rows), checked in blocks of 4 chunks: accepted exactly when format
@@ -154,6 +153,7 @@ def test_many_tensors_checked_in_small_blocks_name_the_same_tensor_as_the_json_c
             assert f"tensors[{bad[0]!r}]" in refused, (refused, bad)
         outcomes[not bad] += 1
     assert min(outcomes.values()) > 100, outcomes
+
 
 def _names(cols: dict) -> list[bytes]:
     out, at = [], 0
