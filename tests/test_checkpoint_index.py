@@ -10,6 +10,7 @@ them and nothing below it would be exercised."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import struct
@@ -344,3 +345,91 @@ def test_an_index_of_thousands_of_ranks_makes_no_python_objects_per_chunk():
     view[2] = 1  # chunk 1 of tensor 0 starts at row 1: it overlaps chunk 0
     with pytest.raises(columns._Bad, match=r"model.layers.0.weight'\].chunks must be pieces"):
         columns.ColumnIndex(spoiled, sizes)
+
+
+def test_a_rank_gets_the_chunks_dcp_would_read_for_its_pieces():
+    """`ColumnIndex.over` and format 3's filter keep exactly the chunks that DCP's resharding
+    test (`_check_shard_metadata_pair_overlap`) finds overlapping one of a rank's pieces, on
+    random layouts and random pieces (empty ones too)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.resharding import _check_shard_metadata_pair_overlap
+
+    from torchplug.checkpoint import tensors
+
+    def box(offsets, sizes):
+        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+    rng = random.Random(7)
+    kept = tried = 0
+    while tried < 300:
+        meta, files = _random_tensor(rng)
+        sizes = {name: info["size"] for name, info in files.items()}
+        try:
+            index = columns.ColumnIndex(bytearray(columns.encode({"t": meta})), sizes)
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError, struct.error):
+            continue
+        except columns._Bad:
+            continue  # a spoiled layout is refused before any load plans over it
+        tried += 1
+        shape = meta["shape"]
+        pieces = []
+        for _ in range(rng.randint(1, 3)):
+            lo = [rng.randint(0, n) for n in shape]
+            pieces.append((lo, [rng.randint(0, n - a) for a, n in zip(lo, shape, strict=True)]))
+        expected = [
+            (c["offsets"], c["sizes"])
+            for c in meta["chunks"]
+            if any(_check_shard_metadata_pair_overlap(box(*p), box(c["offsets"], c["sizes"]))
+                   for p in pieces)
+        ]  # fmt: skip
+        got = [(c["offsets"], c["sizes"]) for c in index.over("t", pieces)["chunks"]]
+        assert got == expected, (meta, pieces)
+
+        class Piece:  # what DCP's planner asks a target for
+            def __init__(self, pieces):
+                self.pieces = pieces
+
+            def __create_chunk_list__(self):
+                return [box(*p) for p in self.pieces]
+
+        by_json = tensors._over({"t": meta}, "t", Piece(pieces))
+        assert [(c["offsets"], c["sizes"]) for c in by_json["chunks"]] == expected
+        kept += 0 < len(expected) < len(meta["chunks"])
+    assert kept > 30  # many cases keep some chunks and drop others
+
+
+def load_counting_chunks(path: str) -> dict:
+    """Load the fsdp checkpoint on fsdp; what was loaded and how many chunks of each tensor
+    this rank's reader was given."""
+    from torchplug.checkpoint import tensors
+
+    given: dict[str, int] = {}
+    real = tensors.reader
+
+    def counting(root, index, pins=None):
+        given.update({name: len(meta["chunks"]) for name, meta in index.items()})
+        return real(root, index, pins)
+
+    tensors.reader = counting
+    try:
+        return {**load_state(path, "fsdp"), "given": given}
+    finally:
+        tensors.reader = real
+
+
+def test_a_sharded_load_plans_over_its_own_chunks_only(ranks, sharded):
+    """fsdp saved on 2 ranks and loaded on 2: each rank's reader gets, of each sharded tensor,
+    the one chunk of its own rows (none where its shard is empty), never the other rank's, and
+    loads bit-exact what was trained."""
+    path, trained = sharded
+    index = read_manifest(path)["tensors"]
+    given = []
+    for loaded in ranks.run(load_counting_chunks, str(path)):
+        expect_same(loaded, trained)
+        given.append(loaded["given"])
+    names = [n for n in given[0] if len(index[n]["chunks"]) == 2]
+    assert names, given
+    for name in names:
+        filled = sum(math.prod(c["sizes"]) > 0 for c in index[name]["chunks"])
+        assert [g[name] for g in given] in ([1, 1], [1, 0], [0, 1]), (name, given)
+        assert given[0][name] + given[1][name] == filled, (name, given)

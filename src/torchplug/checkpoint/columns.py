@@ -472,25 +472,52 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
             made = self._made[name] = self._entry(self._position[name])
         return made
 
-    def _entry(self, t: int) -> dict[str, Any]:
+    def head(self, name: str) -> dict[str, Any]:
+        """A tensor's dtype and shape, without its chunks (what allocating a target needs)."""
+        return self._head(self._position[name])
+
+    def _head(self, t: int) -> dict[str, Any]:
+        first, d = int(self._tensor_cell[t]), int(self._ndim[t])
+        return {
+            "dtype": DTYPE_ORDER[int(self._dtype[t])],
+            "shape": self._shape[first : first + d].tolist(),
+        }
+
+    def over(self, name: str, boxes: list[tuple[list[int], list[int]]]) -> dict[str, Any]:
+        """A tensor's entry with only the chunks that overlap one of ``boxes`` (offsets, sizes:
+        the pieces a rank holds), by the test DCP's resharding applies: at 1,024 ranks a rank of
+        a sharded load makes objects for its own few chunks instead of every rank's."""
+        t = self._position[name]
+        d = int(self._ndim[t])
+        n = int(self._count[t])
+        if not boxes:
+            return self._entry(t, torch.zeros(n, dtype=torch.bool))
+        if d == 0:  # a scalar: its one chunk
+            return self._entry(t)
+        cells = int(self._first_cell[t])
+        o = self._columns["offsets"][cells : cells + d * n].view(n, d).to(torch.int64)
+        s = self._columns["sizes"][cells : cells + d * n].view(n, d).to(torch.int64)
+        keep = torch.zeros(n, dtype=torch.bool)
+        for offsets, sizes in boxes:
+            bo, bs = torch.tensor(offsets).view(1, d), torch.tensor(sizes).view(1, d)
+            keep |= ((o < bo + bs) & (bo < o + s)).all(dim=1)
+        return self._entry(t, keep)
+
+    def _entry(self, t: int, keep: torch.Tensor | None = None) -> dict[str, Any]:
+        """Tensor ``t``'s entry as format 3 spells it; with ``keep``, only the chunks it marks."""
         d = int(self._ndim[t])
         lo = int(self._chunk_start[t])
         hi = lo + int(self._count[t])
-        first = int(self._tensor_cell[t])
         cells = int(self._first_cell[t])
         col = self._columns
         offsets = col["offsets"][cells : cells + d * (hi - lo)].view(hi - lo, d).tolist()
         sizes = col["sizes"][cells : cells + d * (hi - lo)].view(hi - lo, d).tolist()
+        rows = range(hi - lo) if keep is None else torch.nonzero(keep).flatten().tolist()
+        files, starts = col["file"][lo:hi].tolist(), col["start"][lo:hi].tolist()
+        lengths, raws = col["length"][lo:hi].tolist(), col["raw"][lo:hi].tolist()
         chunks = []
-        for i, (file, start, length, raw) in enumerate(
-            zip(
-                col["file"][lo:hi].tolist(),
-                col["start"][lo:hi].tolist(),
-                col["length"][lo:hi].tolist(),
-                col["raw"][lo:hi].tolist(),
-                strict=True,
-            )
-        ):
+        for i in rows:
+            file, start, length, raw = files[i], starts[i], lengths[i], raws[i]
             chunk = {
                 "offsets": offsets[i], "sizes": sizes[i], "file": self._files[file],
                 "offset": start, "length": length,
@@ -498,8 +525,4 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
             if raw >= 0:
                 chunk["raw"] = start + raw
             chunks.append(chunk)
-        return {
-            "dtype": DTYPE_ORDER[int(self._dtype[t])],
-            "shape": self._shape[first : first + d].tolist(),
-            "chunks": chunks,
-        }
+        return {**self._head(t), "chunks": chunks}

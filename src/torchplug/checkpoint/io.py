@@ -586,8 +586,9 @@ def summary(root: Path, body: dict[str, Any]) -> dict[str, Any]:
             result[key] = {
                 "kind": entry["kind"],
                 "tensors": {
-                    n[strip:]: {"shape": index[n]["shape"], "dtype": index[n]["dtype"]}
+                    n[strip:]: {"shape": head["shape"], "dtype": head["dtype"]}
                     for n in names
+                    for head in [store.head(index, n)]
                 },
             }
     return result

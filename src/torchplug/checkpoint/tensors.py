@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from torchplug.checkpoint.columns import ColumnIndex
 from torchplug.checkpoint.files import confined, hasher, open_pinned, preferred_digest
 from torchplug.checkpoint.manifest import DTYPES, TENSORS, dtype_name
 from torchplug.contract.errors import CheckpointError
@@ -573,11 +574,44 @@ def read(
         return
     import torch.distributed.checkpoint as dcp
 
-    wanted = {name: index[name] for name in targets}
+    wanted = {name: _over(index, name, target) for name, target in targets.items()}
     with _quiet_single_process():
         dcp.load(targets, storage_reader=reader(root, wanted, pins), no_dist=True)
 
 
+def head(index: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """A tensor's ``dtype`` and ``shape`` (format 4's index makes no chunk objects for it)."""
+    return index.head(name) if isinstance(index, ColumnIndex) else index[name]
+
+
+def _over(index: Mapping[str, Any], name: str, target: Any) -> Mapping[str, Any]:
+    """A tensor's entry with only the chunks that overlap what ``target`` holds: its local
+    pieces where it has them (a DTensor's shard, as DCP's planner asks for them), else all of
+    it. DCP reads the same chunks either way; each rank then plans over its own few chunks,
+    not over every rank's (1,024 per tensor at 1,024 ranks)."""
+    make = getattr(target, "__create_chunk_list__", None)
+    boxes = (
+        [(list(c.offsets), list(c.sizes)) for c in make()]
+        if make is not None
+        else [([0] * target.dim(), list(target.shape))]
+    )
+    if isinstance(index, ColumnIndex):
+        return index.over(name, boxes)
+    meta = index[name]
+
+    def overlaps(chunk: Mapping[str, Any]) -> bool:  # DCP's test: no side entirely apart
+        return any(
+            all(
+                a < b + m and b < a + n
+                for a, n, b, m in zip(chunk["offsets"], chunk["sizes"], offsets, sizes, strict=True)
+            )
+            for offsets, sizes in boxes
+        )
+
+    return {**meta, "chunks": [c for c in meta["chunks"] if overlaps(c)]}
+
+
 def allocate(index: Mapping[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
     """Empty CPU tensors to read the named tensors into."""
-    return {n: torch.empty(index[n]["shape"], dtype=DTYPES[index[n]["dtype"]]) for n in names}
+    heads = {n: head(index, n) for n in names}
+    return {n: torch.empty(h["shape"], dtype=DTYPES[h["dtype"]]) for n, h in heads.items()}
