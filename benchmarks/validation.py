@@ -81,19 +81,27 @@ def fsdp_index(ranks: int, tensors: int, cols: int = 8) -> tuple[bytes, dict[str
     return data, {name.decode(): 10**12 for name in file_names}
 
 
-def _read_index(root: Path, data: bytes, sizes: dict[str, int], rounds: int) -> list[float]:
-    """Seconds of `columns.read` (file read, digest check, validation), once per round."""
+def _read_index(
+    root: Path, data: bytes, sizes: dict[str, int], rounds: int, ranks: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of `columns.read` (file read, digest check, validation), once per round; and of
+    one rank's load plan entries (`ColumnIndex.over`: its own rows of every tensor)."""
     (root / mf.INDEX).write_bytes(data)
     digest = fs.hasher("blake3")
     digest.update(data)
     recorded = {"file": mf.INDEX, "size": len(data), "blake3": digest.hexdigest()}
-    took = []
+    took, planned = [], []
+    mine = [([ranks, 0], [2, 8])]  # rank ranks // 2's rows (fsdp_index: 2 rows a rank, 8 columns)
     for _ in range(rounds):
         start = time.perf_counter()
         index = columns.read(root, recorded, sizes)
         took.append(time.perf_counter() - start)
-        del index
-    return took
+        start = time.perf_counter()
+        entries = [index.over(name, mine) for name in index]
+        planned.append(time.perf_counter() - start)
+        assert all(len(e["chunks"]) == 1 for e in entries)
+        del index, entries
+    return took, planned
 
 
 def run(rounds: int, smoke: bool) -> list[dict[str, Any]]:
@@ -106,7 +114,7 @@ def run(rounds: int, smoke: bool) -> list[dict[str, Any]]:
     try:
         for ranks, tensors in shapes:
             data, sizes = fsdp_index(ranks, tensors)
-            took = _read_index(root, data, sizes, rounds)
+            took, planned = _read_index(root, data, sizes, rounds, ranks)
             chunks = ranks * tensors
             per_chunk[ranks] = [t / chunks for t in took]
             group = f"index of {ranks} ranks x {tensors} tensors ({len(data) / 1e6:.0f} MB)"
@@ -114,6 +122,10 @@ def run(rounds: int, smoke: bool) -> list[dict[str, Any]]:
             records.append(
                 record("validation", group, "format 4: read + digest + validate", "s", took,
                        zero, "0 s", {"max": limit} if limit else None, mode="diff")
+            )  # fmt: skip
+            records.append(
+                record("validation", group, "format 4: one rank's entries (its chunks only)", "s",
+                       planned, zero, "0 s", None, mode="diff")
             )  # fmt: skip
             records.append(
                 record("validation", group, "format 4: bytes per chunk", "B",
