@@ -11,8 +11,9 @@ import torch
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from torchplug.contract.context import HookContext, HookContextWarning, iter_members
+from torchplug.contract.context import HookContext, iter_members
 from torchplug.engine.engine import BACKEND_ONLY
+from torchplug.plugin import HookContextWarning
 
 
 class Recorder:

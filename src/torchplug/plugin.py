@@ -43,7 +43,7 @@ _EXPORTS = {
     "DDPStrategy": "torchplug.plugins.ddp",
     # what every hook gets as its `engine` argument: what a backend may read and call
     "HookContext": "torchplug.contract.context",
-    "HookContextWarning": "torchplug.contract.context",
+    "HookContextWarning": "torchplug._deprecated",
     # the state protocol: tensors a save gathers one at a time (ZeRO-3-style backends)
     "Deferred": "torchplug.checkpoint.deferred",
     # registering in code, and the errors a hook raises
@@ -53,9 +53,9 @@ _EXPORTS = {
     "PluginError": "torchplug.contract.errors",
     "ConfigurationError": "torchplug.contract.errors",
     "CheckpointError": "torchplug.contract.errors",
-    "did_you_mean": "torchplug.contract.errors",
+    "did_you_mean": "torchplug.util.text",
     # options: validators and the collective timeout every process-group backend defaults to
-    "positive_number": "torchplug.contract.types",
+    "positive_number": "torchplug.util.text",
     "DEFAULT_TIMEOUT": "torchplug.contract.types",
     # cluster environments: ports and the scheduler's variables
     "free_port": "torchplug.plugins.torchrun",
@@ -109,6 +109,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they import this face)
+    from torchplug._deprecated import HookContextWarning
     from torchplug.checkpoint.deferred import Deferred
     from torchplug.checkpoint.native import (
         native_part,
@@ -116,12 +117,11 @@ if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they impor
         portable_manifest,
         portable_save,
     )
-    from torchplug.contract.context import HookContext, HookContextWarning
+    from torchplug.contract.context import HookContext
     from torchplug.contract.errors import (
         CheckpointError,
         ConfigurationError,
         PluginError,
-        did_you_mean,
     )
     from torchplug.contract.manager import block, register, unregister
     from torchplug.contract.spec import API_VERSION, Contract, hookimpl
@@ -133,7 +133,6 @@ if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they impor
         PrecisionInfo,
         Runtime,
         StrategyInfo,
-        positive_number,
     )
     from torchplug.engine.scaling import record_ties, restore_ties
     from torchplug.engine.wrappers import rebind_optimizer
@@ -151,6 +150,7 @@ if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they impor
     )
     from torchplug.util.capabilities import cpu_kernels_missing, cuda_lacks, gpu_check
     from torchplug.util.nested import cast_floating, map_tensors
+    from torchplug.util.text import did_you_mean, positive_number
     from torchplug.util.torchprivate import found_inf, norm_base
 
 

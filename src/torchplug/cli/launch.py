@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torchplug.contract.errors import TorchplugError, first_line
+from torchplug.contract.errors import TorchplugError
+from torchplug.util.text import first_line
 
 #: torchplug's own launcher flags; written after the script they would reach the script instead.
 OWN_FLAGS = ("--strategy", "--precision", "--option", "--plugin", "--debug", "--logger")
@@ -277,7 +278,7 @@ def check_script(args: Any) -> None:
             )
     elif not Path(script).is_file():
         near = [p.name for p in Path(script).parent.glob("*.py")] if script.endswith(".py") else []
-        from torchplug.contract.errors import did_you_mean
+        from torchplug.util.text import did_you_mean
 
         raise LaunchError(
             f"Training script {script!r} does not exist (working directory {Path.cwd()})."

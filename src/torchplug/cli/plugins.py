@@ -278,7 +278,7 @@ def _unmatched_blocks(registry: Any) -> list[str]:
     point's name, a built-in's, a module given to ``--plugin``), not the package providing it,
     and one naming nothing would otherwise look as if it took effect."""
     from torchplug.contract import discovery
-    from torchplug.contract.errors import did_you_mean
+    from torchplug.util.text import did_you_mean
 
     found = discovery.candidates()
     registered = {name for name, plugin in registry.pm.list_name_plugin() if plugin is not None}

@@ -3,15 +3,14 @@
 Every strategy hook receives it as its ``engine`` argument (the name API 1.0 plugins accept):
 what a backend needs and nothing a user's script is for, built from the objects that own the
 Engine's state, so the specification never depends on the Engine. Through API 1.x any other
-name still reaches the Engine, with a `HookContextWarning` naming the member.
+name still reaches the Engine, with a warning naming the member (`torchplug._deprecated`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,19 +19,6 @@ import torch
 if TYPE_CHECKING:
     from torchplug.contract.hooks import Hooks
     from torchplug.contract.types import ClusterInfo, Runtime
-
-
-class HookContextWarning(DeprecationWarning):
-    """A hook read an Engine member that the
-    [`HookContext`][torchplug.plugin.HookContext] does not offer."""
-
-
-# Python hides DeprecationWarnings raised outside __main__, and a hook never runs in __main__:
-# without this filter an author would not see it under torchplug launch or torchplug check.
-# Only when the user chose no warning filter (-W, PYTHONWARNINGS): then theirs decides, so
-# `-W error` makes it an error and `PYTHONWARNINGS=ignore::DeprecationWarning` hides it.
-if not sys.warnoptions:
-    warnings.filterwarnings("default", category=HookContextWarning)
 
 
 @dataclass
@@ -67,6 +53,11 @@ class Selection:
     runtime: Runtime | None = None
 
 
+def _read(owner: str, name: str, doc: str) -> property:
+    """A read-only property answering ``self.<owner>.<name>``."""
+    return property(lambda self: getattr(getattr(self, owner), name), doc=doc)
+
+
 class RuntimeFacts:
     """Who and where this process is, read from ``runtime`` (what the backend's
     ``torchplug_setup`` answered): the user's Engine and a hook's context answer alike."""
@@ -74,25 +65,18 @@ class RuntimeFacts:
     __slots__ = ()
     runtime: Runtime
 
-    @property
-    def rank(self) -> int:
-        """This process's rank, 0 to ``world_size - 1``."""
-        return self.runtime.rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's index among the processes on its node."""
-        return self.runtime.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        """This node's index."""
-        return self.runtime.node_rank
-
-    @property
-    def world_size(self) -> int:
-        """How many processes run the job."""
-        return self.runtime.world_size
+    rank = _read("runtime", "rank", "This process's rank, 0 to ``world_size - 1``.")
+    local_rank = _read("runtime", "local_rank", "This process's index on its node.")
+    node_rank = _read("runtime", "node_rank", "This node's index.")
+    world_size = _read("runtime", "world_size", "How many processes run the job.")
+    device = _read("runtime", "device", "The device this process computes on.")
+    mesh = _read(
+        "runtime",
+        "mesh",
+        "The job's device mesh (a ``torch.distributed.device_mesh.DeviceMesh``) as the "
+        "backend's setup built it, shared by every model the job sets up; ``None`` for "
+        "backends without one (``single``, ``ddp``).",
+    )
 
     @property
     def data_parallel_rank(self) -> int:
@@ -108,13 +92,6 @@ class RuntimeFacts:
         return self.runtime.world_size if value is None else value
 
     @property
-    def mesh(self) -> Any:
-        """The job's device mesh (a ``torch.distributed.device_mesh.DeviceMesh``) as the
-        backend's setup built it, shared by every model the job sets up; ``None`` for backends
-        without one (``single``, ``ddp``)."""
-        return self.runtime.mesh
-
-    @property
     def is_main(self) -> bool:
         """Whether this is rank 0."""
         return self.runtime.rank == 0
@@ -123,15 +100,6 @@ class RuntimeFacts:
     def is_local_main(self) -> bool:
         """Whether this is the first process on its node (local rank 0)."""
         return self.runtime.local_rank == 0
-
-    @property
-    def device(self) -> torch.device:
-        """The device this process computes on (batches and models go there)."""
-        return self.runtime.device
-
-
-def _fact(name: str, doc: str) -> property:
-    return property(lambda self: getattr(self._selection, name), doc=doc)
 
 
 class HookContext(RuntimeFacts):
@@ -151,7 +119,8 @@ class HookContext(RuntimeFacts):
         backend: Owns what a backend changes on the user's objects (``restore_on_close``,
             ``skipping_updates``, ...), the optimizers set up, ``accumulating`` and ``failing``.
         hooks: The Engine's typed façade (offered as `hooks`).
-        api1: Returns the Engine for API 1.x's fall-through (``None``: no fall-through).
+        api1: API 1.x's fall-through to the Engine: ``get(name)`` and ``set(name, value)``
+            (``None``: none), `torchplug._deprecated.EngineFallThrough`.
     """
 
     __slots__ = ("_api1", "_backend", "_collectives", "_hooks_of", "_selection")
@@ -163,7 +132,7 @@ class HookContext(RuntimeFacts):
         collectives: Any,
         backend: Any,
         hooks: Hooks,
-        api1: Callable[[], Any] | None = None,
+        api1: Any = None,
     ) -> None:
         object.__setattr__(self, "_selection", selection)
         object.__setattr__(self, "_collectives", collectives)
@@ -193,16 +162,22 @@ class HookContext(RuntimeFacts):
 
     # -- the selection and its settings -----------------------------------------------------------
 
-    strategy = _fact("strategy", "The selected strategy's canonical name.")
-    cluster = _fact("cluster", "Who this process is in its job (what setup decides from).")
-    backend = _fact("backend", "The object holding the strategy's hooks.")
-    precision = _fact("precision", '``"32"``, ``"bf16"`` or ``"fp16"``.')
-    precision_options = _fact("precision_options", "The precision plugin's resolved options.")
-    options = _fact("options", "The strategy's resolved options, by name.")
-    settings = _fact("settings", "Every setting with where it came from.")
-    collective_timeout = _fact("collective_timeout", "Seconds a collective waits.")
-    checkpoint_timeout = _fact("checkpoint_timeout", "Seconds a save or load waits.")
-    checkpoint_key = _fact("checkpoint_key", "The checkpoint signing key (``None``: none).")
+    strategy = _read("_selection", "strategy", "The selected strategy's canonical name.")
+    cluster = _read(
+        "_selection", "cluster", "Who this process is in its job (what setup decides from)."
+    )
+    backend = _read("_selection", "backend", "The object holding the strategy's hooks.")
+    precision = _read("_selection", "precision", '``"32"``, ``"bf16"`` or ``"fp16"``.')
+    precision_options = _read(
+        "_selection", "precision_options", "The precision plugin's resolved options."
+    )
+    options = _read("_selection", "options", "The strategy's resolved options, by name.")
+    settings = _read("_selection", "settings", "Every setting with where it came from.")
+    collective_timeout = _read("_selection", "collective_timeout", "Seconds a collective waits.")
+    checkpoint_timeout = _read("_selection", "checkpoint_timeout", "Seconds a save or load waits.")
+    checkpoint_key = _read(
+        "_selection", "checkpoint_key", "The checkpoint signing key (``None``: none)."
+    )
 
     # -- the active set and the collectives -------------------------------------------------------
 
@@ -331,34 +306,15 @@ class HookContext(RuntimeFacts):
 
     # -- API 1.x: the rest of the Engine, with a warning ------------------------------------------
 
-    def _engine(self, name: str) -> Any:
-        engine = self._api1() if self._api1 is not None else None
-        if engine is None:
-            raise AttributeError(f"'HookContext' object has no attribute {name!r}")
-        return engine
-
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._engine(name), name)  # an unknown name raises AttributeError
-        if not name.startswith("__"):
-            warnings.warn(
-                f"engine.{name} in a hook: the hook's `engine` argument is a "
-                f"torchplug.plugin.HookContext, which does not offer '{name}' (it lists what a "
-                f"backend may read and call). It reaches the Engine through API 1.x; use a "
-                f"HookContext member, or keep what you need from the setup hook.",
-                HookContextWarning,
-                stacklevel=2,
-            )
-        return value
+        if self._api1 is None:
+            raise AttributeError(f"'HookContext' object has no attribute {name!r}")
+        return self._api1.get(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        warnings.warn(
-            f"engine.{name} = ... in a hook: the hook's `engine` argument is a "
-            f"torchplug.plugin.HookContext; keep your state on your plugin object instead. "
-            f"It is set on the Engine through API 1.x.",
-            HookContextWarning,
-            stacklevel=2,
-        )
-        setattr(self._engine(name), name, value)
+        if self._api1 is None:
+            raise AttributeError(f"'HookContext' object attribute {name!r} is read-only")
+        self._api1.set(name, value)
 
 
 def iter_members() -> Iterator[str]:

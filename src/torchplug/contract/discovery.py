@@ -20,6 +20,7 @@ A plugin that fails to import is recorded by name with its error, and the rest k
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import warnings
@@ -74,14 +75,13 @@ class Candidate:
     #: The module or ``module:attr`` it is loaded from (named when it fails to import).
     target: str
     load: Callable[[], object]
-    builtin: bool
-    #: From torchplug's own distribution (an entry point that is never hidden).
+    #: From torchplug's own distribution: a built-in plugin.
     own: bool = True
     entry_point: metadata.EntryPoint | None = None
 
     def origin(self) -> tuple[str, str]:
         """(distribution, version) recorded for the plugin."""
-        if self.builtin:
+        if self.own:
             from torchplug.util.version import VERSION as __version__
 
             return (OWN_DISTRIBUTION, __version__)
@@ -104,7 +104,7 @@ def candidates() -> list[Candidate]:
         if own and ep.name in seen:
             continue  # the same distribution seen twice on sys.path (an editable install)
         seen.add(ep.name)
-        found.append(Candidate(ep.name, ep.value, ep.load, own, own, ep))
+        found.append(Candidate(ep.name, ep.value, ep.load, own, ep))
     if not any(c.own for c in found):
         raise PluginError(
             "torchplug's own plugins were not found: they are entry points of the installed "
@@ -153,7 +153,7 @@ def discover(registry: Registry) -> None:
             plugin = candidate.load()
         except Exception as exc:
             registry.errors[name] = f"{type(exc).__name__}: {exc}"
-            what = "torchplug's built-in plugin" if candidate.builtin else "torchplug plugin"
+            what = "torchplug's built-in plugin" if candidate.own else "torchplug plugin"
             warnings.warn(
                 f"{what} '{name}' ({candidate.target}) failed to import and is "
                 f"skipped: {type(exc).__name__}: {exc}",
@@ -183,6 +183,13 @@ def check_pending(registry: Registry) -> None:
         check_pending(registry)
 
 
+def _import_here(module: str) -> Any:
+    """``import module``, the current directory first on ``sys.path`` (as ``python -m`` has)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return importlib.import_module(module)
+
+
 def import_plugin_module(registry: Registry, module: str, strict: bool = True) -> None:
     """Import an in-house plugin module by name (the working directory on ``sys.path`` too)
     and register it unless importing it registered it already.
@@ -190,12 +197,8 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
     ``strict``: raise what went wrong (``torchplug launch --plugin``); else record and warn, as
     for entry-point plugins (the processes the launcher started).
     """
-    import importlib
-
     try:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())  # as `python -m` does: the current directory first
-        plugin = importlib.import_module(module)
+        plugin = _import_here(module)
         if not registry.pm.is_registered(plugin) and registry.pm.get_plugin(module) is None:
             registry.add(plugin, name=module)
     except Exception as exc:
@@ -217,12 +220,8 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
 def load_extension(module: str) -> object:
     """``Engine(plugins=["my_pkg.guard"])``: the module of that name (a class in it is not
     guessed: the module itself is the plugin), imported from the current directory too."""
-    import importlib
-
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        return importlib.import_module(module)
+        return _import_here(module)
     except ImportError as exc:
         raise PluginError(
             f"Extension plugin module '{module}' (Engine(plugins=[...])) could not be imported: "

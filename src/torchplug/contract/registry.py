@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pluggy
 
 from torchplug.contract import apiversion, spec
-from torchplug.contract.errors import ConfigurationError, PluginError, did_you_mean
+from torchplug.contract.errors import ConfigurationError, PluginError
 from torchplug.contract.types import LoggerInfo, PrecisionInfo, StrategyInfo
 from torchplug.contract.validation import (
     hook_problems,
@@ -28,6 +28,7 @@ from torchplug.contract.validation import (
     register_checked,
 )
 from torchplug.util import capabilities
+from torchplug.util.text import did_you_mean
 
 #: Built-in plugins that hold default answers (``trylast``): registered into each Engine before
 #: its backend, so that any answer of the backend's comes first.
@@ -140,12 +141,15 @@ class Registry:
 
         label = plugin_label(plugin, plugin_name)
 
-        def add_strategy(info: StrategyInfo) -> None:
-            if not isinstance(info, StrategyInfo):
+        def expect(info: object, kind: type) -> None:
+            if not isinstance(info, kind):
                 raise PluginError(
                     f"Plugin '{label}' registered {info!r}; expected a "
-                    f"torchplug.plugin.StrategyInfo."
+                    f"torchplug.plugin.{kind.__name__}."
                 )
+
+        def add_strategy(info: StrategyInfo) -> None:
+            expect(info, StrategyInfo)
             refusal = apiversion.incompatibility(info.api, f"Strategy '{info.name}'")
             if refusal is not None:
                 raise PluginError(f"{refusal} It is not registered.")
@@ -191,11 +195,7 @@ class Registry:
                 self.aliases[alias] = info.name
 
         def add_precision(info: PrecisionInfo) -> None:
-            if not isinstance(info, PrecisionInfo):
-                raise PluginError(
-                    f"Plugin '{label}' registered {info!r}; expected a "
-                    f"torchplug.plugin.PrecisionInfo."
-                )
+            expect(info, PrecisionInfo)
             taken = sorted(set(info.precisions) & set(self.precisions))
             if taken:
                 owner = self.precisions[taken[0]]
@@ -208,11 +208,7 @@ class Registry:
                 self.precisions[precision] = info.with_provider(plugin_name, distribution, version)
 
         def add_logger(info: LoggerInfo) -> None:
-            if not isinstance(info, LoggerInfo):
-                raise PluginError(
-                    f"Plugin '{plugin_name}' registered {info!r}; expected a "
-                    f"torchplug.plugin.LoggerInfo."
-                )
+            expect(info, LoggerInfo)
             if info.name in self.loggers:
                 raise PluginError(
                     f"Plugin '{plugin_name}' registers logger '{info.name}' already provided by "

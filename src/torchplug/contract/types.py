@@ -13,13 +13,13 @@ plugin author reads every type they build on in one place.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from torchplug.contract.errors import ConfigurationError, did_you_mean
+from torchplug.contract.errors import ConfigurationError
+from torchplug.util.installed import missing_package
+from torchplug.util.text import did_you_mean, positive_number  # noqa: F401 - API 1.x name
 
 if TYPE_CHECKING:
     import torch
@@ -29,19 +29,6 @@ if TYPE_CHECKING:
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
-def missing_package(requires: tuple[str, ...], install_hint: str) -> str | None:
-    """The first package of ``requires`` that is not installed, with how to install it."""
-    for module in requires:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            return f"package '{module}' not installed — {install_hint or f'pip install {module}'}"
-    return None
-
-
-#: Canonical precision names and the spellings accepted for each.
 DEFAULT_TIMEOUT = 1800.0
 """Seconds before a collective (or a checkpoint phase) gives up, unless the strategy's
 ``timeout`` option says otherwise: the one default every backend and the checkpoint share."""
@@ -112,24 +99,6 @@ class Option:
         return value
 
 
-def positive_number(unit: str, maximum: float) -> Callable[[Any], str | None]:
-    """A validator: a finite number above 0 and at most ``maximum`` (in ``unit``).
-
-    Args:
-        unit: The unit the message names (``"seconds"``, ``"MiB"``).
-        maximum: The largest value accepted.
-    """
-
-    def check(value: Any) -> str | None:
-        if value is None:
-            return None
-        if not math.isfinite(value) or not 0 < value <= maximum:
-            return f"must be a number of {unit} above 0 and at most {maximum:g}, got {value!r}"
-        return None
-
-    return check
-
-
 def resolve_options(
     owner: str, options: tuple[Option, ...], given: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -147,8 +116,36 @@ def resolve_options(
     return resolved
 
 
+@dataclass(frozen=True, kw_only=True)
+class Announced:
+    """What the plugin manager fills in on every record a plugin announces (strategies,
+    precision plugins, loggers), so that listings and errors name where a name came from.
+
+    Args:
+        provider: The plugin's registered name.
+        distribution: The installed distribution that holds it.
+        version: That distribution's version.
+    """
+
+    provider: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def with_provider(self, provider: str, distribution: str, version: str) -> Any:
+        """A copy naming the plugin that announced it (the plugin manager calls this).
+
+        Args:
+            provider: The plugin's registered name.
+            distribution: The installed distribution that holds it.
+            version: That distribution's version.
+        """
+        return dataclasses.replace(
+            self, provider=provider, distribution=distribution, version=version
+        )
+
+
 @dataclass(frozen=True)
-class StrategyInfo:
+class StrategyInfo(Announced):
     """A backend as announced by its plugin through ``torchplug_register_strategies``.
 
     Args:
@@ -220,9 +217,6 @@ class StrategyInfo:
         api: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
             [`torchplug.contract.spec.API_VERSION`][torchplug.contract.spec.API_VERSION]); outside
             it the strategy is not registered.
-        provider: Filled in by the plugin manager: which plugin and distribution announced it.
-        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
-        version: Filled in by the plugin manager: that distribution's version.
         problem: Filled in by the plugin manager: why the strategy is broken (e.g. a misspelled hook
             on its class), so that it is listed as broken with the reason and never selected.
     """
@@ -253,9 +247,6 @@ class StrategyInfo:
     memory: Callable[[Any], Any] | None = None
     extends: str | type = ""
     api: str = ""
-    provider: str = ""
-    distribution: str = ""
-    version: str = ""
     problem: str = ""
 
     def __post_init__(self) -> None:
@@ -319,18 +310,6 @@ class StrategyInfo:
         """
         return resolve_options(f"strategy '{self.name}'", self.options, given)
 
-    def with_provider(self, provider: str, distribution: str, version: str) -> StrategyInfo:
-        """A copy naming the plugin that announced it (the plugin manager calls this).
-
-        Args:
-            provider: The plugin's registered name.
-            distribution: The installed distribution that holds it.
-            version: That distribution's version.
-        """
-        return dataclasses.replace(
-            self, provider=provider, distribution=distribution, version=version
-        )
-
     def inheriting(self, parent: StrategyInfo) -> StrategyInfo:
         """This strategy with what it left at the defaults taken from ``parent`` (``extends``):
         the parent's options first, this one's added or replacing them by name.
@@ -342,34 +321,22 @@ class StrategyInfo:
         changes: dict[str, Any] = {
             "options": (*(o for o in parent.options if o.name not in own), *self.options)
         }
-        inherited = {
-            "requires",
-            "install_hint",
-            "precisions",
-            "owns_precision",
-            "shards_parameters",
-            "shards_optimizer",
-            "takes_meta_modules",
-            "supports_cpu",
-            "supports_cuda",
-            "distributed",
-            "launcher",
-            "tolerance",
-            "resume_exact",
-            "deviations",
-            "precision_options",
-            "check",
-            "precision_check",
-            "memory",
-        }
         for f in dataclasses.fields(self):
-            if f.name in inherited and getattr(self, f.name) == f.default:
+            if f.name not in _NOT_INHERITED and getattr(self, f.name) == f.default:
                 changes[f.name] = getattr(parent, f.name)
         return dataclasses.replace(self, **changes)
 
 
+#: What a strategy never takes from the one it ``extends``: who it is, its own refusals, and who
+#: announced it (its options are merged by name); every capability it leaves at the default is.
+_NOT_INHERITED = frozenset(
+    ["name", "factory", "description", "aliases", "options", "refuses", "extends", "api", "problem"]
+    + [f.name for f in dataclasses.fields(Announced)]
+)
+
+
 @dataclass(frozen=True)
-class PrecisionInfo:
+class PrecisionInfo(Announced):
     """A precision plugin (e.g. AMP), composed with backends that do not own precision.
 
     Args:
@@ -381,9 +348,6 @@ class PrecisionInfo:
         options: Set with ``Engine(precision=..., precision_options={...})``.
         check: ``check(precision)`` returns why this machine cannot run that precision, or ``None``
             (see ``StrategyInfo.precision_check``); asked for every strategy it is composed with.
-        provider: Filled in by the plugin manager: which plugin announced it.
-        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
-        version: Filled in by the plugin manager: that distribution's version.
     """
 
     name: str
@@ -392,25 +356,10 @@ class PrecisionInfo:
     description: str = ""
     options: tuple[Option, ...] = ()
     check: Callable[[str], str | None] | None = None
-    provider: str = ""
-    distribution: str = ""
-    version: str = ""
-
-    def with_provider(self, provider: str, distribution: str, version: str) -> PrecisionInfo:
-        """A copy naming the plugin that announced it (the plugin manager calls this).
-
-        Args:
-            provider: The plugin's registered name.
-            distribution: The installed distribution that holds it.
-            version: That distribution's version.
-        """
-        return dataclasses.replace(
-            self, provider=provider, distribution=distribution, version=version
-        )
 
 
 @dataclass(frozen=True)
-class LoggerInfo:
+class LoggerInfo(Announced):
     """A metric logger (experiment tracker) as announced through ``torchplug_register_loggers``.
 
     ``factory(log_dir)`` returns an object with ``log_metrics(metrics, step)`` and ``close()``
@@ -427,9 +376,6 @@ class LoggerInfo:
             torchplug[tensorboard]``.
         all_ranks: Log on every rank (each rank writes its own directory ``rank-N``), not rank 0
             only.
-        provider: Filled in by the plugin manager: which plugin announced it.
-        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
-        version: Filled in by the plugin manager: that distribution's version.
     """
 
     name: str
@@ -438,25 +384,10 @@ class LoggerInfo:
     requires: tuple[str, ...] = ()
     install_hint: str = ""
     all_ranks: bool = False
-    provider: str = ""
-    distribution: str = ""
-    version: str = ""
 
     def unusable_reason(self) -> str | None:
         """Why this logger cannot run here (a missing package), or ``None``."""
         return missing_package(self.requires, self.install_hint)
-
-    def with_provider(self, provider: str, distribution: str, version: str) -> LoggerInfo:
-        """A copy naming the plugin that announced it (the plugin manager calls this).
-
-        Args:
-            provider: The plugin's registered name.
-            distribution: The installed distribution that holds it.
-            version: That distribution's version.
-        """
-        return dataclasses.replace(
-            self, provider=provider, distribution=distribution, version=version
-        )
 
 
 @dataclass(frozen=True)

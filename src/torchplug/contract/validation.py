@@ -15,7 +15,8 @@ from typing import Any
 import pluggy
 
 from torchplug.contract import spec
-from torchplug.contract.errors import PluginError, did_you_mean
+from torchplug.contract.errors import PluginError
+from torchplug.util.text import did_you_mean
 
 
 def qualified_name(plugin: object) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from torchplug.checkpoint.settings import problems as checkpoint_problems
-from torchplug.contract.errors import ConfigurationError, did_you_mean
+from torchplug.contract.errors import ConfigurationError
 from torchplug.engine.settings import (  # noqa: F401 - re-exported: the records of settings
     PRECISIONS,
     UNUSED_NOTE,
@@ -27,6 +27,7 @@ from torchplug.engine.settings import (  # noqa: F401 - re-exported: the records
     Settings,
     normalize_precision,
 )
+from torchplug.util.text import did_you_mean
 
 CONFIG_KEYS = ("strategy", "precision", "options", "strategies", "processes", "nodes", "loggers")
 

@@ -5,9 +5,8 @@ strategy, precision, options and active set in `torchplug.engine.connector`; wha
 changes on the user's objects is `torchplug.engine.backend.BackendState` (``setup`` itself is
 `torchplug.engine.wrappers`, undone by ``close()``); collectives are
 `torchplug.engine.collectives.Collectives`; checkpoints `torchplug.engine.checkpointing`; every
-hook call goes through the typed façade `torchplug.contract.hooks` with a
-`torchplug.contract.context.HookContext` built from those owners. What remains here is the
-public surface and the delegation.
+hook call goes through the typed façade `torchplug.contract.hooks` with a `HookContext` built
+from those owners. What remains here is the public surface and the delegation.
 
 Why this module is over 500 lines: it is the public API. Each of the Engine's ~50 public
 members keeps its Google-style docstring here (docs/api.md renders them; mkdocstrings shows no
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from torchplug._deprecated import EngineFallThrough
 from torchplug.checkpoint.settings import key_from, timeout_from
 from torchplug.contract.context import HookContext, RuntimeFacts
 from torchplug.contract.hooks import Hooks
@@ -167,7 +167,7 @@ class Engine(RuntimeFacts):
         self._preemption: Preemption | None = None
         self._closed = False
         owners = {"collectives": self._collectives, "backend": self._backend, "hooks": hooks}
-        self._context = HookContext(self._selection, **owners, api1=weakref.ref(self))
+        self._context = HookContext(self._selection, **owners, api1=EngineFallThrough(self))
         hooks.bind(self._context)
         self.plugins = tuple(chosen.active)
         self.hook = self._pm.hook

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchplug.contract.errors import ConfigurationError, did_you_mean
+from torchplug.contract.errors import ConfigurationError
+from torchplug.util.text import did_you_mean
 
 #: Accelerate's ``"no"`` / ``"bf16"`` / ``"fp16"`` and Fabric's ``"32-true"`` / ``"bf16-mixed"`` /
 #: ``"16-mixed"`` are spellings of these; Fabric's ``"*-true"`` low-precision modes (weights held in

@@ -23,7 +23,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from torchplug.contract.errors import ConfigurationError, TorchplugError, first_line
+from torchplug.contract.errors import ConfigurationError, TorchplugError
+from torchplug.util.text import first_line
 
 DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
 LAUNCHED_ENV = "TORCHPLUG_LAUNCHED"

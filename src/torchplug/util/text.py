@@ -1,0 +1,54 @@
+"""How torchplug words what it tells people: the closest name to a misspelling, a message's first
+line, the check behind a numeric option. Stdlib only, so every layer can use it."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def first_line(message: object, limit: int = 300, rest: str = "the traceback has it") -> str:
+    """A message's first line for a one-line summary. When more follows (later lines, or a line
+    over ``limit`` characters, cut at a space or ``/,;:`` in its second half, else at the limit)
+    it ends ``... (cut: <rest>)``, so a reader knows there is more and where."""
+    lines = [line for line in str(message).strip().splitlines() if line.strip()] or [""]
+    line = lines[0].rstrip()
+    if len(line) <= limit and len(lines) == 1:
+        return line
+    if len(line) > limit:
+        cut = line[:limit]
+        at = max(cut.rfind(mark) for mark in " /,;:")
+        line = cut[: at + 1] if at >= limit // 2 else cut
+    return f"{line.rstrip(' ,;:')} ... (cut: {rest})"
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest candidate, or an empty string.
+
+    Args:
+        word: What the user wrote.
+        candidates: The names that exist.
+    """
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def positive_number(unit: str, maximum: float) -> Callable[[Any], str | None]:
+    """A validator for an `Option`: a finite number above 0 and at most ``maximum`` (in
+    ``unit``).
+
+    Args:
+        unit: The unit the message names (``"seconds"``, ``"MiB"``).
+        maximum: The largest value accepted.
+    """
+
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None
+        if not math.isfinite(value) or not 0 < value <= maximum:
+            return f"must be a number of {unit} above 0 and at most {maximum:g}, got {value!r}"
+        return None
+
+    return check
