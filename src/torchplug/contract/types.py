@@ -217,6 +217,9 @@ class StrategyInfo(Announced):
         api: The plugin API versions this strategy supports, e.g. ``">=1.0,<2"`` (see
             [`torchplug.contract.spec.API_VERSION`][torchplug.contract.spec.API_VERSION]); outside
             it the strategy is not registered.
+        provider: Filled in by the plugin manager: which plugin announced it.
+        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
+        version: Filled in by the plugin manager: that distribution's version.
         problem: Filled in by the plugin manager: why the strategy is broken (e.g. a misspelled hook
             on its class), so that it is listed as broken with the reason and never selected.
     """
@@ -348,6 +351,9 @@ class PrecisionInfo(Announced):
         options: Set with ``Engine(precision=..., precision_options={...})``.
         check: ``check(precision)`` returns why this machine cannot run that precision, or ``None``
             (see ``StrategyInfo.precision_check``); asked for every strategy it is composed with.
+        provider: Filled in by the plugin manager: which plugin announced it.
+        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
+        version: Filled in by the plugin manager: that distribution's version.
     """
 
     name: str
@@ -376,6 +382,9 @@ class LoggerInfo(Announced):
             torchplug[tensorboard]``.
         all_ranks: Log on every rank (each rank writes its own directory ``rank-N``), not rank 0
             only.
+        provider: Filled in by the plugin manager: which plugin announced it.
+        distribution: Filled in by the plugin manager: the installed distribution of that plugin.
+        version: Filled in by the plugin manager: that distribution's version.
     """
 
     name: str
