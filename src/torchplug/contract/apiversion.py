@@ -10,6 +10,7 @@ comma-separated clauses of ``>=``, ``>``, ``<=``, ``<``, ``==`` (``==1.*`` too) 
 from __future__ import annotations
 
 import re
+from operator import eq, ge, gt, le, lt, ne
 
 from torchplug.contract.errors import PluginError
 from torchplug.contract.spec import API_VERSION
@@ -20,6 +21,7 @@ ATTRIBUTE = "TORCHPLUG_API"
 #: Which torchplug release first provided each plugin API version (for "upgrade to ..." hints).
 API_RELEASES: dict[str, str] = {"1.0": "0.1.0", "1.1": "0.1.0", "1.2": "0.1.0"}
 
+_OPERATORS = {">=": ge, ">": gt, "<=": le, "<": lt, "==": eq, "!=": ne}
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)(?:\.(\d+|\*))?\s*$")
 
 
@@ -54,17 +56,7 @@ def satisfies(version: str, specifier: str) -> bool:
     """Whether API ``version`` (``"1.0"``) lies within ``specifier``."""
     have = _version(version)
     for op, want, wildcard in parse(specifier):
-        if wildcard:
-            ok = (have[0] == want[0]) == (op == "==")
-        else:
-            ok = {
-                ">=": have >= want,
-                ">": have > want,
-                "<=": have <= want,
-                "<": have < want,
-                "==": have == want,
-                "!=": have != want,
-            }[op]
+        ok = (have[0] == want[0]) == (op == "==") if wildcard else _OPERATORS[op](have, want)
         if not ok:
             return False
     return True

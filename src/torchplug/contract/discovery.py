@@ -27,16 +27,16 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from torchplug.contract.errors import PluginError
 from torchplug.contract.validation import plugin_label
+from torchplug.util.environ import env_list, truthy
 
-#: The `torchplug.contract.registry.Registry` being filled: that module imports this one, so the
-#: annotation names it through an alias rather than an import.
-Registry = Any
+if TYPE_CHECKING:
+    from torchplug.contract.registry import Registry
 
 ENTRY_POINT_GROUP = "torchplug"
 #: In-house plugin modules to import into every registry (``torchplug launch --plugin``).
@@ -49,14 +49,6 @@ OWN_DISTRIBUTION = "torchplug"
 MINIMAL_PLUGINS = frozenset(
     {"torch_distributed", "checkpoint", "single", "torchrun", "environment"}
 )
-
-
-def env_list(name: str) -> list[str]:
-    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
-
-
-def truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _is_own(ep: metadata.EntryPoint) -> bool:
@@ -183,7 +175,7 @@ def check_pending(registry: Registry) -> None:
         check_pending(registry)
 
 
-def _import_here(module: str) -> Any:
+def import_here(module: str) -> Any:
     """``import module``, the current directory first on ``sys.path`` (as ``python -m`` has)."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -198,7 +190,7 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
     for entry-point plugins (the processes the launcher started).
     """
     try:
-        plugin = _import_here(module)
+        plugin = import_here(module)
         if not registry.pm.is_registered(plugin) and registry.pm.get_plugin(module) is None:
             registry.add(plugin, name=module)
     except Exception as exc:
@@ -215,16 +207,3 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
             f"skipped: {type(exc).__name__}: {exc}",
             stacklevel=2,
         )
-
-
-def load_extension(module: str) -> object:
-    """``Engine(plugins=["my_pkg.guard"])``: the module of that name (a class in it is not
-    guessed: the module itself is the plugin), imported from the current directory too."""
-    try:
-        return _import_here(module)
-    except ImportError as exc:
-        raise PluginError(
-            f"Extension plugin module '{module}' (Engine(plugins=[...])) could not be imported: "
-            f"{exc}. Expected a module importable as `import {module}` from the current "
-            f"directory ({os.getcwd()}) or an installed package; or pass the plugin object."
-        ) from exc

@@ -1,13 +1,10 @@
 """`Hooks`: the one channel from torchplug to an Engine's active set.
 
-tox's typed façade over pluggy (``tox.plugin.manager``): one method per strategy hook, which
-calls the hook with the Engine's [`HookContext`][torchplug.plugin.HookContext] and checks the
-answer against the hook's contract (its answer type, declared in `torchplug.contract.spec` and
-read here from the plugin manager's hook specifications, so this module sits below the spec that
-names its context type), so no caller
-reaches pluggy's relay or forgets a check. The Engine, its helper modules and the checkpoint
-package all call hooks through here; the per-step hooks through the plain calls `dispatch`
-resolved once for this Engine's fixed plugin set.
+As tox's typed façade over pluggy: one method per strategy hook, calling it with the Engine's
+[`HookContext`][torchplug.plugin.HookContext] and checking the answer against the hook's
+contract (read from the plugin manager's specifications, so this module sits below `spec`), so
+no caller reaches pluggy's relay or forgets a check. Per-step hooks are the plain calls
+`dispatch` resolved once for the Engine's fixed plugin set.
 """
 
 from __future__ import annotations
@@ -74,32 +71,30 @@ class Hooks:
         self._strategy = strategy
         self._provider = provider or "?"
         tracing = bool(getattr(pm, "tracing", False))
-        call = {name: dispatch.resolve(pm, name, tracing) for name in PER_STEP}
-        self._place_batch = call["torchplug_place_batch"]
-        self._backward = call["torchplug_backward"]
-        self._optimizer_step = call["torchplug_optimizer_step"]
-        self._clip_grad_norm = call["torchplug_clip_grad_norm"]
-        self._no_sync = call["torchplug_no_sync"]
-        self._autocast = call["torchplug_autocast"]
-        self._reduce = call["torchplug_reduce"]
-        self._gather = call["torchplug_gather"]
-        self._barrier = call["torchplug_barrier"]
+        for name in PER_STEP:  # self._backward, self._reduce, ...: plain calls, resolved once
+            setattr(self, name.replace("torchplug", ""), dispatch.resolve(pm, name, tracing))
 
     def bind(self, context: Any) -> None:
         """Give every hook ``context`` as its ``engine`` argument (a context is built from its
         owners, this façade among them, so it comes after the façade)."""
         self._context = context
 
-    def answer(self, hook: str, result: Any, expected: Any = None, what: str = "") -> Any:
+    def answer(
+        self, hook: str, result: Any, expected: Any = None, what: str = "", optional: bool = False
+    ) -> Any:
         """``result`` if it is what ``hook`` must return (its contract's answer type, unless
-        ``expected`` narrows it), else a `PluginError` naming the strategy and the hook.
+        ``expected`` narrows it; ``None`` too when ``optional``), else a `PluginError` naming the
+        strategy and the hook.
 
         Args:
             hook: The hook that answered.
             result: Its answer.
             expected: A narrower type than the contract's.
             what: That type as the error names it.
+            optional: ``None`` (no plugin answered) is an answer too.
         """
+        if optional and result is None:
+            return None
         if expected is None:
             declared = self._contracts.get(hook)
             if declared is None:
@@ -155,7 +150,7 @@ class Hooks:
     def compile(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module | None:
         """``torchplug_compile``: the compiled model, or ``None`` when no plugin answers."""
         compiled = self._relay.torchplug_compile(engine=self._context, model=model, options=options)
-        return None if compiled is None else self.answer("torchplug_compile", compiled)
+        return self.answer("torchplug_compile", compiled, optional=True)
 
     # -- every step -------------------------------------------------------------------------------
 
@@ -267,11 +262,7 @@ class Hooks:
     def checkpoint_metadata(self, path: Path) -> dict[str, Any] | None:
         """``torchplug_checkpoint_metadata``: a checkpoint's metadata, ``None`` unanswered."""
         metadata = self._relay.torchplug_checkpoint_metadata(engine=self._context, path=path)
-        return (
-            None
-            if metadata is None
-            else self.answer("torchplug_checkpoint_metadata", metadata, dict, "a dict")
-        )
+        return self.answer("torchplug_checkpoint_metadata", metadata, dict, "a dict", True)
 
     def load_pretrained(
         self, model: torch.nn.Module, path: Any, strict: bool
@@ -280,11 +271,7 @@ class Hooks:
         result = self._relay.torchplug_load_pretrained(
             engine=self._context, model=model, path=path, strict=strict
         )
-        return (
-            None
-            if result is None
-            else self.answer("torchplug_load_pretrained", result, dict, "a dict")
-        )
+        return self.answer("torchplug_load_pretrained", result, dict, "a dict", True)
 
 
 def contract_of(pm: pluggy.PluginManager, hook: str) -> Any:

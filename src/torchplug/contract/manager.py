@@ -1,51 +1,45 @@
-"""The one plugin manager: the process-wide registry and the calls that change it.
+"""The one plugin manager: the process-wide registry and the calls that change it
+([`register`][torchplug.register], `unregister`, `block`, `reset_registry`).
 
-Built-in plugins and third-party plugins are found the same way, through the ``torchplug``
-entry-point group; a built-in is simply an entry point whose distribution is torchplug itself.
-In-house plugins join with one call to [`register`][torchplug.register].
-
-This module is the façade of the plugin machinery, split by job: finding plugins and the
-environment controls (``TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD``, ``TORCHPLUG_PLUGINS``,
-``TORCHPLUG_BLOCK_PLUGINS``, ``TORCHPLUG_PLUGIN_MODULES``) are `torchplug.contract.discovery`;
-checking a plugin against the specification is `torchplug.contract.validation`; the registry of
-installed names is `torchplug.contract.registry`. Every name other modules import from here
-stays importable from here.
+Finding plugins (built-ins and third parties alike, through the ``torchplug`` entry-point group)
+and the environment controls are `torchplug.contract.discovery`; checking a plugin against the
+specification is `torchplug.contract.validation`; the registry is `torchplug.contract.registry`.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 import pluggy
 
-from torchplug.contract import discovery, spec
-from torchplug.contract.discovery import (  # noqa: F401 - re-exported: imported from here
-    ENTRY_POINT_GROUP,
-    MINIMAL_PLUGINS,
-    OWN_DISTRIBUTION,
-    PLUGIN_MODULES_ENV,
-    builtin_modules,
-    env_list,
-    import_plugin_module,
-    load_extension,
-    truthy,
-)
-from torchplug.contract.registry import (  # noqa: F401 - re-exported: imported from here
-    ACTION_HOOKS,
-    DEFAULT_ANSWERS,
-    STRATEGY_HOOKS,
-    Registry,
-)
-from torchplug.contract.validation import (  # noqa: F401 - re-exported: imported from here
-    hook_problems,
-    hook_signature,
-    plugin_label,
-    qualified_name,
-    register_checked,
-)
+from torchplug.contract import discovery, spec, validation
+from torchplug.contract import registry as installed
+from torchplug.contract.discovery import import_plugin_module
+from torchplug.contract.registry import Registry
+from torchplug.util import trace
+from torchplug.util.environ import env_list, truthy
+
+#: Names API 1.x code imports from here, answered by the module that holds them now.
+_ELSEWHERE = {
+    **dict.fromkeys(
+        ("ENTRY_POINT_GROUP", "MINIMAL_PLUGINS", "OWN_DISTRIBUTION", "PLUGIN_MODULES_ENV")
+        + ("builtin_modules",),
+        discovery,
+    ),
+    **dict.fromkeys(("ACTION_HOOKS", "DEFAULT_ANSWERS", "STRATEGY_HOOKS"), installed),
+    **dict.fromkeys(
+        ("hook_problems", "hook_signature", "plugin_label", "qualified_name", "register_checked"),
+        validation,
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ELSEWHERE:
+        return getattr(_ELSEWHERE[name], name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class PluginManager(pluggy.PluginManager):
@@ -56,36 +50,7 @@ class PluginManager(pluggy.PluginManager):
         self.add_hookspecs(spec)
         self.tracing = truthy("TORCHPLUG_TRACE")
         if self.tracing:
-            self.add_hookcall_monitoring(self._trace_before, self._trace_after)
-
-    def _label(self, impl: Any) -> str:
-        name = self.get_name(impl.plugin) or ""
-        return _label(impl.plugin, name)
-
-    def _trace_before(self, hook: str, impls: list[Any], kwargs: dict[str, Any]) -> None:
-        """Through pluggy's public hook-call monitoring: which plugins wrap ``hook``."""
-        for impl in reversed(impls):  # pluggy calls the last registered first
-            if impl.wrapper or impl.hookwrapper:
-                sys.stderr.write(f"[torchplug] {hook}: wrapped by {self._label(impl)}\n")
-
-    def _trace_after(
-        self, outcome: Any, hook: str, impls: list[Any], kwargs: dict[str, Any]
-    ) -> None:
-        """Which plugin answered ``hook``, and with what."""
-        if outcome.exception is not None:
-            sys.stderr.write(f"[torchplug] {hook}: raised {outcome.exception!r}\n")
-            return
-        result = outcome.get_result()
-        if result is None or result == []:
-            return
-        answering = [self._label(i) for i in reversed(impls) if not (i.wrapper or i.hookwrapper)]
-        who = answering[0] if len(answering) == 1 else f"one of {', '.join(answering)}"
-        wrappers = [self._label(i) for i in reversed(impls) if i.wrapper or i.hookwrapper]
-        # pluggy hands the monitor the outcome of the whole call: what the wrappers returned
-        around = f", final result after wrapper(s) {', '.join(wrappers)}" if wrappers else ""
-        shown = repr(result)
-        shown = shown if len(shown) < 60 else shown[:57] + "..."
-        sys.stderr.write(f"[torchplug] {hook}: answered by {who}{around} -> {shown}\n")
+            trace.install(self)
 
     def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
         if getattr(getattr(plugin, name, None), "torchplug_inherited_default", False):
@@ -99,11 +64,6 @@ class PluginManager(pluggy.PluginManager):
         ):
             return {}
         return opts
-
-
-def _label(plugin: object, name: str) -> str:
-    kind = getattr(plugin, "__name__", None) or type(plugin).__name__
-    return kind if name.isdigit() or name.startswith("_") else f"{name} ({kind})"
 
 
 def new_plugin_manager() -> PluginManager:
@@ -137,7 +97,7 @@ def get_registry() -> Registry:
                 _building = None
                 # An in-house module may call torchplug.register() on import (same thread:
                 # the lock is reentrant).
-                for module in env_list(PLUGIN_MODULES_ENV):
+                for module in env_list(discovery.PLUGIN_MODULES_ENV):
                     import_plugin_module(registry, module, strict=False)
     return _registry
 

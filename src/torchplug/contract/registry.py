@@ -1,12 +1,9 @@
 """The registry of what is installed: plugins, the names they announce, and failures.
 
-`Registry.add` registers a plugin and calls its registration hooks through the plugin manager
-(one `subset_hook_caller` per plugin, so what it registers is attributed to it and one failing
-plugin is recorded without losing the others); a strategy or precision name registered twice is
-an error naming both plugins. Lookup (`Registry.strategy`, `Registry.canonical`, ...) answers
-"what is installed, what is usable here, and why not". Finding the plugins is
-`torchplug.contract.discovery`; the process-wide registry is
-`torchplug.contract.manager.get_registry`.
+`Registry.add` registers a plugin and calls its registration hooks (one `subset_hook_caller`
+per plugin: what it registers is attributed to it, and one failing plugin is recorded without
+losing the others). Lookup (`Registry.strategy`, ...) answers "what is installed, what is usable
+here, and why not".
 """
 
 from __future__ import annotations
@@ -138,7 +135,6 @@ class Registry:
 
     def _announce(self, plugin_name: str, plugin: object, strict: bool) -> None:
         distribution, version = self.origins.get(plugin_name, ("", ""))
-
         label = plugin_label(plugin, plugin_name)
 
         def expect(info: object, kind: type) -> None:
@@ -283,30 +279,27 @@ class Registry:
     def usable_names(self) -> list[str]:
         return sorted(n for n, i in self.strategies.items() if i.unusable_reason() is None)
 
+    _MAY_PROVIDE = "one of them may provide it."
+
     def unknown_strategy_message(self, name: str) -> str:
+        """Why ``name`` selects no strategy: near names, what is installed, what failed or is
+        hidden (it may provide it), what cannot run here, and how to find out more."""
         names = sorted({*self.strategies, *self.aliases})
-        lines = [f"Unknown strategy '{name}'.{did_you_mean(name.lower(), names)}"]
-        lines.append(f"Installed: {', '.join(self.usable_names()) or 'none'}.")
-        if self.errors:
-            lines.append(
-                "Plugins that failed to load: "
-                + "; ".join(f"{n} ({e})" for n, e in sorted(self.errors.items()))
-                + "."
-            )
-        if self.hidden:
-            lines.append(
-                "Installed plugins not loaded: "
-                + "; ".join(f"{n} ({why})" for n, why in sorted(self.hidden.items()))
-                + ": one of them may provide it."
-            )
-        # what may provide it first; what is installed but cannot run here after
         unusable = {n: r for n, i in sorted(self.strategies.items()) if (r := i.unusable_reason())}
-        if unusable:
-            lines.append(
-                "Installed but unusable here: "
-                + "; ".join(f"{n}: {r}" for n, r in unusable.items())
-                + "."
-            )
+        listed = [
+            ("Plugins that failed to load: ", self.errors, " ({})", "."),
+            ("Installed plugins not loaded: ", self.hidden, " ({})", ": " + self._MAY_PROVIDE),
+            ("Installed but unusable here: ", unusable, ": {}", "."),
+        ]
+        lines = [
+            f"Unknown strategy '{name}'.{did_you_mean(name.lower(), names)}",
+            f"Installed: {', '.join(self.usable_names()) or 'none'}.",
+            *(
+                head + "; ".join(n + shape.format(why) for n, why in sorted(found.items())) + tail
+                for head, found, shape, tail in listed
+                if found
+            ),
+        ]
         if not self.strategies:
             lines.append(
                 "No strategies are registered at all: are torchplug's own plugins blocked "

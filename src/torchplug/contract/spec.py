@@ -67,9 +67,8 @@ removes or changes them. A plugin declares the range it supports, e.g.
 ``TORCHPLUG_API = ">=1.0,<2"`` in its module (or ``StrategyInfo(api=...)``); one whose range
 excludes this version is not loaded, and ``torchplug plugins`` says why (docs/plugins.md)."""
 
-#: Hooks renamed or retired: old name -> (new name, or "" when retired without a successor;
-#: the API version that removes it: the next major one, since a minor version only adds). Until
-#: then the old name keeps a hookspec made by `deprecated_hookspec`, which warns when implemented.
+#: Hooks renamed or retired: old name -> (new name or "", the major API version that removes
+#: it); until then it keeps a hookspec made by `deprecated_hookspec`, warning when implemented.
 RETIRED_HOOKS: dict[str, tuple[str, str]] = {
     "torchplug_convert_checkpoint": ("torchplug_read_checkpoint", "2.0"),
 }
@@ -108,8 +107,7 @@ CONTRACTS: dict[str, Contract] = {}
 
 
 def contract(**fields: Any) -> Callable[[Any], Any]:
-    """Declare the [`Contract`][torchplug.contract.spec.Contract] of the hook specification it
-    decorates.
+    """Declare the [`Contract`][torchplug.contract.spec.Contract] of the hookspec it decorates.
 
     Args:
         **fields: The [`Contract`][torchplug.contract.spec.Contract]'s fields.
@@ -128,8 +126,7 @@ def hooks_where(**wanted: Any) -> frozenset[str]:
     """The hooks whose contract has every field given, e.g. ``hooks_where(required=True)``.
 
     Args:
-        **wanted: [`Contract`][torchplug.contract.spec.Contract] fields and the values they must
-            have.
+        **wanted: [`Contract`][torchplug.contract.spec.Contract] fields and their values.
     """
     return frozenset(
         name
@@ -163,14 +160,16 @@ def deprecated_hookspec(replacement: str, removed_in: str, **options: Any) -> Ca
 # Registration hooks: called once per installed plugin, on the global plugin manager.
 # --------------------------------------------------------------------------------------------------
 
+_ANNOUNCING = (
+    "Once per process on every installed plugin, when the registry is built: in the launcher,"
+    " in `torchplug plugins`/`doctor`/`check`, and in every rank. Keep it cheap."
+)
+
 
 @hookspec
 @contract(
     kind="registration",
-    called=(
-        "Once per process on every installed plugin, when the registry is built: in the launcher,"
-        " in `torchplug plugins`/`doctor`/`check`, and in every rank. Keep it cheap."
-    ),
+    called=_ANNOUNCING,
 )
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     """Announce the strategies (backends) this plugin provides.
@@ -190,10 +189,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
 @hookspec
 @contract(
     kind="registration",
-    called=(
-        "Once per process on every installed plugin, when the registry is built: in the launcher,"
-        " in `torchplug plugins`/`doctor`/`check`, and in every rank. Keep it cheap."
-    ),
+    called=_ANNOUNCING,
 )
 def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> None:
     """Announce precision plugins (e.g. AMP) that compose with any backend not owning precision.
@@ -210,10 +206,7 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
 @hookspec
 @contract(
     kind="registration",
-    called=(
-        "Once per process on every installed plugin, when the registry is built: in the launcher,"
-        " in `torchplug plugins`/`doctor`/`check`, and in every rank. Keep it cheap."
-    ),
+    called=_ANNOUNCING,
 )
 def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
     """Announce the metric loggers (experiment trackers) this plugin provides.
@@ -308,8 +301,6 @@ def torchplug_init_module(engine: HookContext) -> contextlib.AbstractContextMana
     created already partitioned the backend's own way (DeepSpeed ZeRO-3: ``zero.Init``).
     Optional: unanswered, the model is built on the meta device and materialised by setup.
 
-    Called on every rank, by ``engine.init_module(empty=True)``.
-
     Args:
         engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
     """
@@ -333,9 +324,6 @@ def torchplug_compile(
     where it cannot be compiled. Return the model to use. Optional: unanswered, the Engine calls
     ``model.compile(**options)`` (in place, so parameter names stay the model's).
 
-    Called on every rank, after [`torchplug_wrap`][torchplug_wrap], when ``Engine(compile=...)``
-    asks.
-
     Args:
         engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         model: The model [`torchplug_wrap`][torchplug_wrap] returned.
@@ -354,7 +342,7 @@ def torchplug_place_batch(engine: HookContext, batch: Any) -> Any:
     """Return ``batch`` (tensors, possibly nested in lists, tuples and dicts) placed for the step.
 
     The default moves tensors to ``engine.device``; an SPMD backend also marks them sharded over
-    its data axis. Called for every batch of a loader returned by ``engine.setup_dataloader``.
+    its data axis.
 
     Args:
         engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
@@ -403,11 +391,9 @@ def torchplug_optimizer_step(
 ) -> bool | None:
     """Perform one optimizer step; return ``True`` if parameters were updated, ``False`` if skipped.
 
-    Called whenever the user calls ``optimizer.step()`` on an optimizer returned by
-    [`Engine.setup`][torchplug.Engine.setup]. It exists because a step is not always
-    ``optimizer.step()``: a gradient scaler must skip steps with inf/NaN gradients, and some
-    backends own the step. Inside this hook ``optimizer.step()`` is the optimizer's real step, so an
-    implementation can call it directly.
+    It exists because a step is not always ``optimizer.step()``: a gradient scaler must skip
+    steps with inf/NaN gradients, and some backends own the step. Inside this hook
+    ``optimizer.step()`` is the optimizer's real step, so an implementation can call it directly.
 
     Args:
         engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
@@ -552,8 +538,7 @@ def torchplug_barrier(engine: HookContext) -> bool | None:
     ),
 )
 def torchplug_broadcast(engine: HookContext, tensor: torch.Tensor, src: int) -> torch.Tensor | None:
-    """Give every rank rank ``src``'s ``tensor``: write it into ``tensor`` in place on every rank
-    and return ``tensor``.
+    """Give every rank rank ``src``'s ``tensor``, written into ``tensor`` in place; return it.
 
     Every collective the Engine itself needs goes through this hook, `torchplug_reduce`,
     `torchplug_gather` and `torchplug_barrier`, never through torch.distributed directly, so a
@@ -819,8 +804,7 @@ def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] 
     Convert a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) to
     ``destination/model.safetensors``; return the files written, or ``None`` if it is not yours.
 
-    Called on every installed plugin by ``torchplug convert``; import nothing heavy unless the
-    directory is yours.
+    Import nothing heavy unless the directory is yours.
 
     Args:
         source: The directory ``torchplug convert`` was given.

@@ -288,19 +288,10 @@ class StrategyInfo(Announced):
         return self.check() if self.check is not None else None
 
     def device_reason(self) -> str | None:
-        """Why the declared capabilities (``supports_cpu``, ``supports_cuda``) rule this machine
-        out, or ``None``: enforced by the core for every strategy, built-in or third-party."""
-        import torch
+        """Why ``supports_cpu`` / ``supports_cuda`` rule this machine out, or ``None``."""
+        from torchplug.util.capabilities import device_unavailable
 
-        if not torch.cuda.is_available():
-            if not self.supports_cpu:
-                return (
-                    "it declares supports_cpu=False (it needs a CUDA GPU) and this machine has "
-                    "no usable CUDA device"
-                )
-        elif not (self.supports_cuda or self.supports_cpu):
-            return "it declares neither supports_cpu nor supports_cuda"
-        return None
+        return device_unavailable(self.supports_cpu, self.supports_cuda)
 
     def resolve_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """The strategy's option defaults overlaid with ``given``, each checked.

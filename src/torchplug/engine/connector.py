@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torchplug.contract import manager
+from torchplug.contract import discovery, manager
 from torchplug.contract.context import Selection
 from torchplug.contract.errors import ConfigurationError, PluginError
 from torchplug.contract.hooks import Hooks
@@ -143,7 +143,7 @@ def active_set(
                 f"plugins=[MyExtension()]."
             )
     for plugin in plugins:  # one already active (registered globally too) is active once
-        loaded = manager.load_extension(plugin) if isinstance(plugin, str) else plugin
+        loaded = load_extension(plugin) if isinstance(plugin, str) else plugin
         if not any(loaded is other for other in active):
             active.append(loaded)
     return backend, active, resolved
@@ -299,3 +299,16 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterInfo:
     env = dict(os.environ if env is None else env)
     answer = manager.get_registry().pm.hook.torchplug_cluster_environment(env=env)
     return checked(answer) if answer is not None else ClusterInfo()
+
+
+def load_extension(module: str) -> object:
+    """``Engine(plugins=["my_pkg.guard"])``: the module of that name (a class in it is not
+    guessed: the module itself is the plugin), imported from the current directory too."""
+    try:
+        return discovery.import_here(module)
+    except ImportError as exc:
+        raise PluginError(
+            f"Extension plugin module '{module}' (Engine(plugins=[...])) could not be imported: "
+            f"{exc}. Expected a module importable as `import {module}` from the current "
+            f"directory ({os.getcwd()}) or an installed package; or pass the plugin object."
+        ) from exc

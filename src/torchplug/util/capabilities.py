@@ -110,3 +110,17 @@ def precision_unavailable(info: Any, precision: str, precisions: Mapping[str, An
         check = plugin.check if plugin is not None else None
     why = check(precision) if check is not None else None
     return None if why is None else f"{precision} not available on this machine: {why}"
+
+
+def device_unavailable(supports_cpu: bool, supports_cuda: bool) -> str | None:
+    """Why a strategy's declared devices (``StrategyInfo.supports_cpu``, ``supports_cuda``)
+    rule this machine out, or ``None``: enforced for every strategy, built-in or third-party."""
+    if not torch.cuda.is_available():
+        if not supports_cpu:
+            return (
+                "it declares supports_cpu=False (it needs a CUDA GPU) and this machine has "
+                "no usable CUDA device"
+            )
+    elif not (supports_cuda or supports_cpu):
+        return "it declares neither supports_cpu nor supports_cuda"
+    return None
