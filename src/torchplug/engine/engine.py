@@ -164,7 +164,6 @@ class Engine(RuntimeFacts):
         self._meta = scaling.MetaBuild()
         self._originals: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._profiler: profiling.StepProfiler | None = None
-        self._preemption: Preemption | None = None
         self._closed = False
         owners = {"collectives": self._collectives, "backend": self._backend, "hooks": hooks}
         self._context = HookContext(self._selection, **owners, api1=EngineFallThrough(self))
@@ -172,11 +171,13 @@ class Engine(RuntimeFacts):
         self.plugins = tuple(chosen.active)
         self.hook = self._pm.hook
         connector.check_contract(self._hooks, self.info, self.backend, missing)
+        self._preemption = Preemption.armed(self._backend.undo)  # a notice during setup waits
         try:
             self._selection.runtime = self._hooks.setup(self.cluster)
         except BaseException:
             self._backend.left_by_error = True  # no teardown barrier: the others may be absent
             self._hooks.teardown()  # release what setup got before failing
+            self._preemption.disarm()
             raise
         if profile_settings is not None:
             self._profiler = profiling.StepProfiler(profile_settings, self.rank, self.device)
@@ -558,12 +559,10 @@ class Engine(RuntimeFacts):
         notice: preemption, ``scancel``, ``srun --signal=USR1@90``, ``torchplug launch`` passing
         on its own SIGTERM): time to save a checkpoint and leave the loop.
 
-        The first read installs the handler (chained to one the script set; removed at close):
-        until then, and in a script that never reads it, those signals end the process as
-        usual. Ranks see a signal at different moments, so the answer is agreed on: a
-        collective, read at the same point on every rank (e.g. once per step)."""
-        if self._preemption is None:
-            self._preemption = Preemption.armed(self._backend.undo)
+        Armed when the Engine is made (chained to a handler the script set; removed at close);
+        a SIGTERM never asked about keeps its default effect, two steps or 10 s late
+        (`torchplug.features.preemption`). A collective: read it at the same point on every
+        rank (e.g. once per step)."""
         return self._preemption.seen(self.any if self.world_size > 1 else None)
 
     def barrier(self) -> None:

@@ -194,6 +194,7 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
         if engine._profiler is not None:
             engine._profiler.step()
         opt.step_was_skipped = stepped is False
+        engine._preemption.stepped()  # a SIGTERM the script never asked about ends it now
         return None
 
     # LR schedulers wrap optimizer.step to notice a scheduler stepped before the optimizer;
