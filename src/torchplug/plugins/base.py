@@ -15,9 +15,10 @@ import itertools
 import os
 import socket
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -304,13 +305,15 @@ class DistributedStrategy(Strategy):
             where: dict[str, Any] = {"init_method": f"tcp://{host}:{port}"}
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 where = {"store": _attempt_store(cluster.master_addr, port, cluster, timeout)}
-            dist.init_process_group(
-                backend=self.process_group_backend or ("nccl" if device.type == "cuda" else "gloo"),
-                rank=cluster.rank,
-                world_size=cluster.world_size,
-                timeout=timeout,
-                **where,
-            )
+            with _said_while_waiting(cluster, port, self.timeout):
+                dist.init_process_group(
+                    backend=self.process_group_backend
+                    or ("nccl" if device.type == "cuda" else "gloo"),
+                    rank=cluster.rank,
+                    world_size=cluster.world_size,
+                    timeout=timeout,
+                    **where,
+                )
             self.owns_process_group = True
             atexit.register(self._release_at_exit)
         return Runtime(
@@ -382,6 +385,33 @@ def _check_address(cluster: ClusterInfo) -> None:
                 f"the first of `scontrol show hostnames`), or unset it and start the script "
                 f"with `torchplug launch`, which sets it."
             ) from None
+
+
+#: Seconds a rank waits for the rendezvous before it says what it waits for (once).
+RENDEZVOUS_NOTICE = 30.0
+
+
+@contextlib.contextmanager
+def _said_while_waiting(cluster: ClusterInfo, port: int, timeout: float) -> Iterator[None]:
+    """Inside, a rendezvous that takes longer than `RENDEZVOUS_NOTICE` prints one line naming
+    the address it waits at and where each value came from: a leftover ``MASTER_ADDR`` or a
+    rank 0 that never started would otherwise wait for the whole timeout without a word."""
+    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+    given = ", ".join(f"{name}={os.environ[name]}" for name in names if name in os.environ)
+    line = (
+        f"torchplug: rank {cluster.rank} of {cluster.world_size} has waited "
+        f"{RENDEZVOUS_NOTICE:.0f} s for the other ranks at {cluster.master_addr}:{port} (from "
+        f"{cluster.source}; in this environment: {given or 'none of ' + ', '.join(names)}); it "
+        f"gives up after {timeout:.0f} s. If rank 0 is not starting, check these values: a "
+        f"variable left over in the shell is a common cause."
+    )
+    notice = threading.Timer(RENDEZVOUS_NOTICE, lambda: print(line, file=sys.stderr, flush=True))
+    notice.daemon = True
+    notice.start()
+    try:
+        yield
+    finally:
+        notice.cancel()
 
 
 def _attempt_store(
