@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchplug as tp
-from test_plugins import provider
+from support.plugins import provider
 from torchplug.cli.plugins import plugins
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

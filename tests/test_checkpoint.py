@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import torchplug as tp
-from checkpoint_attacks import as_format3, forge
-from reference import make_model, snapshot, train
+from support.checkpoint_attacks import as_format3, forge
+from support.reference import make_model, snapshot, train
 from torchplug.checkpoint import read_manifest
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchplug as tp
-from reference import make_model
+from support.reference import make_model
 
 PHASES = {
     # phase: (failing rank, what breaks, errno name expected in the message)

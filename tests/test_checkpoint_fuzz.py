@@ -14,12 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 import torchplug as tp
-from checkpoint_attacks import load_state, same
-from reference import make_model, train
-from torchplug.testing.bodies import full_state
+from support.checkpoint_attacks import Loader, load_state, same
+from support.reference import train
 
 
 @pytest.fixture(scope="module")
@@ -29,23 +27,6 @@ def checkpoints(ranks, tmp_path_factory) -> list[Path]:
     sharded = tmp_path_factory.mktemp("fuzz") / "two-ranks"
     ranks.run(train, "fsdp", steps=1, save_to=str(sharded))
     return [single, sharded]
-
-
-class Loader:
-    """One Engine, model and optimizer for every load (a load that succeeds overwrites all)."""
-
-    def __init__(self) -> None:
-        self.engine = tp.Engine("single")
-        model = make_model(seed=123)
-        self.model, self.optimizer = self.engine.setup(
-            model, torch.optim.AdamW(model.parameters(), lr=0.5)
-        )
-
-    def __call__(self, path: Path) -> dict:
-        state = {"model": self.model, "optimizer": self.optimizer, "step": 0}
-        rest = self.engine.load(path, state)
-        snapshot = full_state(self.engine, self.model, self.optimizer)
-        return {"step": state["step"], "rest": rest, **snapshot}
 
 
 def _outcome(load: Loader, path: Path, baseline: dict, what: str, named: str) -> str:

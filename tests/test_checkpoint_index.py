@@ -21,7 +21,9 @@ import pytest
 import torch
 
 import torchplug as tp
-from checkpoint_attacks import (
+from support.checkpoint_attacks import (
+    Loader,
+    _random_tensor,
     as_format3,
     forge_columns,
     forge_index_bytes,
@@ -30,9 +32,8 @@ from checkpoint_attacks import (
     read_columns,
     same,
 )
-from reference import train
-from test_checkpoint_fuzz import Loader
-from test_checkpoint_scale import _random_tensor
+from support.paths import ROOT
+from support.reference import train
 from torchplug.checkpoint import columns, read_manifest
 from torchplug.checkpoint import manifest as mf
 
@@ -320,7 +321,7 @@ def _section_at(data: bytes, name: str) -> int:
 def test_an_index_of_thousands_of_ranks_makes_no_python_objects_per_chunk():
     """The benchmark's fsdp index at 2,048 ranks x 50 tensors (102,400 chunks): accepted, 28-40
     bytes a chunk, and no entry made until asked for; one overlapping chunk in it is refused."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
+    sys.path.insert(0, str(ROOT))  # the checkout's benchmarks/
     try:
         from benchmarks.validation import fsdp_index
     finally:

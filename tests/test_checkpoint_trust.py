@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import torchplug as tp
-from checkpoint_attacks import as_format3, forge, load_state, no_unpickling, same
-from reference import make_model, train
+from support.checkpoint_attacks import as_format3, forge, load_state, no_unpickling, same
+from support.reference import make_model, train
 
 KEY = "k" * 32
 SHARD = "tensors/rank-0/__0_0.distcp"

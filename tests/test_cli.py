@@ -6,23 +6,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.commands import torchplug
+from support.paths import ROOT
+
 EXAMPLE = ROOT / "examples" / "train.py"
-
-
-def torchplug(*args: str, timeout: float = 180, env: dict | None = None, **kw):
-    return subprocess.run(
-        [sys.executable, "-m", "torchplug", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-        **kw,
-    )
 
 
 def epoch_losses(output: str) -> list[float]:

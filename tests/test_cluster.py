@@ -11,6 +11,7 @@ import pytest
 
 import torchplug as tp
 import torchplug.plugin as tpp
+from support.commands import doctor, identity
 from torchplug.contract.errors import ConfigurationError
 from torchplug.contract.spec import hookimpl
 from torchplug.engine import connector as cluster
@@ -91,35 +92,6 @@ def test_torchrun_inside_slurm_wins():
 def test_plain_process_is_rank_zero_of_one():
     info = cluster.detect({})
     assert (info.rank, info.world_size, info.source) == (0, 1, "single process")
-
-
-def doctor_run(env: dict[str, str], cwd) -> subprocess.CompletedProcess:
-    """``torchplug doctor`` with ``env`` as the whole environment (plus PATH)."""
-    return subprocess.run(
-        [sys.executable, "-m", "torchplug", "doctor"],
-        env={
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            # a source checkout run with PYTHONPATH=src tests that checkout, not an installed copy
-            **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ},
-            **env,
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-    )
-
-
-def doctor(env: dict[str, str], cwd) -> str:
-    """``torchplug doctor``'s output; the settings must be valid."""
-    run = doctor_run(env, cwd)
-    assert run.returncode == 0, run.stdout + run.stderr
-    return run.stdout
-
-
-def identity(output: str) -> dict[str, str]:
-    """The last word of each line of doctor's output, by its first word."""
-    return {line.split()[0]: line.split()[-1] for line in output.splitlines() if line.strip()}
 
 
 def test_doctor_reports_the_slurm_identity(tmp_path):

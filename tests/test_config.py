@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import torchplug as tp
-from test_cluster import doctor
+from support.commands import doctor
 from torchplug.engine import config
 
 
@@ -153,7 +153,7 @@ def test_doctor_shows_processes_loggers_and_log_dir_and_calls_a_typo_invalid(pro
         'strategy = "ddp"\nprocesses = 2\nnodes = 1\nloggers = ["csv"]\n'
         "[options]\ntimeout = 60\nbucket_cap_mb = 5\nbogus = 1\n"
     )
-    from test_cluster import doctor_run
+    from support.commands import doctor_run
 
     run = doctor_run({"TORCHPLUG_LOG_DIR": str(project / "runs")}, project)
     assert run.returncode == 1, run.stdout + run.stderr  # 'bogus'
@@ -179,7 +179,7 @@ def test_doctor_reports_a_typo_in_a_strategy_table_once_blaming_that_table(proje
     (project / "torchplug.toml").write_text(
         'strategy = "ddp"\n[options]\ntimeout = 60\n[strategies.ddp]\nstatic_graf = true\n'
     )
-    from test_cluster import doctor_run
+    from support.commands import doctor_run
 
     run = doctor_run({}, project)
     assert run.returncode == 1, run.stdout + run.stderr
@@ -193,7 +193,7 @@ def test_doctor_reports_a_typo_in_a_strategy_table_once_blaming_that_table(proje
 
 
 def test_doctor_flags_a_table_for_no_installed_strategy(project):
-    from test_cluster import doctor_run
+    from support.commands import doctor_run
 
     (project / "torchplug.toml").write_text("[strategies.deepsped]\nstage = 2\n")
     run = doctor_run({}, project)

@@ -8,18 +8,18 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from installing import installed as install_into_temporary_target
-from test_cluster import doctor, identity
+from support.commands import doctor, identity
+from support.installing import installed as install_into_temporary_target
+from support.paths import ROOT
 from torchplug.cli.launch import apply_cluster, launch_parser
 from torchplug.plugin import ClusterInfo
 from torchplug.testing.kit import check
 from torchplug.testing.processes import RankPool, default_sys_path
 
-CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
+CONTRIB = ROOT / "contrib"
 PACKAGES = {
     "torchplug_powersgd": "torchplug-powersgd",
     "torchplug_sagemaker": "torchplug-sagemaker",

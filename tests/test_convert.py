@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import torchplug as tp
-from reference import make_model, train
+from support.reference import make_model, train
 
 
 def convert(*args: str, umask: int = -1) -> subprocess.CompletedProcess:

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import memory_body
 import torchplug as tp
-from checkpoint_attacks import no_unpickling
-from reference import make_dataset, make_model, train
-from test_cli import torchplug
-from test_parity import assert_close_dicts
-from test_ported import check_strategy
+from support import memory_body
+from support.checkpoint_attacks import no_unpickling
+from support.commands import torchplug
+from support.paths import ROOT
+from support.ported import check_strategy
+from support.reference import assert_close_dicts, make_dataset, make_model, train
 from torchplug.testing import bodies
 from torchplug.testing.conformance import classes, require_precision
 from torchplug.util import capabilities
@@ -603,7 +603,7 @@ for _cls_name, _cls in classes("deepspeed-zero3-offload").items():
 @needs_deepspeed
 @pytest.mark.parametrize("strategy", ["deepspeed-zero2", "deepspeed-zero3"])
 def test_accumulate_on_deepspeed_equals_one_large_batch(ranks, strategy):
-    from test_helpers import accumulated_training, large_batch_reference
+    from support.accumulation import accumulated_training, large_batch_reference
 
     results = ranks.run(accumulated_training, 2, strategy, timeout=180)
     assert results[0][-1] == [True, False, True, False]
@@ -622,7 +622,7 @@ def test_examples_run_unchanged_under_deepspeed(tmp_path, script, args, expected
     import subprocess
     import sys
 
-    examples = Path(__file__).resolve().parent.parent / "examples"
+    examples = ROOT / "examples"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPLUG_")}
     command = [
         sys.executable, "-m", "torchplug", "launch", "-n", "2", "--strategy", "deepspeed-zero2",
@@ -636,7 +636,7 @@ def test_examples_run_unchanged_under_deepspeed(tmp_path, script, args, expected
 
 
 def trainer_clipping_on_deepspeed(config: dict[str, Any] | None = None) -> str:
-    from trainer_body import data, model_and_optimizer
+    from support.trainer_body import data, model_and_optimizer
 
     model, optimizer = model_and_optimizer()
     trainer = tp.Trainer(
@@ -751,7 +751,7 @@ def test_fp16_resume_carries_deepspeeds_loss_scale(ranks, tmp_path):
 @pytest.mark.parametrize("make", ["gpt2", "llama"])
 def test_hugging_face_models_train_in_low_precision_like_autocast(ranks, stage, precision, make):
     pytest.importorskip("transformers")
-    import hf_models
+    from support import hf_models
 
     hf_models.check_low_precision(ranks, stage, precision, make)
 
@@ -761,7 +761,7 @@ def test_hugging_face_models_train_in_low_precision_like_autocast(ranks, stage, 
 def test_hugging_face_models_train_like_one_process(ranks, stage):
     """A tiny GPT-2 (tied embeddings, Conv1D) and Llama under every ZeRO stage."""
     pytest.importorskip("transformers")
-    import hf_models
+    from support import hf_models
 
     for make in (hf_models.gpt2, hf_models.llama):
         reference = hf_models.reference(make)
@@ -776,7 +776,7 @@ def test_batchnorm_checkpoints_load_rank_zeros_statistics_into_zero3(ranks, tmp_
     """A ResNet-shaped model whose ranks hold different BatchNorm statistics, saved under ddp or
     fsdp, loads into ZeRO-3 with exactly rank 0's statistics on every rank, and its eval logits
     equal rank 0's model."""
-    from test_real_models import load_into, train_bn_and_save
+    from support.real_models import load_into, train_bn_and_save
 
     path = str(tmp_path / "ckpt")
     saved = ranks.run(train_bn_and_save, source, path, timeout=600)
@@ -859,7 +859,7 @@ def test_zero3_save_holds_its_share_of_the_state_not_the_whole_model(ranks, tmp_
 def test_estimate_memory_is_within_5_percent_of_the_live_bytes(ranks, strategy, precision):
     """Issue 27 item 8: `torchplug estimate-memory` against the live tensors of a real step
     (parameter partitions, persistent small parameters, gradient partitions, fp32 masters)."""
-    from test_estimate_memory import assert_within, estimate_for
+    from support.memory_estimates import assert_within, estimate_for
 
     measured = ranks.run(memory_body.measure, strategy, precision, timeout=300)
     estimate = estimate_for(strategy, precision)

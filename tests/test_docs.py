@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import torchplug.plugin
+from support.paths import ROOT
 
-ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.M | re.S)

@@ -7,37 +7,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-import memory_body
-from test_cli import torchplug
+from support import memory_body
+from support.commands import torchplug
+from support.memory_estimates import assert_within, estimate_for
+from support.paths import SUPPORT
 from torchplug.cli.estimate import estimates, load_model
 from torchplug.features import memory
-
-HERE = Path(__file__).parent
-FIELDS = ("params", "grads", "optimizer", "masters")
-
-
-def estimate_for(strategy: str, precision: str = "32", world_size: int = 2, **options) -> dict:
-    with torch.device("meta"):
-        model = memory_body.build()
-    rows, skipped = estimates(model, world_size, precision, "adamw", [strategy], options)
-    assert not skipped, skipped
-    return rows[0]
-
-
-def assert_within(estimate: dict, measured: list[dict], rel: float = 0.05) -> None:
-    """Each field of the estimate within ``rel`` of the fullest rank's measured bytes."""
-    for field in FIELDS:
-        fullest = max(m[field] for m in measured)
-        assert estimate[field] == pytest.approx(fullest, rel=rel, abs=0), (
-            field,
-            estimate,
-            measured,
-        )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -134,7 +113,7 @@ def test_a_strategy_without_a_rule_gets_one_from_its_flags():
 
 
 def test_cli_prints_a_table_and_json_for_a_factory():
-    run = torchplug("estimate-memory", "memory_body:build", "-n", "2", cwd=HERE)
+    run = torchplug("estimate-memory", "memory_body:build", "-n", "2", cwd=SUPPORT)
     assert run.returncode == 0, run.stderr
     header = next(line for line in run.stdout.splitlines() if line.startswith("strategy"))
     assert header.split() == ["strategy", "params", "grads", "optimizer", "state", "fp32"] + [
@@ -146,7 +125,7 @@ def test_cli_prints_a_table_and_json_for_a_factory():
     assert "not estimated:" in run.stdout and "tp: no tensor-parallel plan" in run.stdout
     run = torchplug(
         "estimate-memory", "memory_body:build", "-n", "2", "--strategy", "ddp",
-        "--strategy", "fsdp", "--optimizer", "sgd", "--json", cwd=HERE,
+        "--strategy", "fsdp", "--optimizer", "sgd", "--json", cwd=SUPPORT,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)

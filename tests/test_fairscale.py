@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import memory_body
 import torchplug as tp
-from reference import make_dataset, make_model, train
-from test_estimate_memory import assert_within, estimate_for
-from test_parity import assert_close_dicts
-from test_ported import check_strategy
-from test_resume import run
+from support import memory_body
+from support.memory_estimates import assert_within, estimate_for
+from support.ported import check_strategy
+from support.reference import assert_close_dicts, make_dataset, make_model, run, train
 from torchplug.testing.conformance import classes
 
 pytest.importorskip("fairscale")
@@ -106,7 +104,7 @@ def test_ported_scripts_run_unchanged_like_ddp(ranks, tmp_path, strategy, precis
 @pytest.mark.parametrize("make", ["gpt2", "llama"])
 def test_hugging_face_models_train_in_low_precision_like_autocast(ranks, strategy, precision, make):
     pytest.importorskip("transformers")
-    import hf_models
+    from support import hf_models
 
     hf_models.check_low_precision(ranks, strategy, precision, make)
 

@@ -17,10 +17,9 @@ import pytest
 import torch
 
 import torchplug as tp
-from test_cli import torchplug
+from support.commands import torchplug
+from support.paths import ROOT
 from torchplug.testing import RankError
-
-ROOT = Path(__file__).resolve().parent.parent
 
 FAILING = textwrap.dedent(
     """

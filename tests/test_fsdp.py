@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import torchplug as tp
-from reference import make_model, train
-from test_parity import assert_close_dicts
+from support.reference import assert_close_dicts, make_model, train
 from torchplug.plugins.fsdp import shard_units
 
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
 import torchplug.plugin as tpp
+from support.accumulation import accumulated_training, large_batch_reference
 from torchplug.testing import RankPool
 
 
@@ -58,48 +59,12 @@ def test_gather_for_metrics_returns_exactly_the_eval_set(ranks, batch_size):
     assert "differ beyond the first dimension: [(2, 1), (2, 2)]" in out["mismatch"]
 
 
-def accumulated_training(steps: int, strategy: str = "ddp") -> list[float]:
-    """``strategy`` with accumulate(steps) over micro-batches of 2 per rank."""
-    with tp.Engine(strategy, timeout=60.0) as engine:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(3, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, optimizer = engine.setup(model, optimizer)
-        g = torch.Generator().manual_seed(1)
-        x, y = torch.randn(16, 3, generator=g), torch.randn(16, 1, generator=g)
-        loader = engine.setup_dataloader(DataLoader(TensorDataset(x, y), batch_size=2))
-        skipped = []
-        for xb, yb in loader:
-            with engine.accumulate(model, steps=steps):
-                engine.backward(torch.nn.functional.mse_loss(model(xb), yb))
-                optimizer.step()
-                skipped.append(optimizer.step_was_skipped)
-                optimizer.zero_grad()
-        params = torch.cat([p.detach().flatten() for p in model.parameters()])
-        return [*params.tolist(), skipped]
-
-
 def test_accumulate_equals_one_large_batch(ranks):
     results = ranks.run(accumulated_training, 2, timeout=60)
     assert results[0] == results[1]
     skipped = results[0][-1]
     assert skipped == [True, False, True, False]
     assert results[0][:-1] == pytest.approx(large_batch_reference(), abs=1e-6)
-
-
-def large_batch_reference() -> list[float]:
-    """Plain PyTorch, two steps on the global batches of 8 (4 micro-batches of 2 over 2 ranks;
-    DistributedSampler interleaves, so each step sees 8 consecutive items)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(16, 3, generator=g), torch.randn(16, 1, generator=g)
-    for start in (0, 8):
-        torch.nn.functional.mse_loss(model(x[start : start + 8]), y[start : start + 8]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
 def accumulated_over_epochs(strategy: str, epochs: int = 2, steps: int = 4) -> dict:
@@ -355,7 +320,7 @@ def test_metric_values_must_be_numbers(tmp_path):
 
 
 def test_launch_refuses_an_unknown_logger_before_starting(tmp_path):
-    from test_cli import torchplug
+    from support.commands import torchplug
 
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('must not run')\n")
@@ -367,7 +332,7 @@ def test_launch_refuses_an_unknown_logger_before_starting(tmp_path):
 
 
 def test_plugins_command_lists_the_loggers():
-    from test_cli import torchplug
+    from support.commands import torchplug
 
     run = torchplug("plugins")
     assert run.returncode == 0, run.stderr

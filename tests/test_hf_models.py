@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-import hf_models  # noqa: E402
-from test_parity import assert_close_dicts  # noqa: E402
+from support import hf_models  # noqa: E402
+from support.reference import assert_close_dicts  # noqa: E402
 from torchplug.testing import RankPool  # noqa: E402
 from torchplug.testing.processes import default_sys_path  # noqa: E402
 

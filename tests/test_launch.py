@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from test_cli import torchplug
+from support.commands import torchplug
 
 MARKER_SCRIPT = textwrap.dedent(
     """
@@ -243,7 +243,7 @@ def test_strategy_of_an_unknown_plugin_is_refused(tmp_path, script):
 
 
 def test_bad_checkpoint_settings_are_refused_before_spawning(tmp_path):
-    from test_cli import torchplug as run_torchplug
+    from support.commands import torchplug as run_torchplug
 
     marker = tmp_path / "ran"
     script = tmp_path / "train.py"

@@ -7,13 +7,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 import torchplug as tp
-
-ROOT = Path(__file__).parent.parent
+from support.paths import ROOT
 
 SCRIPT = textwrap.dedent(
     """

@@ -7,7 +7,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+from support.paths import ROOT
+
+SRC = ROOT / "src"
 
 #: Each package's layer (issue 33): a module may import its own layer and those below it, never
 #: above: ``util < contract < features, checkpoint < engine < plugins, loggers < trainer <

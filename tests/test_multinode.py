@@ -7,22 +7,19 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from reference import train
-from test_parity import assert_close_dicts
+from support.paths import TESTS
+from support.reference import assert_close_dicts, train
 from torchplug.plugin import free_port
-
-TESTS = Path(__file__).resolve().parent
 
 SCRIPT = textwrap.dedent(
     f"""
     import os, sys, torch
     sys.path.insert(0, {str(TESTS)!r})
-    from reference import train
+    from support.reference import train
     result = train(steps=4)
     if os.environ["RANK"] == "0":
         torch.save({{k: result[k] for k in ("params", "losses", "world_size", "strategy")}},

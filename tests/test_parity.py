@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from reference import train
+from support.reference import assert_close_dicts, train
 
 TOLERANCE = {None: 1e-6, "bf16": 3e-2, "fp16": 5e-3}
 # A first loss scale under which this model's fp16 gradients do not overflow, so no step is
 # skipped and the fp16 run is comparable step by step with fp32.
 NO_OVERFLOW = {"bf16": None, "fp16": {"init_scale": 1024.0}}
-
-
-def assert_close_dicts(actual: dict, expected: dict, atol: float) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], atol=atol, rtol=0, msg=key)
 
 
 @pytest.fixture(scope="module")

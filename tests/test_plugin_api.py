@@ -17,11 +17,11 @@ import torch
 
 import torchplug as tp
 import torchplug.plugin as tpp
+from support.paths import ROOT
 from torchplug.cli import hookdoc
 from torchplug.contract import apiversion, manager, spec
 from torchplug.contract.types import Option
 
-ROOT = Path(__file__).resolve().parent.parent
 BF16COMM = ROOT / "examples" / "plugins" / "torchplug-bf16comm"
 
 
@@ -474,7 +474,7 @@ def test_launch_accepts_a_strategy_the_script_registers_in_code(tmp_path):
 
 @pytest.mark.slow
 def test_a_third_party_ddp_subclass_installed_with_pip_passes_check_and_launches(tmp_path):
-    from installing import installed
+    from support.installing import installed
 
     source = (BF16COMM / "torchplug_bf16comm.py").read_text().splitlines()
     code = [line for line in source if line.strip() and not line.strip().startswith("#")]

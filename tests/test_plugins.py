@@ -12,9 +12,10 @@ import torch
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from installing import installed
+from support.installing import installed
+from support.paths import ROOT
+from support.plugins import provider
 from torchplug.contract import manager
-from torchplug.plugins.single import SingleDevice
 
 # -- errors that name the fix ----------------------------------------------------------------------
 
@@ -28,17 +29,6 @@ def test_unknown_strategy_suggests_the_closest_and_lists_installed():
     assert f"Installed: {', '.join(usable)}." in message
     assert {"ddp", "fsdp", "single"} <= set(usable)
     assert "torchplug plugins" in message
-
-
-def provider(**info) -> object:
-    """A plugin object announcing one strategy (the single-device backend under another name)."""
-
-    class Provider:
-        @tpp.hookimpl
-        def torchplug_register_strategies(self, register):
-            register(tpp.StrategyInfo(factory=SingleDevice, description="test", **info))
-
-    return Provider()
 
 
 def test_installed_but_unusable_strategy_says_why_and_how_to_fix():
@@ -298,7 +288,7 @@ def test_built_ins_are_the_entry_points_pyproject_declares_and_nothing_else():
         import tomli as tomllib
     from torchplug.contract import discovery
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]
     assert manager.builtin_modules() == declared["torchplug"]
     assert not hasattr(discovery, "BUILTIN_PLUGINS")

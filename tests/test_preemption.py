@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import torchplug as tp
-
-TESTS = Path(__file__).resolve().parent
+from support.paths import TESTS
 
 
 def test_the_handler_is_installed_on_first_read_and_removed_at_close():
@@ -64,7 +63,7 @@ LAUNCHED = textwrap.dedent(
     f"""
     import sys, torch
     sys.path.insert(0, {str(TESTS)!r})
-    from restart_body import train
+    from support.restart_body import train
     result = train(sys.argv[1], preempt_marker=sys.argv[2])
     if int(__import__("os").environ["RANK"]) == 0:
         torch.save(result, sys.argv[3])
@@ -104,7 +103,7 @@ def test_sigterm_to_the_launcher_saves_exits_143_and_resumes_bit_exact(ranks, tm
     finished = torch.load(out, weights_only=True)
     assert finished["resumed"] == 7
 
-    from restart_body import train
+    from support.restart_body import train
 
     uninterrupted = ranks.run(train, str(tmp_path / "clean"), timeout=120)[0]
     for name, value in uninterrupted["params"].items():

@@ -6,15 +6,18 @@ Runs where Ray is installed (``tox -e cluster`` installs it); skips elsewhere, s
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from support.paths import TESTS
+
 pytest.importorskip("ray.train.torch", reason="Ray Train is not installed (tox -e cluster has it)")
 
-from test_real_cluster import GLOBAL_BATCH, STEPS, assert_matches_reference  # noqa: E402
+from support.real_cluster import GLOBAL_BATCH, STEPS, assert_matches_reference  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +67,12 @@ def test_ray_train_workers_get_ddp_on_rays_process_group(tmp_path):
     ray.init(
         num_cpus=2,
         include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}},
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join([str(HERE), str(TESTS)]),
+                "OMP_NUM_THREADS": "1",
+            }
+        },
     )
     try:
         trainer = TorchTrainer(

@@ -14,9 +14,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from real_cluster import Slurm, clean_env, missing, mpirun_env, slurm_cluster
+from support.real_cluster import (
+    GLOBAL_BATCH,
+    STEPS,
+    Slurm,
+    assert_matches_reference,
+    clean_env,
+    missing,
+    mpirun_env,
+    slurm_cluster,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,9 +33,6 @@ pytestmark = [
         reason="real SLURM/MPI routes run in tox -e cluster (or set TORCHPLUG_REAL_CLUSTER=1)",
     ),
 ]
-
-STEPS = 4
-GLOBAL_BATCH = 8
 
 #: The user's script: its own loop, ``Engine()`` choosing from the environment. Each rank builds
 #: the model from its own seed (the Engine makes rank 0's the start of every rank) and trains on
@@ -72,34 +77,6 @@ TRAIN = textwrap.dedent(
                         "strategy": str(engine.strategy)}}, sys.argv[1].format(tag=tag))
     """
 )
-
-
-def reference() -> dict:
-    """The same training in plain PyTorch: rank 0's model on the whole global batch."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
-    )
-    opt = torch.optim.AdamW(net.parameters(), lr=0.05)
-    losses = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 + step)
-        x, y = torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 2, generator=g)
-        loss = torch.nn.functional.mse_loss(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"state": net.state_dict(), "losses": losses}
-
-
-def assert_matches_reference(path: Path, world: int = 2) -> None:
-    result = torch.load(path, weights_only=True)
-    assert (result["world"], result["strategy"]) == (world, "ddp")
-    expected = reference()
-    assert result["losses"] == pytest.approx(expected["losses"], abs=1e-6)
-    for name, value in expected["state"].items():
-        torch.testing.assert_close(result["state"][name], value, atol=1e-6, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -9,53 +9,9 @@ import pytest
 import torch
 
 import torchplug as tp
-from models import images, make_resnet
+from support.models import images, make_resnet
+from support.real_models import load_into, sgd_step, train_bn_and_save
 from torchplug.checkpoint.tensors import assign
-
-EVAL_INPUT_SEED = 1234
-
-
-def sgd_step(engine: tp.Engine, model: Any, optimizer: Any, x: Any, y: Any) -> torch.Tensor:
-    """One plain training step on classification logits; the loss, detached."""
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    engine.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.detach()
-
-
-def train_bn_and_save(strategy: str, path: str, steps: int = 3) -> dict[str, Any]:
-    """Each rank trains on its own batches (so its BatchNorm statistics are its own), saves,
-    and reports its buffers and its eval logits."""
-    with tp.Engine(strategy) as engine:
-        model = make_resnet()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        model, optimizer = engine.setup(model, optimizer)
-        model.train()
-        for step in range(steps):
-            x, y = images(seed=100 * engine.rank + step)
-            sgd_step(engine, model, optimizer, x, y)
-        engine.save(path, {"model": model, "optimizer": optimizer})
-        full = engine.full_state(model)["model"]
-        buffers = {k: v.clone() for k, v in full.items() if "running" in k or "batches" in k}
-        model.eval()
-        with torch.no_grad():
-            logits = model(images(EVAL_INPUT_SEED)[0])
-        return {"buffers": buffers, "logits": logits, "rank": engine.rank}
-
-
-def load_into(strategy: str, path: str) -> dict[str, Any]:
-    with tp.Engine(strategy) as engine:
-        model = make_resnet(seed=99)  # other weights and fresh statistics: all must come back
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        model, optimizer = engine.setup(model, optimizer)
-        engine.load(path, {"model": model, "optimizer": optimizer})
-        full = engine.full_state(model)["model"]
-        buffers = {k: v.clone() for k, v in full.items() if "running" in k or "batches" in k}
-        model.eval()
-        with torch.no_grad():
-            logits = model(images(EVAL_INPUT_SEED)[0])
-        return {"buffers": buffers, "logits": logits}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -121,7 +77,7 @@ def test_fsdp_bf16_trains_batchnorm_and_layernorm_like_fp32(ranks):
 
 
 def built_empty_self_initialising(strategy: str) -> dict[str, torch.Tensor]:
-    from models import SelfInitialising
+    from support.models import SelfInitialising
 
     with tp.Engine(strategy) as engine:
         torch.manual_seed(0)
@@ -132,7 +88,7 @@ def built_empty_self_initialising(strategy: str) -> dict[str, torch.Tensor]:
 
 
 def test_meta_init_runs_a_models_own_init_weights(ranks):
-    from models import self_initialising_eager
+    from support.models import self_initialising_eager
 
     eager = self_initialising_eager()
     assert eager["up.bias"].abs().sum() == 0  # init_weights ran (reset_parameters' bias isn't 0)

@@ -11,7 +11,7 @@ import pytest
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from test_plugins import provider
+from support.plugins import provider
 from torchplug.contract import manager
 from torchplug.contract.types import PrecisionInfo
 

@@ -11,15 +11,14 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchplug as tp
-from test_cli import torchplug
-
-TESTS = Path(__file__).resolve().parent
+from support.commands import torchplug
+from support.paths import TESTS
 
 LAUNCHED = textwrap.dedent(
     f"""
     import sys, torch
     sys.path.insert(0, {str(TESTS)!r})
-    from restart_body import train
+    from support.restart_body import train
     result = train(sys.argv[1], kill_after=7)
     if int(__import__("os").environ["RANK"]) == 0:
         torch.save(result, sys.argv[2])
@@ -47,7 +46,7 @@ def test_sigkilled_rank_restarts_and_ends_bit_equal_to_an_uninterrupted_run(rank
     restarted = torch.load(out, weights_only=True)
     assert restarted["attempt"] == 1 and restarted["resumed"] == 6  # killed after step 7
 
-    from restart_body import train
+    from support.restart_body import train
 
     uninterrupted = ranks.run(train, str(tmp_path / "clean"), timeout=120)[0]
     assert uninterrupted["resumed"] is None

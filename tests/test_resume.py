@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference import train
-from test_parity import assert_close_dicts
+from support.reference import assert_close_dicts, run, train
 
 PAIRS = [
     (("fsdp", 2), ("ddp", 2)),
@@ -20,13 +19,6 @@ PAIRS = [
 @pytest.fixture(scope="module")
 def uninterrupted() -> dict:
     return train("single", steps=10)
-
-
-def run(ranks, strategy: str, nprocs: int, **kwargs) -> dict:
-    if nprocs == 1:
-        return train(strategy, **kwargs)
-    results = ranks.run(train, strategy, **kwargs)
-    return results[0]
 
 
 @pytest.mark.parametrize(("first", "second"), PAIRS, ids=lambda p: f"{p[0]}@{p[1]}")

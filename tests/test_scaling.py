@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import torchplug as tp
-from test_parity import assert_close_dicts
+from support.reference import assert_close_dicts
 from torchplug.testing import bodies
 
 WIDTH, DEPTH = 128, 8

@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 import torchplug.plugin
+from support.paths import ROOT
 
 SITE = os.environ.get("TORCHPLUG_SITE_DIR")
 pytestmark = pytest.mark.skipif(
@@ -164,9 +165,6 @@ def test_internal_links_resolve(site, pages):
 
 
 # -- the API reference ---------------------------------------------------------------------------
-
-
-ROOT = Path(__file__).parent.parent
 
 
 def _documented_objects() -> list[tuple[str, object]]:

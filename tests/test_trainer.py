@@ -9,16 +9,14 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import torchplug as tp
 import torchplug.plugin as tpp
-import trainer_body
-
-HERE = Path(__file__).parent
+from support import trainer_body
+from support.paths import SUPPORT
 
 
 def trainer_and_engine_loop() -> dict:
@@ -45,9 +43,9 @@ def test_trainer_resumes_after_a_kill_from_the_checkpoint_step(ranks, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"
     command = [
         sys.executable, "-m", "torchplug", "launch", "-n", "2", "--strategy", "ddp",
-        str(HERE / "trainer_body.py"), str(ckpt), str(out),
+        str(SUPPORT / "trainer_body.py"), str(ckpt), str(out),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(SUPPORT), "OMP_NUM_THREADS": "1"}
     killed = subprocess.run([*command, "7"], env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode != 0, killed.stdout + killed.stderr
     assert "SIGKILL" in killed.stderr

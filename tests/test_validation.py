@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 import torchplug as tp
-from test_cluster import doctor_run
+from support.commands import doctor_run
+from support.paths import ROOT
 from torchplug.engine import config
 from torchplug.engine import connector as cluster
 
@@ -164,11 +165,10 @@ def test_doctor_checks_file_options_against_the_strategy(tmp_path):
 
 def test_every_row_of_docs_errors_is_backed_by_a_test():
     import re
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     doc = (root / "docs" / "errors.md").read_text()
-    cited = set(re.findall(r"`(tests/\w+\.py)::(\w+)`", doc))
+    cited = set(re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", doc))
     assert len(cited) >= 30
     missing = [
         f"{path}::{name}"
@@ -230,7 +230,7 @@ def test_a_misspelled_strategy_table_is_an_error_in_the_engine_too(tmp_path, mon
 
 @pytest.mark.slow
 def test_a_negative_max_restarts_is_refused_before_starting(tmp_path):
-    from test_cli import torchplug
+    from support.commands import torchplug
 
     script = tmp_path / "x.py"
     script.write_text("print('ran')\n")

@@ -11,18 +11,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import torchplug as tp
-from reference import make_model, train
-from test_parity import assert_close_dicts
+from support.paths import ROOT, TESTS
+from support.reference import assert_close_dicts, make_model, train
 from torchplug.plugins.xla import version_mismatch
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 needs_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="no torch_xla")
 
 
@@ -42,7 +39,7 @@ def in_xla_process(code: str, devices: int, timeout: float = 600) -> dict:
 
 
 TRAIN = """
-from reference import train
+from support.reference import train
 r = train("xla", {precision!r}{extra})
 result = {{"losses": r["losses"], "world_size": r["world_size"],
           "params": {{k: v.tolist() for k, v in r["params"].items()}}}}

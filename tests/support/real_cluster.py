@@ -16,6 +16,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+import torch
+
 from torchplug.plugin import free_port
 
 #: What each route needs, and the Debian package that has it.
@@ -173,3 +176,36 @@ def slurm_cluster() -> Iterator[Slurm]:
 def mpirun_env() -> dict[str, str]:
     """Open MPI refuses root unless told twice; ``--oversubscribe`` lets 2 ranks share cores."""
     return clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+
+STEPS = 4
+
+GLOBAL_BATCH = 8
+
+
+def reference() -> dict:
+    """The same training in plain PyTorch: rank 0's model on the whole global batch."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+    )
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 2, generator=g)
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"state": net.state_dict(), "losses": losses}
+
+
+def assert_matches_reference(path: Path, world: int = 2) -> None:
+    result = torch.load(path, weights_only=True)
+    assert (result["world"], result["strategy"]) == (world, "ddp")
+    expected = reference()
+    assert result["losses"] == pytest.approx(expected["losses"], abs=1e-6)
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(result["state"][name], value, atol=1e-6, rtol=1e-5)

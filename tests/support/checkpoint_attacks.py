@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import pickle
+import random
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -160,3 +161,60 @@ def as_format3(path: Path) -> None:
     body["digest"] = hashlib.sha256(canonical(body)).hexdigest()
     manifest_path.write_text(json.dumps(body, indent=1, sort_keys=True))  # as a save writes it
     (Path(path) / "manifest.index").unlink()
+
+
+class Loader:
+    """One Engine, model and optimizer for every load (a load that succeeds overwrites all)."""
+
+    def __init__(self) -> None:
+        self.engine = tp.Engine("single")
+        model = make_model(seed=123)
+        self.model, self.optimizer = self.engine.setup(
+            model, torch.optim.AdamW(model.parameters(), lr=0.5)
+        )
+
+    def __call__(self, path: Path) -> dict:
+        state = {"model": self.model, "optimizer": self.optimizer, "step": 0}
+        rest = self.engine.load(path, state)
+        snapshot = full_state(self.engine, self.model, self.optimizer)
+        return {"step": state["step"], "rest": rest, **snapshot}
+
+
+def _random_tensor(rng: random.Random) -> tuple[dict, dict]:
+    """A tensor entry and its files: a grid, rows, or an irregular layout, then perhaps one
+    field of one chunk spoiled (out of range, overlapping, a wrong type, missing, too big)."""
+    dims = rng.choice([1, 2, 3])
+    shape = [rng.choice([1, 2, 4, 6]) for _ in range(dims)]
+    cuts = [sorted({0, n, *rng.sample(range(n + 1), min(n, rng.choice([0, 1, 2])))}) for n in shape]
+    cells = [[]]
+    for cut in cuts:
+        cells = [c + [(a, b)] for c in cells for a, b in zip(cut, cut[1:], strict=False)]
+    files = {"f0": {"size": 10**6, "sha256": "0" * 64}, "f1": {"size": 100, "sha256": "0" * 64}}
+    with_raw = rng.random() < 0.5
+    chunks = []
+    for i, cell in enumerate(cells):
+        n = 1
+        for a, b in cell:
+            n *= b - a
+        chunk = {
+            "offsets": [a for a, _ in cell], "sizes": [b - a for a, b in cell],
+            "file": "f0", "offset": 64 * i, "length": 4 * n + 8,
+        }  # fmt: skip
+        if with_raw:
+            chunk["raw"] = 64 * i + rng.choice([0, 4, 8])
+        chunks.append(chunk)
+    if rng.random() < 0.7:
+        chunk = rng.choice(chunks)
+        key = rng.choice(["offsets", "sizes", "offset", "length", "file", "raw"])
+        spoil = rng.choice([
+            -1, 2**63, 2**70, 1.5, "3", None, [], [0] * (dims + 1), "f1", "nope", 10**7, "drop",
+        ])  # fmt: skip
+        if spoil == "drop":
+            chunk.pop(key, None)
+        elif key in ("offsets", "sizes") and isinstance(spoil, int):
+            chunk[key] = [*chunk[key][:-1], chunk[key][-1] + spoil]
+        else:
+            chunk[key] = spoil
+    if rng.random() < 0.2 and len(chunks) > 1:
+        chunks.append(dict(rng.choice(chunks)))  # a duplicate piece
+    return {"dtype": "float32", "shape": shape, "chunks": chunks}, files

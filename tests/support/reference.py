@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from torchplug.testing import bodies
 from torchplug.testing.bodies import full_state, make_dataset, make_model  # noqa: F401
 
@@ -48,3 +50,16 @@ def train(
         global_batch=global_batch,
         precision_options=precision_options or {},
     )
+
+
+def assert_close_dicts(actual: dict, expected: dict, atol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], atol=atol, rtol=0, msg=key)
+
+
+def run(ranks, strategy: str, nprocs: int, **kwargs) -> dict:
+    if nprocs == 1:
+        return train(strategy, **kwargs)
+    results = ranks.run(train, strategy, **kwargs)
+    return results[0]

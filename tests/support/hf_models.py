@@ -216,7 +216,7 @@ def check_low_precision(ranks: Any, strategy: str, precision: str, make: str) ->
     round differently); SKIP where the machine cannot run the precision."""
     import pytest
 
-    from test_parity import assert_close_dicts
+    from support.reference import assert_close_dicts
     from torchplug.testing.conformance import require_precision
 
     require_precision(strategy, precision)
