@@ -1,5 +1,5 @@
 """Backends broken on purpose, each in one way users have been bitten by; the conformance kit must
-catch every one by the property it breaks (tests/test_conformance.py)."""
+catch every one by the property it breaks (tests/testing/test_conformance.py)."""
 
 from __future__ import annotations
 

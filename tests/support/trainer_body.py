@@ -1,6 +1,6 @@
 """A Trainer run for the tests, importable by the rank pool and runnable under torchplug launch:
 
-torchplug launch -n 2 --strategy ddp tests/trainer_body.py CKPT_DIR OUT.json [KILL_AT_STEP]
+torchplug launch -n 2 --strategy ddp tests/support/trainer_body.py CKPT_DIR OUT.json [KILL_AT_STEP]
 """
 
 from __future__ import annotations

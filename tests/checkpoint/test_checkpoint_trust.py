@@ -56,7 +56,7 @@ def copy(single_ckpt, tmp_path, request) -> Path:
 @pytest.fixture
 def copy3(single_ckpt, tmp_path) -> Path:
     """A format 3 copy: for the forgeries of the JSON tensor index (format 4's are in
-    tests/test_checkpoint_index.py)."""
+    tests/checkpoint/test_checkpoint_index.py)."""
     import shutil
 
     target = tmp_path / "ckpt"
@@ -181,7 +181,8 @@ FORGERIES = {
 }
 
 
-#: The forgeries of format 3's JSON tensor index (format 4's: tests/test_checkpoint_index.py).
+#: The forgeries of format 3's JSON tensor index (format 4's:
+#: tests/checkpoint/test_checkpoint_index.py).
 JSON_INDEX = {
     "unknown dtype of a tensor", "chunk outside the tensor", "chunk not covering the tensor",
     "byte range past the file", "raw data before its chunk", "raw data past its chunk",

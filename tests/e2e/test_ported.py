@@ -1,6 +1,6 @@
-"""Training scripts written by others (tests/ported_scripts.py) run unchanged under every strategy
-and match their ``ddp`` result within the precision's tolerance; the Accelerate-style script also
-resumes from a mid-run checkpoint to the uninterrupted result."""
+"""Training scripts written by others (tests/support/ported_scripts.py) run unchanged under every
+strategy and match their ``ddp`` result within the precision's tolerance; the Accelerate-style
+script also resumes from a mid-run checkpoint to the uninterrupted result."""
 
 from __future__ import annotations
 

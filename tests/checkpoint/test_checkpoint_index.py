@@ -285,7 +285,7 @@ def test_every_byte_of_the_index_flipped_and_re_recorded_is_refused_or_loads(cop
     the data it points to, or loads (a forger who can rewrite the manifest can rewrite the data
     too, so what loads may differ: a signed checkpoint is the defence against that). Never another
     exception, never an allocation the files cannot back, nothing unpickled. Flips without a new
-    digest: the test above and tests/test_checkpoint_fuzz.py."""
+    digest: the test above and tests/checkpoint/test_checkpoint_fuzz.py."""
     original = (copy / "manifest.index").read_bytes()
     counts = {"refused": 0, "loaded": 0}
     load = Loader()  # one Engine for every load

@@ -2,7 +2,7 @@
 
 ``TORCHPLUG_SITE_DIR`` names the directory ``mkdocs build`` wrote; without it the tests skip.
 By hand: ``mkdocs build --strict --site-dir /tmp/site && TORCHPLUG_SITE_DIR=/tmp/site pytest
-tests/test_site.py``.
+tests/project/test_site.py``.
 
 - no page shows a raw reST role (``:meth:`log```) or an unparsed ``Args:`` section:
   docstrings are Markdown, Google style;

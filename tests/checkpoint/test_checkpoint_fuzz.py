@@ -6,7 +6,7 @@ Every byte of manifest.json is flipped in turn (two ways: the lowest bit, which 
 printable, and 0x20, which swaps letter case), a sample of bytes of every tensor file is flipped,
 and every file is truncated at several points, manifest.index among them. (The format has no
 pickled ``.metadata`` to fuzz: the tensor index is manifest.index, its digest in manifest.json;
-tests/test_checkpoint_index.py fuzzes it re-recorded as a forger would.)
+tests/checkpoint/test_checkpoint_index.py fuzzes it re-recorded as a forger would.)
 """
 
 from __future__ import annotations
