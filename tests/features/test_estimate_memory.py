@@ -142,13 +142,16 @@ def test_cli_errors_name_the_fix(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     cases = [
         (["no_such_module:build"], "cannot import 'no_such_module'"),
-        (["memory_body:nothing_here"], "has no 'nothing_here'"),
+        (["support.memory_body:nothing_here"], "has no 'nothing_here'"),
         (["no-such-model-type"], "no transformers model type"),
-        (["memory_body:build", "--strategy", "dpp"], "ddp"),
-        (["memory_body:build", "-n", "0"], "expected 1 or more ranks"),
-        (["memory_body:build", "--option", "stage=3"], "needs exactly one --strategy"),
-        (["memory_body:build", "--strategy", "ddp", "--option", "nope=1"], "Unknown option"),
-        (["memory_body:build", "--precision", "fp8"], "not supported"),
+        (["support.memory_body:build", "--strategy", "dpp"], "ddp"),
+        (["support.memory_body:build", "-n", "0"], "expected 1 or more ranks"),
+        (["support.memory_body:build", "--option", "stage=3"], "needs exactly one --strategy"),
+        (
+            ["support.memory_body:build", "--strategy", "ddp", "--option", "nope=1"],
+            "Unknown option",
+        ),
+        (["support.memory_body:build", "--precision", "fp8"], "not supported"),
     ]
     for args, message in cases:
         assert main(["estimate-memory", *args]) == 2, args
