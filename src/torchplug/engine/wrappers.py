@@ -7,7 +7,8 @@ so that ``close()`` puts the object back as it was (a model pickles again after 
 
 * ``optimizer.step`` routed through the ``torchplug_optimizer_step`` hook (`route_step`), with
   the two private marks torch's LR schedulers read, set through
-  `torchplug.util.torchprivate` (``tests/test_contract.py`` pins them for the installed torch);
+  `torchplug.util.torchprivate` (``tests/contract/test_contract.py`` pins them for the installed
+  torch);
 * ``optimizer.zero_grad`` doing nothing on accumulation micro-steps (`skip_zero_grad`);
 * a ``.module`` wrapper's ``state_dict``/``load_state_dict`` answering with the user's names
   (`portable_state_dict`);

@@ -1,5 +1,5 @@
 """Every place torchplug reads a private part of torch, kept here behind one function each so
-that a torch upgrade has one module to check (``tests/test_torchprivate.py`` pins the torch
+that a torch upgrade has one module to check (``tests/util/test_torchprivate.py`` pins the torch
 versions they were checked against and exercises them).
 
 torch 2.13 has no public equivalent of any:

@@ -711,7 +711,8 @@ def precision_check(precision: str) -> str | None:
     rule (``get_accelerator().supported_dtypes()``), answered without importing deepspeed. Its
     CUDA accelerator needs compute capability 7 for fp16 and a bf16 GPU for bf16; its CPU
     accelerator runs bf16 everywhere and fp16 only with the CPU's oneDNN fp16 kernels.
-    tests/test_deepspeed.py checks this answer against DeepSpeed's own on the machine."""
+    tests/plugins/deepspeed/test_deepspeed.py checks this answer against DeepSpeed's own on the
+    machine."""
     chosen = os.environ.get("DS_ACCELERATOR", "").strip().lower()
     if chosen not in ("", "cpu", "cuda"):
         _import_deepspeed()  # another accelerator: only DeepSpeed knows its rule

@@ -1,0 +1,86 @@
+"""Strategies against the single-process reference: losses, parameters, optimizer state."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.reference import assert_close_dicts, train
+
+TOLERANCE = {None: 1e-6, "bf16": 3e-2, "fp16": 5e-3}
+# A first loss scale under which this model's fp16 gradients do not overflow, so no step is
+# skipped and the fp16 run is comparable step by step with fp32.
+NO_OVERFLOW = {"bf16": None, "fp16": {"init_scale": 1024.0}}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return train("single")
+
+
+def test_ddp_matches_single_process_reference(ranks, reference):
+    results = ranks.run(train, "ddp")
+    assert [r["world_size"] for r in results] == [2, 2]
+    for result in results:
+        assert result["strategy"] == "ddp"
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+        assert_close_dicts(result["params"], reference["params"], atol=1e-6)
+        assert_close_dicts(result["optimizer"], reference["optimizer"], atol=1e-6)
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+def test_gradient_accumulation_with_no_sync_matches_reference(ranks, reference):
+    for result in ranks.run(train, "ddp", accumulate=2):
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+        assert_close_dicts(result["params"], reference["params"], atol=1e-6)
+    single = train("single", accumulate=4)
+    assert single["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+
+
+def test_auto_picks_ddp_under_a_launcher(ranks):
+    results = ranks.run(train, "auto", steps=2)
+    assert [r["strategy"] for r in results] == ["ddp", "ddp"]
+
+
+def test_auto_picks_single_in_one_process():
+    assert train("auto", steps=2)["strategy"] == "single"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_amp_single_within_tolerance_of_fp32(precision, reference):
+    result = train("single", precision, precision_options=NO_OVERFLOW[precision])
+    assert not any(result["skipped"])
+    assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE[precision])
+    assert result["losses"] != reference["losses"]  # autocast really ran in lower precision
+    assert_close_dicts(result["params"], reference["params"], atol=10 * TOLERANCE[precision])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_amp_ddp_within_tolerance_of_fp32(ranks, precision, reference):
+    for result in ranks.run(train, "ddp", precision, precision_options=NO_OVERFLOW[precision]):
+        assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE[precision])
+        assert result["losses"] != reference["losses"]
+
+
+def check_inf_step(result: dict, clean: dict, at: int) -> None:
+    assert result["skipped"] == [i == at for i in range(len(result["skipped"]))]
+    assert result["scales"][at] == result["scales"][at - 1] / 2
+    # the skipped step left the parameters exactly as they were; the steps before it were clean
+    assert result["checksums"][at] == result["checksums"][at - 1]
+    assert result["checksums"][:at] == clean["checksums"][:at]
+    assert result["checksums"][at + 1] != result["checksums"][at]  # training went on
+
+
+def test_fp16_inf_gradient_skips_step_and_halves_scale_single():
+    opts = {"init_scale": 1024.0}
+    clean = train("single", "fp16", steps=6, precision_options=opts)
+    check_inf_step(
+        train("single", "fp16", steps=6, inf_at_step=3, precision_options=opts), clean, at=3
+    )
+
+
+def test_fp16_inf_gradient_skips_step_and_halves_scale_ddp(ranks):
+    opts = {"init_scale": 1024.0}
+    clean = ranks.run(train, "ddp", "fp16", steps=6, precision_options=opts)
+    dirty = ranks.run(train, "ddp", "fp16", steps=6, inf_at_step=3, precision_options=opts)
+    for result, reference in zip(dirty, clean, strict=True):
+        check_inf_step(result, reference, at=3)

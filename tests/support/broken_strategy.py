@@ -1,0 +1,245 @@
+"""Backends broken on purpose, each in one way users have been bitten by; the conformance kit must
+catch every one by the property it breaks (tests/testing/test_conformance.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+import torchplug as tp
+import torchplug.plugin as tpp
+from torchplug.plugins.base import DistributedStrategy
+from torchplug.plugins.ddp import DDPStrategy
+
+
+class NoAverage(DistributedStrategy):
+    """Sums gradients across ranks but forgets to divide by the world size."""
+
+    @tpp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        self.model = model.to(engine.device)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                dist.broadcast(p, 0)
+        return self.model, optimizers
+
+    @tpp.hookimpl
+    def torchplug_backward(self, engine, loss, model):
+        loss.backward()
+        for p in self.model.parameters():  # the model from wrap: this code really runs
+            if p.grad is not None:
+                dist.all_reduce(p.grad)  # SUM, and no division by the world size: the bug
+        return True
+
+
+class LocalClip(DDPStrategy):
+    """Clips by the norm of this rank's share of the parameters only (a sharded backend that
+    forgets to all-reduce the norm)."""
+
+    @tpp.hookimpl
+    def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
+        params = list(model.parameters())[engine.rank :: engine.world_size]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+class IgnoresNoSync(DDPStrategy):
+    """Synchronizes gradients inside engine.no_sync() anyway."""
+
+    @tpp.hookimpl
+    def torchplug_no_sync(self, engine, model):
+        return contextlib.nullcontext()
+
+
+class IgnoresSkip(DDPStrategy):
+    """Steps the optimizer's class directly, around what torchplug asked (a skipped step)."""
+
+    @tpp.hookimpl
+    def torchplug_optimizer_step(self, engine, optimizer, closure):
+        type(optimizer).step(optimizer)
+        return True
+
+
+class DropsScheduler(DDPStrategy):
+    """Re-creates the optimizer in setup: a scheduler made before setup drives the old one."""
+
+    @tpp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        wrapped, _ = super().torchplug_wrap(engine, model, optimizers)
+        fresh = [type(o)([dict(g) for g in o.param_groups]) for o in optimizers]
+        return wrapped, fresh
+
+
+class ReinitialisesPerRank(DDPStrategy):
+    """Re-initialises the model in wrap from a per-rank seed (a backend that builds its own copy
+    of the model on each rank without taking rank 0's)."""
+
+    @tpp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        wrapped, optimizers = super().torchplug_wrap(engine, model, optimizers)
+        torch.manual_seed(1000 + engine.rank)  # after DDP's own broadcast: the bug
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+        return wrapped, optimizers
+
+
+class KeepsItsLr(DDPStrategy):
+    """Loads the optimizer's state but keeps the learning rates it had (a backend that rebuilds
+    its param groups from the setup-time optimizer)."""
+
+    @tpp.hookimpl
+    def torchplug_load_optimizer_state(self, engine, model, optimizer, state):
+        kept = [group["lr"] for group in optimizer.param_groups]
+        super().torchplug_load_optimizer_state(engine, model, optimizer, state)
+        for group, lr in zip(optimizer.param_groups, kept, strict=True):
+            group["lr"] = lr
+        return True
+
+
+class NoBarrier(DDPStrategy):
+    """Answers engine.barrier() without waiting for the other ranks."""
+
+    @tpp.hookimpl
+    def torchplug_barrier(self, engine):
+        return True
+
+
+class ClaimsSharding(DDPStrategy):
+    """Plain DDP that declares it shards the optimizer state (its registration below): users
+    size their jobs by that claim."""
+
+
+class RefusesClipping(DDPStrategy):
+    """Refuses clip_grad_norm_ with a clear ConfigurationError but never declares it: a backend
+    must not pass the kit by refusing what it does not implement."""
+
+    @tpp.hookimpl
+    def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
+        raise tp.ConfigurationError("refuses-clipping cannot clip gradients.")
+
+
+class AveragesBuffers(DDPStrategy):
+    """Averages the floating-point buffers (BatchNorm's running statistics) over the ranks
+    after every step: statistics no rank computed, neither DDP's rule nor SyncBatchNorm's."""
+
+    @tpp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        self.model = model
+        return super().torchplug_wrap(engine, model, optimizers)
+
+    @tpp.hookimpl
+    def torchplug_optimizer_step(self, engine, optimizer, closure):
+        stepped = super().torchplug_optimizer_step(engine, optimizer, closure)
+        with torch.no_grad():
+            for buffer in self.model.buffers():
+                if buffer.is_floating_point():
+                    torch.distributed.all_reduce(buffer)
+                    buffer.div_(engine.world_size)
+        return stepped
+
+
+class PerRankBuffers(DDPStrategy):
+    """Re-creates the buffers of parameter-free modules from each rank's own RNG in wrap (a
+    backend that rebuilds buffers when it moves the model), after rank 0's were broadcast."""
+
+    @tpp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        wrapped, optimizers = super().torchplug_wrap(engine, model, optimizers)
+        torch.manual_seed(2000 + engine.rank)
+        for module in model.modules():
+            own = dict(module.named_buffers(recurse=False))
+            params = dict(module.named_parameters(recurse=False))
+            if own and not params and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        return wrapped, optimizers
+
+
+class FloorsIntegerMeans(DDPStrategy):
+    """Averages integers in their own dtype: reduce(int_tensor, "mean") floors (2, not 2.5)."""
+
+    @tpp.hookimpl
+    def torchplug_reduce(self, engine, tensor, op):
+        result = tensor.detach().clone()
+        dist.all_reduce(result, op=dist.ReduceOp.MAX if op == "max" else
+                        dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)  # fmt: skip
+        if op == "mean":
+            result = result // engine.world_size if not result.is_floating_point() else (
+                result / engine.world_size
+            )  # fmt: skip
+        return result
+
+
+class IgnoresNormType(DDPStrategy):
+    """Clips by the L2 norm whatever ``norm_type`` asks (an inf-norm reported as the L2 one)."""
+
+    @tpp.hookimpl
+    def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+BROKEN = {
+    "no-average": (NoAverage, "sgd"),
+    "local-clip": (LocalClip, "clipping"),
+    "ignores-no-sync": (IgnoresNoSync, "accumulation"),
+    "ignores-skip": (IgnoresSkip, "fp16_skip"),
+    "drops-scheduler": (DropsScheduler, "schedulers"),
+    "reinitialises-per-rank": (ReinitialisesPerRank, "replicas"),
+    "keeps-its-lr": (KeepsItsLr, "hyperparameters"),
+    "no-barrier": (NoBarrier, "barrier"),
+    "claims-sharding": (ClaimsSharding, "sharding"),
+    "refuses-clipping": (RefusesClipping, "clipping"),
+    "averages-buffers": (AveragesBuffers, "real_model"),
+    "per-rank-buffers": (PerRankBuffers, "replicas"),
+    "floors-integer-means": (FloorsIntegerMeans, "collectives"),
+    "ignores-norm-type": (IgnoresNormType, "clipping"),
+}
+#: What a broken strategy's registration declares beyond the defaults.
+DECLARED = {"claims-sharding": {"shards_optimizer": True}}
+
+#: Not broken: the same refusal, declared (the kit passes it as "refused as declared").
+DECLARES_REFUSAL = "declares-no-clipping"
+#: Not broken: local-clip's per-rank clipping, declared as a deviation by design (local SGD).
+DECLARES_DEVIATION = "declares-local-clipping"
+#: A deviation declared under a name that is no kit property: the kit says so.
+MISNAMED_DEVIATION = "misnamed-deviation"
+
+
+@tpp.hookimpl
+def torchplug_register_strategies(register):
+    for name, (factory, _) in BROKEN.items():
+        register(
+            tpp.StrategyInfo(
+                name=name,
+                factory=factory,
+                description="broken on purpose",
+                precisions=("32", "bf16", "fp16"),
+                **DECLARED.get(name, {}),
+            )
+        )
+    register(
+        tpp.StrategyInfo(
+            name=DECLARES_REFUSAL,
+            factory=RefusesClipping,
+            description="refuses clipping, as its registration says",
+            refuses=("clipping",),
+        )
+    )
+    register(
+        tpp.StrategyInfo(
+            name=DECLARES_DEVIATION,
+            factory=LocalClip,
+            description="clips each rank's gradients, by design",
+            deviations={"clipping": "each rank clips its own gradients, by design"},
+        )
+    )
+    register(
+        tpp.StrategyInfo(
+            name=MISNAMED_DEVIATION,
+            factory=LocalClip,
+            description="declares a deviation for a property that does not exist",
+            deviations={"cliping": "misspelt"},
+        )
+    )
