@@ -3,7 +3,7 @@ a one-node slurmctld/slurmd on localhost and ``mpirun``. Each route trains the s
 is compared with a plain-PyTorch run on the global batch.
 
 These tests start daemons; they run where ``TORCHPLUG_REAL_CLUSTER=1`` (``tox -e cluster`` sets
-it and installs slurm-wlm, munge and openmpi-bin when they are missing) and skip, saying why,
+it and installs slurm-wlm, munge, openmpi-bin and mpich when they are missing) and skip, saying why,
 elsewhere."""
 
 from __future__ import annotations
@@ -207,6 +207,60 @@ def test_mpirun_two_tasks_of_torchplug_launch_are_one_world(mpirun, script, tmp_
         "world=2 rank=1 strategy=ddp step=mpi",
     ]
     assert_matches_reference(tmp_path / "result-mpi.pt")
+
+
+@pytest.fixture
+def mpich() -> list[str]:
+    absent = missing("mpirun.mpich")
+    if absent:
+        pytest.skip(f"not installed: {', '.join(absent)} (tox -e cluster installs it)")
+    return ["mpirun.mpich", "-np", "2"]
+
+
+#: What one rank of an MPICH job derives its port from, and the port.
+PORT = (
+    "import os, sys, torchplug.plugins.mpi as m; "
+    "port = m.torchplug_cluster_environment(os.environ).master_port; "
+    "sys.stdout.write(f'{m.hydra_job()} {port}\\n')"  # one write: the ranks share the pipe
+)
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_two_concurrent_mpich_jobs_on_one_node_are_two_worlds(mpich, script, tmp_path, attempt):
+    """Issue 36 item 6: Debian's MPICH (Hydra) exports no job variable, so both jobs once took
+    port 29500 and one job's rank joined the other's store. Two ``mpirun.mpich -np 2`` at once:
+    each is its own world of 2 matching the reference, and their ports differ."""
+    import subprocess
+
+    env = mpirun_env()
+    jobs = {
+        name: subprocess.Popen(
+            [*mpich, "python", str(script), str(tmp_path / f"result-{name}-{{tag}}.pt")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for name in ("a", "b")
+    }
+    logs = {name: job.communicate(timeout=600)[0] for name, job in jobs.items()}
+    for name, job in jobs.items():
+        assert job.returncode == 0, logs
+        assert worlds(logs[name]) == [
+            "world=2 rank=0 strategy=ddp step=mpi",
+            "world=2 rank=1 strategy=ddp step=mpi",
+        ], logs
+        assert_matches_reference(tmp_path / f"result-{name}-mpi.pt")
+    infos = [
+        subprocess.run(
+            [*mpich, "python", "-c", PORT], env=env, capture_output=True, text=True, timeout=600
+        ).stdout
+        for _ in range(2)
+    ]
+    seen = [set(out.split("\n")) - {""} for out in infos]
+    assert all(len(lines) == 1 for lines in seen), infos  # one job id and port on every rank
+    (first,), (second,) = seen
+    assert first.startswith("hydra:") and first.split()[0] != second.split()[0], infos
 
 
 def test_the_cluster_tests_run_without_an_outer_scheduler():

@@ -29,6 +29,7 @@ PROGRAMS = {
     "srun": "slurm-wlm",
     "sbatch": "slurm-wlm",
     "mpirun": "openmpi-bin",
+    "mpirun.mpich": "mpich",
 }
 
 #: Variables of an outer scheduler or launcher that must not reach the jobs started here.

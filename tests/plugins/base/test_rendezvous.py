@@ -1,0 +1,50 @@
+"""The default process-group setup (`torchplug.plugins.base.DistributedStrategy`): a rank that
+waits for the others says what it waits for (issue 36 item 7)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from torchplug.plugin import free_port
+
+#: Rank 1 of 2 whose rank 0 never starts (a leftover RANK/WORLD_SIZE in the shell): the notice is
+#: brought forward to 1 s and the group's timeout to 20 s, so the run ends by itself.
+WAITING = textwrap.dedent(
+    """
+    import torchplug.plugins.base as base
+    base.RENDEZVOUS_NOTICE = 1.0
+    import torchplug as tp
+    try:
+        tp.Engine("ddp", timeout=20)
+    except Exception as exc:
+        print("gave up:", type(exc).__name__)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_the_rendezvous_names_the_address_and_where_it_came_from(tmp_path):
+    script = tmp_path / "waiting.py"
+    script.write_text(WAITING)
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_"))},
+        "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "PYTHONWARNINGS": "ignore",
+    }  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert "gave up:" in done.stdout, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("torchplug: rank")]
+    assert len(lines) == 1, done.stderr[-3000:]  # said once, not once a second
+    line = lines[0]
+    assert f"rank 1 of 2 has waited 1 s for the other ranks at 127.0.0.1:{port}" in line
+    assert f"MASTER_ADDR=127.0.0.1, MASTER_PORT={port}, RANK=1, WORLD_SIZE=2" in line
+    assert "gives up after 20 s" in line and "left over in the shell" in line
+
