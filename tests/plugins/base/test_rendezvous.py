@@ -47,4 +47,3 @@ def test_a_rank_waiting_for_the_rendezvous_names_the_address_and_where_it_came_f
     assert f"rank 1 of 2 has waited 1 s for the other ranks at 127.0.0.1:{port}" in line
     assert f"MASTER_ADDR=127.0.0.1, MASTER_PORT={port}, RANK=1, WORLD_SIZE=2" in line
     assert "gives up after 20 s" in line and "left over in the shell" in line
-
