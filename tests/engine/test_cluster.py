@@ -84,6 +84,21 @@ def test_two_mpi_jobs_on_a_node_get_different_ports():
     assert a.master_port != b.master_port
 
 
+def test_derived_ports_stay_below_the_ephemeral_range():
+    """A port a scheduler's ids give lies where no outgoing connection takes one (Linux's
+    ephemeral ports start at 32768; a derived port in that range was once taken by another
+    step's gloo connection: EADDRINUSE at the rendezvous)."""
+    ports = {tpp.job_port("slurm", str(job), str(step)) for job in range(500) for step in range(8)}
+    assert min(ports) >= 20000 and max(ports) < 32768
+    assert len(ports) > 3000  # spread over the range, not a few values
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            first = int(handle.read().split()[0])
+    except OSError:
+        return
+    assert max(ports) < first, f"this machine's ephemeral ports start at {first}"
+
+
 def test_torchrun_inside_slurm_wins():
     env = {**SLURM, "RANK": "3", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}
     assert cluster.detect(env).source == "torchrun" and cluster.detect(env).rank == 3

@@ -114,18 +114,24 @@ class Preemption:
             return
         self._steps_since += 1
         if self._steps_since >= 2:
-            self.disarm()
-            signal.raise_signal(self.received)  # the default effect, two steps late
+            self.disarm()  # which gives the signal its default effect, two steps late
 
     def disarm(self) -> None:
-        """Put back the handlers that were there before `arm`."""
+        """Put back the handlers that were there before `arm`; a SIGTERM held for a script that
+        never asked about it is sent again now, to take its default effect (at ``close()`` at
+        the latest, never lost)."""
         _watcher.remove(self)
         if threading.current_thread() is not threading.main_thread():
             return
+        held = self.received
+        if held is not None and self.defers(held):
+            held = None
         for number, previous in self._previous.items():
             signal.signal(number, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
         self.armed = False
+        if held is not None:
+            signal.raise_signal(held)
 
 
 class _Watcher:
@@ -183,9 +189,11 @@ class _Watcher:
             os.close(read)
 
     def _expire_later(self, number: int) -> None:
+        noticed = list(self.armed)  # the Engines armed when it came, not those made later
+
         def expire() -> None:
             time.sleep(GRACE)
-            if self.armed and not all(n.defers(number) for n in self.armed if n.armed):
+            if any(n.armed and not n.defers(number) for n in noticed):
                 # The default effect, from outside the main thread (which may be blocked): put
                 # the C-level default back and send the signal again.
                 import ctypes

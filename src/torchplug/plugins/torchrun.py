@@ -53,15 +53,17 @@ def env_int(env: Mapping[str, str], key: str, default: int) -> int:
 
 def job_port(*ids: str) -> int:
     """A TCP port every process of one job (step) derives alike from the scheduler's ids, and
-    that another job or step (other ids) gets a different one of 30,000 with high probability:
-    concurrent steps of one allocation must never meet at one rendezvous.
+    that another job or step (other ids) gets a different one of 12,768 with high probability:
+    concurrent steps of one allocation must never meet at one rendezvous. The ports lie below
+    Linux's ephemeral range (32768-60999), which outgoing connections (another step's gloo
+    pairs) take from: a port there was seen in use by one (EADDRINUSE at the rendezvous).
 
     Args:
         *ids: The scheduler's ids of this job and step (e.g. ``SLURM_JOB_ID``, ``SLURM_STEP_ID``).
     """
     import zlib
 
-    return 20000 + zlib.crc32("/".join(ids).encode()) % 30000
+    return 20000 + zlib.crc32("/".join(ids).encode()) % 12768
 
 
 def master_port(value: str | None, name: str = "MASTER_PORT") -> int | None:
