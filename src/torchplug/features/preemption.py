@@ -101,9 +101,10 @@ class Preemption:
         return self.agreed
 
     def defers(self, number: int) -> bool:
-        """Whether signal ``number`` waits for the script here rather than taking its default
-        effect now: always once the script asked; before, a SIGUSR1 (a warning) and a SIGTERM
-        within its grace; never where the script had its own handler (it ran already)."""
+        """Whether signal ``number`` waits for the script rather than taking its default effect
+        (at the second step, at ``close()`` or after `GRACE`): every notice once the script
+        asked; before that a SIGUSR1 (a warning), and a SIGTERM only where the script set its own
+        handler (which ran already)."""
         if self.asked or number != signal.SIGTERM:
             return True
         return self._previous.get(number) not in (signal.SIG_DFL, None)
@@ -141,24 +142,21 @@ class _Watcher:
     per process, for every armed Engine."""
 
     def __init__(self) -> None:
-        self.armed: list[Preemption] = []
+        self.notices: list[Preemption] = []
         self._pipe: tuple[int, int] | None = None
         self._before = -1
 
     def add(self, notice: Preemption) -> None:
-        self.armed.append(notice)
+        self.notices.append(notice)
         if self._pipe is not None:
             return
         read, write = os.pipe()
         os.set_blocking(write, False)
-        try:
-            self._before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        except ValueError:  # not the main thread
-            os.close(read), os.close(write)
-            return
+        self._before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # main thread
         if self._before != -1:  # someone else's (an event loop): leave it theirs
             signal.set_wakeup_fd(self._before)
-            os.close(read), os.close(write)
+            os.close(read)
+            os.close(write)
             return
         self._pipe = (read, write)
         threading.Thread(
@@ -167,8 +165,8 @@ class _Watcher:
 
     def remove(self, notice: Preemption) -> None:
         with contextlib.suppress(ValueError):
-            self.armed.remove(notice)
-        if self.armed or self._pipe is None:
+            self.notices.remove(notice)
+        if self.notices or self._pipe is None:
             return
         if threading.current_thread() is not threading.main_thread():
             return
@@ -189,7 +187,7 @@ class _Watcher:
             os.close(read)
 
     def _expire_later(self, number: int) -> None:
-        noticed = list(self.armed)  # the Engines armed when it came, not those made later
+        noticed = list(self.notices)  # the Engines armed when it came, not those made later
 
         def expire() -> None:
             time.sleep(GRACE)
