@@ -17,31 +17,105 @@ import torchplug as tp
 from support.paths import TESTS
 
 
+def _in_a_fresh_process(body: str) -> None:
+    """Signal handlers are the process's: each case runs alone in a new interpreter (a pytest
+    worker may hold Engines an earlier test never closed), its asserts inside ``body``."""
+    prelude = (
+        "import gc, os, signal, time, torchplug as tp\n"
+        "from torchplug.features import preemption\n"
+        "preemption.GRACE = 0.5  # the watcher's delay, short: the cases wait past it\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('done')\n"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split()[-1:] == ["done"], (
+        f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    )
+
+
+@pytest.mark.slow
 def test_the_handler_is_installed_when_the_engine_is_made_and_removed_at_close():
     """Issue 36 item 8: armed at creation (a notice during setup is held), not at first read."""
-    before = signal.getsignal(signal.SIGTERM)
-    with tp.Engine("single") as engine:
-        assert signal.getsignal(signal.SIGTERM) != before
-        assert engine.preempted is False
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert engine.preempted is True
-        assert engine.preempted is True  # stays agreed
-    assert signal.getsignal(signal.SIGTERM) == before
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    _in_a_fresh_process(
+        """
+        with tp.Engine("single") as engine:
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+            assert engine.preempted is False
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert engine.preempted is True
+            assert engine.preempted is True  # stays agreed
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+        """
+    )
 
 
+@pytest.mark.slow
 def test_a_handler_the_script_set_is_still_called():
-    seen = []
-    previous = signal.signal(signal.SIGTERM, lambda number, frame: seen.append(number))
-    try:
+    _in_a_fresh_process(
+        """
+        seen = []
+        signal.signal(signal.SIGTERM, lambda number, frame: seen.append(number))
         with tp.Engine("single") as engine:
             assert not engine.preempted
             os.kill(os.getpid(), signal.SIGTERM)
             assert engine.preempted and seen == [signal.SIGTERM]
         os.kill(os.getpid(), signal.SIGTERM)  # the script's own handler, back in place
         assert seen == [signal.SIGTERM, signal.SIGTERM]
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        time.sleep(2)  # past the watcher's delay: a handled SIGTERM never ends the process
+        """
+    )
+
+
+@pytest.mark.slow
+def test_an_engine_never_closed_does_not_turn_a_later_handled_notice_into_a_kill():
+    """The CI crash of an xdist worker: an Engine an earlier test never closed (and never
+    asked) was still armed when a later test sent SIGTERM under its own handler; the watcher
+    then ended the whole process `GRACE` seconds later. A notice that a handler took, or that a
+    live Engine read, is not the forgotten Engine's to act on."""
+    _in_a_fresh_process(
+        """
+        forgotten = tp.Engine("single")  # never closed, never asked
+        seen = []
+        signal.signal(signal.SIGTERM, lambda number, frame: seen.append(number))
+        with tp.Engine("single") as engine:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert engine.preempted and seen == [signal.SIGTERM]
+        time.sleep(2)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with tp.Engine("single") as engine:
+            os.kill(os.getpid(), signal.SIGTERM)  # no handler: but this Engine reads it
+            assert engine.preempted
+            time.sleep(2)
+        assert forgotten.preempted  # it was told too, and asks only now
+        """
+    )
+
+
+@pytest.mark.slow
+def test_engines_closed_out_of_order_or_dropped_put_the_scripts_handler_back():
+    _in_a_fresh_process(
+        """
+        seen = []
+        mine = lambda number, frame: seen.append(number)
+        signal.signal(signal.SIGTERM, mine)
+        first, second = tp.Engine("single"), tp.Engine("single")
+        first.close()  # the older one first
+        assert signal.getsignal(signal.SIGTERM) != mine  # the second is still armed
+        second.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+        dropped = tp.Engine("single")
+        assert signal.getsignal(signal.SIGTERM) is not mine
+        del dropped
+        gc.collect()  # an Engine collected unclosed: nobody can read its flag any more
+        assert signal.getsignal(signal.SIGTERM) is mine
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM]  # once: no stale handler in between
+        """
+    )
 
 
 def _one_rank_noticed() -> list[bool]:

@@ -171,7 +171,7 @@ class Engine(RuntimeFacts):
         self.plugins = tuple(chosen.active)
         self.hook = self._pm.hook
         connector.check_contract(self._hooks, self.info, self.backend, missing)
-        self._preemption = Preemption.armed(self._backend.undo)  # a notice during setup waits
+        self._preemption = Preemption.armed(self._backend.undo, self)  # a notice in setup waits
         try:
             self._selection.runtime = self._hooks.setup(self.cluster)
         except BaseException:

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,8 @@ STATUS_ENV = "TORCHPLUG_LAUNCH_STATUS"
 
 
 class Preemption:
-    """The handler for one Engine: armed when it is made, removed at ``close()``."""
+    """One Engine's view of the notices: armed when it is made, disarmed at ``close()`` (or when
+    the Engine is garbage-collected unclosed: nobody can read its flag any more)."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -52,44 +54,24 @@ class Preemption:
         #: The script has read ``engine.preempted``: notices are its to act on.
         self.asked = False
         self._steps_since = 0
-        self._previous: dict[int, Any] = {}
 
     @classmethod
-    def armed(cls, undo: list[Callable[[], None]]) -> Preemption:
-        """A handler armed now, its removal first on ``undo`` (what ``close()`` runs)."""
+    def armed(cls, undo: list[Callable[[], None]], owner: object = None) -> Preemption:
+        """A handler armed now, its removal first on ``undo`` (what ``close()`` runs) and, for
+        an ``owner`` dropped without ``close()``, when it is collected."""
         notice = cls()
         if notice.arm():
             undo.insert(0, notice.disarm)
+            if owner is not None:
+                weakref.finalize(owner, notice.disarm)
         return notice
 
     def arm(self) -> bool:
-        """Note NOTICES from now on (chaining to a handler the script had set). Only the main
-        thread can set handlers; elsewhere nothing is armed and ``False`` is returned."""
-        if self.armed:
-            return True
-        if threading.current_thread() is not threading.main_thread():
-            return False
-        for name in NOTICES:
-            number = getattr(signal, name, None)
-            if number is None:
-                continue
-            previous = signal.getsignal(number)
-            if previous == signal.SIG_IGN:
-                continue  # the script (or its parent) said to ignore it: keep that
-            self._previous[number] = previous
-            signal.signal(number, self._chain(previous))
-        self.armed = True
-        _watcher.add(self)
-        return True
-
-    def _chain(self, previous: Any) -> Callable[[int, Any], None]:
-        def noted(number: int, frame: Any) -> None:
-            if self.received is None:
-                self.received = number
-            if callable(previous):
-                previous(number, frame)
-
-        return noted
+        """Note NOTICES from now on. Only the main thread can set handlers; elsewhere nothing
+        is armed and ``False`` is returned."""
+        if not self.armed:
+            self.armed = _notices.add(self)
+        return self.armed
 
     def seen(self, any_rank: Callable[[bool], bool] | None) -> bool:
         """`Engine.preempted`: whether any rank has been sent a notice, agreed on through
@@ -100,54 +82,131 @@ class Preemption:
             self.agreed = any_rank(seen) if any_rank is not None else seen
         return self.agreed
 
-    def defers(self, number: int) -> bool:
-        """Whether signal ``number`` waits for the script rather than taking its default effect
-        (at the second step, at ``close()`` or after `GRACE`): every notice once the script
-        asked; before that a SIGUSR1 (a warning), and a SIGTERM only where the script set its own
-        handler (which ran already)."""
-        if self.asked or number != signal.SIGTERM:
-            return True
-        return self._previous.get(number) not in (signal.SIG_DFL, None)
-
     def stepped(self) -> None:
         """After each optimizer step: a SIGTERM not asked about for two steps ends the process."""
-        if self.received is None or self.defers(self.received):
+        if self.received is None or not _notices.unasked(self.received, self):
             return
         self._steps_since += 1
         if self._steps_since >= 2:
-            self.disarm()  # which gives the signal its default effect, two steps late
+            _notices.default_effect(self.received)  # two steps late
 
     def disarm(self) -> None:
-        """Put back the handlers that were there before `arm`; a SIGTERM held for a script that
-        never asked about it is sent again now, to take its default effect (at ``close()`` at
-        the latest, never lost)."""
-        _watcher.remove(self)
-        if threading.current_thread() is not threading.main_thread():
+        """Stop noting notices; a SIGTERM held for a script that never asked about it takes its
+        default effect now (at ``close()`` at the latest: never lost)."""
+        if not self.armed:
             return
-        held = self.received
-        if held is not None and self.defers(held):
-            held = None
-        for number, previous in self._previous.items():
-            signal.signal(number, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
+        held = self.received if _notices.unasked(self.received, self) else None
         self.armed = False
+        _notices.remove(self)
         if held is not None:
-            signal.raise_signal(held)
+            _notices.default_effect(held)
 
 
-class _Watcher:
-    """Sees each notice as it arrives, at the C level (``signal.set_wakeup_fd``), even while the
-    main thread is blocked in a collective and no Python handler can run; a SIGTERM that the
-    script has not asked about `GRACE` seconds later takes its default effect from here. One
-    per process, for every armed Engine."""
+class _Notices:
+    """The one handler per notice for the whole process, shared by every armed Engine.
+
+    Installed over what was there (the script's handler, which it calls in turn) when the first
+    Engine arms, and put back when the last one disarms, but only if it is still the installed
+    handler (a script that replaced it in between keeps its own). A SIGTERM is *unasked* when it
+    would have ended the process without us (nothing but the default was there), the script has
+    not replaced our handler since, and no Engine armed when it came has read
+    ``engine.preempted``: only then is its default effect deferred rather than dropped.
+
+    A watcher thread sees each notice as it arrives, at the C level (``signal.set_wakeup_fd``),
+    even while the main thread is blocked in a collective and no Python handler can run; an
+    unasked SIGTERM takes its default effect from there `GRACE` seconds later.
+    """
 
     def __init__(self) -> None:
-        self.notices: list[Preemption] = []
+        self.armed: list[Preemption] = []
+        #: The handler each notice had before ours (``None``: one set outside Python).
+        self.outer: dict[int, Any] = {}
+        #: For each notice received: the Engines armed when it came.
+        self.arrivals: dict[int, list[Preemption]] = {}
         self._pipe: tuple[int, int] | None = None
         self._before = -1
+        self._calling_outer = False
 
-    def add(self, notice: Preemption) -> None:
-        self.notices.append(notice)
+    # -- the handler ---------------------------------------------------------------------------
+
+    def handle(self, number: int, frame: Any) -> None:
+        self.arrivals.setdefault(number, list(self.armed))
+        for notice in self.armed:
+            if notice.received is None:
+                notice.received = number
+        outer = self.outer.get(number)
+        if callable(outer):
+            if not self._calling_outer:  # a script handler that chains back to us: once
+                self._calling_outer = True
+                try:
+                    outer(number, frame)
+                finally:
+                    self._calling_outer = False
+        elif not self.armed and outer != signal.SIG_IGN:
+            self.default_effect(number)  # left installed with nobody armed: as if absent
+
+    def add(self, notice: Preemption) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for name in NOTICES:
+            number = getattr(signal, name, None)
+            if number is None:
+                continue
+            current = signal.getsignal(number)
+            if current == self.handle or current == signal.SIG_IGN:
+                continue  # ours already; or the script (or its parent) ignores it: keep that
+            self.outer[number] = current
+            signal.signal(number, self.handle)
+        self.armed.append(notice)
+        self._watch()
+        return True
+
+    def remove(self, notice: Preemption) -> None:
+        with contextlib.suppress(ValueError):
+            self.armed.remove(notice)
+        if self.armed or threading.current_thread() is not threading.main_thread():
+            return  # off the main thread (a collected Engine) the handler stays, transparent
+        for number, outer in self.outer.items():
+            if signal.getsignal(number) == self.handle:
+                signal.signal(number, outer if outer is not None else signal.SIG_DFL)
+        self.outer.clear()
+        self.arrivals.clear()
+        self._unwatch()
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def unasked(self, number: int | None, notice: Preemption | None = None) -> bool:
+        """Whether SIGTERM ``number`` (seen by ``notice``, when given) still waits for its
+        default effect: see the class docstring."""
+        if number != signal.SIGTERM:
+            return False  # SIGUSR1 is a warning: held until read
+        came = self.arrivals.get(number)
+        if came is None or (notice is not None and notice not in came):
+            return False
+        if any(n.asked for n in came) or not any(n.armed for n in came):
+            return False
+        if self.outer.get(number, signal.SIG_DFL) not in (signal.SIG_DFL, None):
+            return False  # the script's own handler ran: the notice was its to act on
+        return signal.getsignal(number) == self.handle
+
+    def default_effect(self, number: int) -> None:
+        """End the process by signal ``number`` as if no handler had been there."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(number, signal.SIG_DFL)
+            signal.raise_signal(number)
+            return
+        # From another thread (the main one may be blocked in C): put the C-level default
+        # back and send the signal again.
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal(int(number), ctypes.c_void_p(0))  # SIG_DFL
+        os.kill(os.getpid(), number)
+
+    # -- the watcher -----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
         if self._pipe is not None:
             return
         read, write = os.pipe()
@@ -160,51 +219,38 @@ class _Watcher:
             return
         self._pipe = (read, write)
         threading.Thread(
-            target=self._watch, args=(read,), name="torchplug-notice", daemon=True
+            target=self._watching, args=(read,), name="torchplug-notice", daemon=True
         ).start()
 
-    def remove(self, notice: Preemption) -> None:
-        with contextlib.suppress(ValueError):
-            self.notices.remove(notice)
-        if self.notices or self._pipe is None:
-            return
-        if threading.current_thread() is not threading.main_thread():
+    def _unwatch(self) -> None:
+        if self._pipe is None:
             return
         signal.set_wakeup_fd(self._before)
         read, write = self._pipe
         self._pipe = None
         os.close(write)  # the watching thread reads end of file and leaves; it closes `read`
 
-    def _watch(self, read: int) -> None:
+    def _watching(self, read: int) -> None:
         try:
             while True:
                 data = os.read(read, 64)
                 if not data:
                     return
                 if signal.SIGTERM in data:
-                    self._expire_later(signal.SIGTERM)
+                    self.arrivals.setdefault(signal.SIGTERM, list(self.armed))
+                    threading.Thread(
+                        target=self._expire, name="torchplug-notice-grace", daemon=True
+                    ).start()
         finally:
             os.close(read)
 
-    def _expire_later(self, number: int) -> None:
-        noticed = list(self.notices)  # the Engines armed when it came, not those made later
-
-        def expire() -> None:
-            time.sleep(GRACE)
-            if any(n.armed and not n.defers(number) for n in noticed):
-                # The default effect, from outside the main thread (which may be blocked): put
-                # the C-level default back and send the signal again.
-                import ctypes
-
-                libc = ctypes.CDLL(None)
-                libc.signal.restype = ctypes.c_void_p
-                libc.signal(int(number), ctypes.c_void_p(0))  # SIG_DFL
-                os.kill(os.getpid(), number)
-
-        threading.Thread(target=expire, name="torchplug-notice-grace", daemon=True).start()
+    def _expire(self) -> None:
+        time.sleep(GRACE)
+        if self.unasked(signal.SIGTERM):
+            self.default_effect(signal.SIGTERM)
 
 
-_watcher = _Watcher()
+_notices = _Notices()
 
 
 def signal_name(number: int | None) -> str:

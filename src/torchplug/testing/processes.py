@@ -154,7 +154,7 @@ class RankPool:
         """Ask hung ranks to print where they are (faulthandler) before they are killed."""
         for rank in ranks:
             with contextlib.suppress(OSError, KeyError):
-                os.kill(self._pids[rank], signal.SIGUSR1)
+                os.kill(self._pids[rank], signal.SIGUSR2)
         time.sleep(1.0)
 
     def _output(self, limit: int = 6000) -> str:
@@ -228,7 +228,7 @@ def worker_loop() -> None:
             sys.path.insert(0, entry)
     host, port = os.environ["TORCHPLUG_POOL_ADDRESS"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["TORCHPLUG_POOL_AUTHKEY"]))
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)  # USR1: a notice
     _send(conn, (int(os.environ["RANK"]), os.getpid()))
     # Each call hosts its own store on a fresh port instead of the agent's.
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
