@@ -81,6 +81,7 @@ _EXPORTS = {
     "with_mesh": "torchplug.plugins.sharding",
     "fully_shard_kwargs": "torchplug.plugins.sharding",
     "shard": "torchplug.plugins.sharding",
+    "refuse_sharded_twice": "torchplug.plugins.sharding",
     "finish_wrap": "torchplug.plugins.sharding",
     "compile_units": "torchplug.plugins.sharding",
     "without_gradient_sync": "torchplug.plugins.sharding",

@@ -180,6 +180,28 @@ class IgnoresNormType(DDPStrategy):
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
+class LeavesHooks(DistributedStrategy):
+    """Averages gradients with hooks on the parameters and never removes them: under a second
+    Engine on the same model both Engines' hooks run (the gradient is averaged twice)."""
+
+    @tpp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        model = model.to(engine.device)
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.broadcast(p, 0)
+        world = engine.world_size
+
+        def average(grad):
+            grad = grad.clone()
+            dist.all_reduce(grad)
+            return grad / world
+
+        for p in model.parameters():
+            p.register_hook(average)  # the handle is dropped: nothing can take it off
+        return model, optimizers
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
@@ -195,6 +217,7 @@ BROKEN = {
     "per-rank-buffers": (PerRankBuffers, "replicas"),
     "floors-integer-means": (FloorsIntegerMeans, "collectives"),
     "ignores-norm-type": (IgnoresNormType, "clipping"),
+    "leaves-hooks": (LeavesHooks, "reuse"),
 }
 #: What a broken strategy's registration declares beyond the defaults.
 DECLARED = {"claims-sharding": {"shards_optimizer": True}}

@@ -300,11 +300,7 @@ class DistributedStrategy(Strategy):
                     )
                 port = free_port()  # a world of one, e.g. in a notebook
             _check_address(cluster)  # a bad name fails now, not after the collective timeout
-            host = f"[{cluster.master_addr}]" if ":" in cluster.master_addr else cluster.master_addr
             timeout = datetime.timedelta(seconds=self.timeout)
-            where: dict[str, Any] = {"init_method": f"tcp://{host}:{port}"}
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-                where = {"store": _attempt_store(cluster.master_addr, port, cluster, timeout)}
             with _said_while_waiting(cluster, port, self.timeout):
                 dist.init_process_group(
                     backend=self.process_group_backend
@@ -312,7 +308,7 @@ class DistributedStrategy(Strategy):
                     rank=cluster.rank,
                     world_size=cluster.world_size,
                     timeout=timeout,
-                    **where,
+                    store=_group_store(cluster.master_addr, port, cluster, timeout),
                 )
             self.owns_process_group = True
             atexit.register(self._release_at_exit)
@@ -414,20 +410,33 @@ def _said_while_waiting(cluster: ClusterInfo, port: int, timeout: float) -> Iter
         notice.cancel()
 
 
-def _attempt_store(
+def _group_store(
     host: str, port: int, cluster: ClusterInfo, timeout: datetime.timedelta
 ) -> dist.Store:
-    """The torchrun agent's store, with a prefix per restart attempt and per process group.
+    """The rendezvous store of a new process group: a prefix of its own (per restart attempt
+    and per group) on the job's store.
 
-    The agent keeps one store across restarts (``--max-restarts``) and across the process groups
-    one process makes (Engines made one after another); without a prefix of its own a group's
-    ranks would read the addresses an earlier group's ranks left there and wait forever to
-    connect. Every rank makes its Engines in the same order, so the counts agree.
+    That store outlives a group: torchrun's agent keeps one across restarts (``--max-restarts``),
+    and a ``tcp://`` store is shared by every client of its port in a process (torch's
+    multi-tenant TCPStore), so the Engines one process makes one after another (a notebook, a
+    sweep, a test suite; under srun and mpirun as under torchrun) meet the keys the earlier
+    groups left. Without a prefix of its own a group's ranks read those, connect to addresses
+    long gone and wait until the timeout. Every rank makes its Engines in the same order, so
+    the counts agree.
     """
-    store = dist.TCPStore(host, port, cluster.world_size, is_master=False, timeout=timeout)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host,
+        port,
+        cluster.world_size,
+        is_master=cluster.rank == 0 and not agent,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"torchplug/attempt-{attempt}/group-{next(_GROUPS)}/", store)
 
 
-#: Process groups this process has made on the agent's store (`_attempt_store`'s prefix).
+#: Process groups this process has made (`_group_store`'s prefix).
 _GROUPS = itertools.count()

@@ -40,6 +40,7 @@ from torchplug.plugin import (
     hookimpl,
     job_mesh,
     make_contiguous,
+    refuse_sharded_twice,
     shard,
     shard_norms_in_fp32,
     shard_units,
@@ -85,6 +86,7 @@ class FSDPStrategy(DistributedStrategy):
     def torchplug_wrap(
         self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        refuse_sharded_twice(model, engine.strategy)
         names = {id(p): name for name, p in model.named_parameters()}
         if not self.cpu_offload and not any(p.is_meta for p in model.parameters()):
             model = model.to(engine.device)
@@ -180,6 +182,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             precisions=("32", "bf16"),
             owns_precision=True,
             precision_check=gpu_check,
+            refuses=("reuse",),  # a model is sharded once (refuse_sharded_twice)
             shards_parameters=True,
             shards_optimizer=True,
             takes_meta_modules=True,

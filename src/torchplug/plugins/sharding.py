@@ -174,6 +174,27 @@ def make_contiguous(model: torch.nn.Module) -> None:
             param.data = param.data.contiguous()
 
 
+def refuse_sharded_twice(model: torch.nn.Module, strategy: str) -> None:
+    """Refuse a model whose parameters are DTensors already: sharded by an earlier Engine (or by
+    the script), which ``fully_shard`` and ``parallelize_module`` cannot apply to again.
+
+    Args:
+        model: The model given to ``engine.setup``.
+        strategy: The strategy's name, for the message.
+    """
+    from torch.distributed.tensor import DTensor
+
+    sharded = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise ConfigurationError(
+            f"'{strategy}' cannot set up this model: its parameters are sharded already "
+            f"({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''} are DTensors), by "
+            f"an earlier Engine's setup or by the script, and a module is sharded once. Give "
+            f"this Engine a model built anew (load a checkpoint the earlier Engine saved into "
+            f"it to carry its training on)."
+        )
+
+
 def shard(
     model: torch.nn.Module, kwargs: dict[str, Any], class_names: tuple[str, ...], min_params: int
 ) -> list[torch.nn.Module]:

@@ -49,6 +49,7 @@ from torchplug.plugin import (
     hookimpl,
     job_mesh,
     not_estimable,
+    refuse_sharded_twice,
     shard,
     with_mesh,
     without_gradient_sync,
@@ -215,6 +216,7 @@ class TensorParallelStrategy(DistributedStrategy):
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         from torch.distributed.tensor.parallel import parallelize_module
 
+        refuse_sharded_twice(model, engine.strategy)
         names = {id(p): name for name, p in model.named_parameters()}
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(engine.device)
@@ -436,6 +438,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             options=(*DistributedStrategy.strategy_options(), plan),
             precisions=("32",),
             owns_precision=False,
+            refuses=("reuse",),  # a model is sharded once (refuse_sharded_twice)
             shards_parameters=True,
             shards_optimizer=True,
             takes_meta_modules=True,
@@ -464,6 +467,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             precisions=("32", "bf16"),
             owns_precision=True,
             precision_check=gpu_check,
+            refuses=("reuse",),  # a model is sharded once (refuse_sharded_twice)
             shards_parameters=True,
             shards_optimizer=True,
             takes_meta_modules=True,

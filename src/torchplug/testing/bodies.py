@@ -310,6 +310,69 @@ def train(
         }
 
 
+#: Where torch keeps the hooks a backend may put on a user's module or parameter.
+MODULE_HOOKS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)  # fmt: skip
+TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def hooks_on(model: torch.nn.Module) -> set[str]:
+    """Every hook on ``model``'s modules and parameters, by where it sits."""
+    found = set()
+    for name, module in model.named_modules():
+        for attr in MODULE_HOOKS:
+            for key in getattr(module, attr, None) or {}:
+                found.add(f"{name or '<model>'}.{attr}[{key}]")
+    for name, param in model.named_parameters():
+        for attr in TENSOR_HOOKS:
+            for key in getattr(param, attr, None) or {}:
+                found.add(f"{name}.{attr}[{key}]")
+    return found
+
+
+def train_again(
+    strategy: str,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    precision: str | None = None,
+    steps: int = 5,
+) -> dict[str, Any]:
+    """`train`'s first ``steps`` steps under one Engine, ``close()``, then the next ``steps``
+    under a second Engine given the *same* model and optimizer objects (a notebook, a test
+    suite, a sweep in one process): together they must equal one Engine's run, and each
+    ``close()`` must take away every hook the backend put on the user's model (one left behind
+    runs again under the next Engine: a gradient averaged twice is halved)."""
+    register(plugins)
+    model = make_model()
+    opt = _optimizer("AdamW", model.parameters(), 3e-2)
+    before = hooks_on(model)
+    losses: list[float] = []
+    left: list[list[str]] = []
+    for first in (0, steps):
+        with tp.Engine(
+            strategy, precision=precision, **kit_scale(strategy, precision), **(options or {})
+        ) as engine:
+            wrapped, wrapped_opt = engine.setup(model, opt)
+            batches = engine.setup_dataloader(_batches(engine.data_parallel_size))
+            for step, (x, y) in enumerate(batches):
+                if step < first:
+                    continue
+                if step >= first + steps:
+                    break
+                loss = torch.nn.functional.mse_loss(wrapped(x), y)
+                engine.backward(loss)
+                wrapped_opt.step()
+                wrapped_opt.zero_grad()
+                losses.append(engine.reduce(loss.detach(), "mean").item())
+            if first:
+                state = full_state(engine, wrapped, wrapped_opt)
+        left.append(sorted(hooks_on(model) - before))
+    return {"losses": losses, "left": left, **state}
+
+
 def barrier_waits(
     strategy: str,
     marker: str,

@@ -52,6 +52,7 @@ PROPERTIES = (
     "barrier",
     "sharding",
     "unsupported",
+    "reuse",
 )
 #: Checked only when asked for (``torchplug check NAME --only compile``): compiling takes seconds.
 OPTIONAL_PROPERTIES = ("compile",)
@@ -161,7 +162,14 @@ class Kit:
     def run(self, body: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``body`` on every rank of the strategy (or in this process if it runs one)."""
         kwargs.update(plugins=self.plugins, options=self.options)
-        if body in (bodies.train, bodies.load, bodies.data_order, real_model.train):
+        trains = (
+            bodies.train,
+            bodies.train_again,
+            bodies.load,
+            bodies.data_order,
+            real_model.train,
+        )
+        if body in trains:
             kwargs.setdefault("precision", self.precision)
         if self.nprocs == 1:
             return [body(self.strategy, *args, **kwargs)]
@@ -561,6 +569,28 @@ class Kit:
             f"5 steps + save/load + 5 steps vs 10 steps: max diff {worst:.2e} "
             f"{'<=' if worst <= tolerance else '>'} {tolerance:.0e}{why}",
         )
+
+    def reuse(self) -> Outcome:
+        """Set up, ``close()``, set up again on the same model and optimizer: the two Engines
+        together equal one (no hook or wrapper of the first left to run under the second)."""
+
+        def body() -> Outcome:
+            results = self.run(bodies.train_again)
+            left = sorted({hook for r in results for phase in r["left"] for hook in phase})
+            if left:
+                return Outcome(
+                    "reuse",
+                    False,
+                    f"close() left {len(left)} hook(s) on the user's model ({', '.join(left[:3])}"
+                    f"{', ...' if len(left) > 3 else ''}): the next Engine given it runs them too. "
+                    f"Remove them in torchplug_teardown (or register them with "
+                    f"engine.restore_on_close).",
+                )
+            return self.compare(
+                "reuse", results, self.reference(), "5 steps, close(), 5 more on the same objects"
+            )
+
+        return self.refused("reuse", body)
 
     def portability(self) -> Outcome:
         """Both ways: this strategy's checkpoint loads into 'single' in one process, and one
