@@ -202,6 +202,26 @@ class LeavesHooks(DistributedStrategy):
         return model, optimizers
 
 
+class Unfreezes(DDPStrategy):
+    """Makes every parameter trainable before wrapping (a frozen base then moves)."""
+
+    @tpp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return super().torchplug_wrap(engine, model, optimizers)
+
+
+class OnlyL2OrInf(DDPStrategy):
+    """Knows the inf norm as a special case and takes every other ``norm_type`` for 2 (a 1-norm
+    reported as the L2 one)."""
+
+    @tpp.hookimpl
+    def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
+        norm_type = norm_type if norm_type == float("inf") else 2.0
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
@@ -218,6 +238,8 @@ BROKEN = {
     "floors-integer-means": (FloorsIntegerMeans, "collectives"),
     "ignores-norm-type": (IgnoresNormType, "clipping"),
     "leaves-hooks": (LeavesHooks, "reuse"),
+    "unfreezes": (Unfreezes, "frozen"),
+    "only-l2-or-inf": (OnlyL2OrInf, "clipping"),
 }
 #: What a broken strategy's registration declares beyond the defaults.
 DECLARED = {"claims-sharding": {"shards_optimizer": True}}

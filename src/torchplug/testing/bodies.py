@@ -114,6 +114,20 @@ def _optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     return getattr(torch.optim, name)(params, lr=lr)
 
 
+def frozen_groups(model: torch.nn.Module, lr: float) -> list[dict[str, Any]]:
+    """Freeze the first layer (a frozen base, as fine-tuning scripts have) and return two param
+    groups with their own learning rate and weight decay; the frozen tensors stay in the second
+    group, as ``model.parameters()`` passed whole leaves them (torch skips tensors without a
+    gradient, so they must never get one)."""
+    for param in model[0].parameters():
+        param.requires_grad_(False)
+    head = dict(model[2].named_parameters())
+    return [
+        {"params": [head["weight"]], "lr": lr, "weight_decay": 0.1},
+        {"params": [*model[0].parameters(), head["bias"]], "lr": lr / 2, "weight_decay": 0.0},
+    ]
+
+
 def _batches(world_size: int, global_batch: int = GLOBAL_BATCH) -> DataLoader:
     return DataLoader(make_dataset(MAX_STEPS * global_batch), batch_size=global_batch // world_size)
 
@@ -129,12 +143,13 @@ def reference(
     inf_at_step: int | None = None,
     nan_at_step: int | None = None,
     norm_type: float = 2.0,
+    frozen: bool = False,
 ) -> dict[str, Any]:
     """The same run as `train` in plain PyTorch: one process, the combined batch, no
     torchplug at all (no Engine, no optimizer patch, no loader wrapper, no state gathering), so a
     bug shared by torchplug's code paths cannot hide in the comparison."""
     model = make_model()
-    opt = _optimizer(optimizer, model.parameters(), lr)
+    opt = _optimizer(optimizer, frozen_groups(model, lr) if frozen else model.parameters(), lr)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if scheduler else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE) if precision == "fp16" else None
@@ -207,6 +222,7 @@ def train(
     precision_options: dict[str, Any] | None = None,
     engine_args: dict[str, Any] | None = None,
     with_accumulate: bool = False,
+    frozen: bool = False,
 ) -> dict[str, Any]:
     """``steps`` steps on the global batch split over the ranks, as a user writes them.
 
@@ -216,6 +232,8 @@ def train(
     under no_sync, whether this rank's gradients equal every other rank's (they must not).
     ``with_accumulate``: the micro-batches go through ``engine.accumulate`` instead (the loop a
     user writes: step and zero_grad on every micro-batch, the Engine skips them in between).
+    ``frozen``: the first layer frozen and two param groups (`frozen_groups`); the result's
+    ``thawed`` names the frozen parameters that setup made trainable.
     ``precision_options`` default (None): fp16 starts at `FP16_SCALE`; ``{}``: the
     precision plugin's own defaults. ``engine_args``: more Engine arguments (``compile``, ...).
     """
@@ -231,7 +249,9 @@ def train(
         strategy, precision=precision, plugins=guard, **extra, **(options or {})
     ) as engine:
         model = make_model(width=width)
-        opt = _optimizer(optimizer, model.parameters(), lr)
+        params = frozen_groups(model, lr) if frozen else model.parameters()
+        opt = _optimizer(optimizer, params, lr)
+        originals = dict(model.named_parameters())
         if scheduler == "before":
             sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
         model, opt = engine.setup(model, opt)
@@ -306,6 +326,9 @@ def train(
             "rank": engine.rank,
             "world_size": engine.world_size,
             "is_torch_optimizer": isinstance(opt, torch.optim.Optimizer),
+            "thawed": [
+                n for n, p in originals.items() if frozen and n.startswith("0.") and p.requires_grad
+            ],  # fmt: skip
             **full_state(engine, model, opt),
         }
 

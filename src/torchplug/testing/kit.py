@@ -53,6 +53,7 @@ PROPERTIES = (
     "sharding",
     "unsupported",
     "reuse",
+    "frozen",
 )
 #: Checked only when asked for (``torchplug check NAME --only compile``): compiling takes seconds.
 OPTIONAL_PROPERTIES = ("compile",)
@@ -302,40 +303,44 @@ class Kit:
             if self.tolerance is None:  # lossy: heavy clipping slows it, nothing to compare with
                 return Outcome("clipping", True, "total norm equal on every rank (lossy backend)")
             outcome = self.compare("clipping", results, reference, "SGD clipped to 0.05")
-            # the norm's order is honoured (the largest gradient value, not the L2 norm)
-            inf = float("inf")
-            try:
-                largest = self.run(
-                    bodies.train, optimizer="SGD", lr=0.1, clip=0.05, norm_type=inf, steps=2
+            # the norm's order is honoured: the largest gradient value (inf) and the sum of
+            # absolute values (1), not the L2 norm whatever norm_type says
+            for norm_type in (float("inf"), 1.0):
+                try:
+                    other = self.run(
+                        bodies.train, optimizer="SGD", lr=0.1, clip=0.05, norm_type=norm_type,
+                        steps=2,
+                    )  # fmt: skip
+                except (RankError, ConfigurationError) as exc:
+                    if isinstance(exc, RankError) and "ConfigurationError" not in str(exc):
+                        raise
+                    refusal = self.refusal("clipping", "clip_norm_type", _last_line(str(exc)))
+                    if not refusal.passed:
+                        return refusal
+                    return Outcome(
+                        "clipping",
+                        outcome.passed,
+                        f"total norm equal on every rank and to the reference; "
+                        f"norm_type={norm_type:g} {refusal.detail}; {outcome.detail}",
+                    )
+                expected = self.reference(
+                    optimizer="SGD", lr=0.1, clip=0.05, norm_type=norm_type, steps=2
                 )
-            except (RankError, ConfigurationError) as exc:
-                if isinstance(exc, RankError) and "ConfigurationError" not in str(exc):
-                    raise
-                refusal = self.refusal("clipping", "clip_norm_type", _last_line(str(exc)))
-                if not refusal.passed:
-                    return refusal
-                return Outcome(
-                    "clipping",
-                    outcome.passed,
-                    f"total norm equal on every rank and to the reference; norm_type=inf "
-                    f"{refusal.detail}; {outcome.detail}",
+                off = max(
+                    abs(a - b) / max(abs(b), 1e-12)
+                    for r in other
+                    for a, b in zip(r["norms"], expected["norms"], strict=True)
                 )
-            expected = self.reference(optimizer="SGD", lr=0.1, clip=0.05, norm_type=inf, steps=2)
-            off = max(
-                abs(a - b) / max(abs(b), 1e-12)
-                for r in largest
-                for a, b in zip(r["norms"], expected["norms"], strict=True)
-            )
-            if off > max(tolerance, 1e-5) * 10:
-                return Outcome(
-                    "clipping",
-                    False,
-                    f"clip_grad_norm_(norm_type=inf) total norms {largest[0]['norms']} differ "
-                    f"from the reference's {expected['norms']} (relative {off:.2e}): the "
-                    f"norm_type argument is not honoured",
-                )
+                if off > max(tolerance, 1e-5) * 10:
+                    return Outcome(
+                        "clipping",
+                        False,
+                        f"clip_grad_norm_(norm_type={norm_type:g}) total norms "
+                        f"{other[0]['norms']} differ from the reference's {expected['norms']} "
+                        f"(relative {off:.2e}): the norm_type argument is not honoured",
+                    )
             detail = (
-                f"total norm (L2 and inf) equal on every rank and to the reference; "
+                f"total norm (L2, inf and 1) equal on every rank and to the reference; "
                 f"{outcome.detail}"
             )
             return Outcome("clipping", outcome.passed, detail)
@@ -568,6 +573,23 @@ class Kit:
             worst <= tolerance,
             f"5 steps + save/load + 5 steps vs 10 steps: max diff {worst:.2e} "
             f"{'<=' if worst <= tolerance else '>'} {tolerance:.0e}{why}",
+        )
+
+    def frozen(self) -> Outcome:
+        """A frozen first layer and two param groups (their own lr and weight decay; the frozen
+        tensors in one of them, as ``model.parameters()`` passed whole leaves them): setup keeps
+        them frozen and each group trains as the reference's."""
+        results = self.run(bodies.train, frozen=True)
+        thawed = sorted({name for r in results for name in r["thawed"]})
+        if thawed:
+            return Outcome(
+                "frozen",
+                False,
+                f"setup made frozen parameters trainable ({', '.join(thawed)}): they now get "
+                f"gradients and move. Leave requires_grad as the model had it.",
+            )
+        return self.compare(
+            "frozen", results, self.reference(frozen=True), "AdamW, a frozen layer, 2 groups"
         )
 
     def reuse(self) -> Outcome:
