@@ -427,7 +427,7 @@ def test_load_pretrained_and_resume_s_step_check_go_through_hooks(tmp_path):
         engine.save_checkpoint({"model": model}, step=3)
     (tmp_path / "ckpt" / "step-3").rename(tmp_path / "ckpt" / "step-9")
     with pytest.raises(
-        tp.CheckpointError, match="its name says step 9, but it was saved at step 3"
+        tp.CheckpointError, match="its name says step 9, but its metadata says step 3"
     ):
         tp.Engine(
             "single", plugins=[Watch()], checkpoint_dir=tmp_path / "ckpt", resume="latest"

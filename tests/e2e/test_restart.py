@@ -164,7 +164,7 @@ def test_a_renamed_checkpoint_is_not_resumed_as_the_step_its_name_says(tmp_path)
         (tmp_path / "step-5").rename(tmp_path / "step-999")
         with pytest.raises(tp.CheckpointError) as info:
             engine.resume({"step": 0})
-        assert "its name says step 999, but it was saved at step 5" in str(info.value)
+        assert "its name says step 999, but its metadata says step 5" in str(info.value)
 
 
 def test_a_user_key_named_like_the_rng_entry_is_refused(tmp_path):

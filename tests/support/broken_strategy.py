@@ -222,6 +222,21 @@ class OnlyL2OrInf(DDPStrategy):
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
 
+class OwnStepMetadata(DDPStrategy):
+    """Answers ``torchplug_checkpoint_metadata`` with its own step counter (the optimizer steps
+    this Engine took) instead of the step the checkpoint was saved at."""
+
+    steps = 0
+
+    @tpp.hookimpl
+    def torchplug_optimizer_step(self, engine, optimizer, closure):
+        self.steps += 1
+
+    @tpp.hookimpl
+    def torchplug_checkpoint_metadata(self, engine, path):
+        return {"step": self.steps}
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
@@ -240,6 +255,7 @@ BROKEN = {
     "leaves-hooks": (LeavesHooks, "reuse"),
     "unfreezes": (Unfreezes, "frozen"),
     "only-l2-or-inf": (OnlyL2OrInf, "clipping"),
+    "own-step-metadata": (OwnStepMetadata, "resume"),
 }
 #: What a broken strategy's registration declares beyond the defaults.
 DECLARED = {"claims-sharding": {"shards_optimizer": True}}

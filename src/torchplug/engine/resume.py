@@ -169,12 +169,34 @@ def _step_mismatch(engine: Engine, step: int, path: Path) -> str | None:
         return f"Cannot resume from {path}: {exc}"
     saved = metadata.get("step") if isinstance(metadata, dict) else None
     if saved is not None and saved != step:
+        fix = f"rename it back to step-{saved}, or move it out of {path.parent}"
+        plugins = _answering(engine)
+        if not plugins:
+            return (
+                f"Cannot resume from {path}: its name says step {step}, but its metadata says "
+                f"step {saved}: the directory was renamed or copied. Fix: {fix}."
+            )
         return (
-            f"Cannot resume from {path}: its name says step {step}, but it was saved at step "
-            f"{saved} (the directory was renamed or copied). Rename it back to step-{saved}, or "
-            f"move it out of {path.parent}."
+            f"Cannot resume from {path}: its name says step {step}, but its metadata says step "
+            f"{saved}. Either the directory was renamed or copied ({fix}), or a plugin answers "
+            f"torchplug_checkpoint_metadata with another step than the one save_checkpoint "
+            f"saved (implemented here by: {plugins})."
         )
     return None
+
+
+def _answering(engine: Engine) -> str:
+    """The plugins other than the built-in checkpoint plugin that implement
+    ``torchplug_checkpoint_metadata``, for the message: a backend's wrong answer is not the
+    user's renamed directory."""
+    names = set()
+    for impl in engine._pm.hook.torchplug_checkpoint_metadata.get_hookimpls():
+        where = getattr(impl.plugin, "__name__", None)  # a module plugin
+        if where is None:
+            names.add(f"{type(impl.plugin).__name__} (strategy '{engine.strategy}')")
+        elif not where.startswith("torchplug.checkpoint"):
+            names.add(where)
+    return ", ".join(sorted(names))
 
 
 def save_checkpoint(

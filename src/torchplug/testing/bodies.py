@@ -223,6 +223,7 @@ def train(
     engine_args: dict[str, Any] | None = None,
     with_accumulate: bool = False,
     frozen: bool = False,
+    checkpoint_dir: str | None = None,
 ) -> dict[str, Any]:
     """``steps`` steps on the global batch split over the ranks, as a user writes them.
 
@@ -233,7 +234,9 @@ def train(
     ``with_accumulate``: the micro-batches go through ``engine.accumulate`` instead (the loop a
     user writes: step and zero_grad on every micro-batch, the Engine skips them in between).
     ``frozen``: the first layer frozen and two param groups (`frozen_groups`); the result's
-    ``thawed`` names the frozen parameters that setup made trainable.
+    ``thawed`` names the frozen parameters that setup made trainable. ``checkpoint_dir``: the
+    Engine gets it with ``resume="latest"``, ``engine.resume`` runs after setup (its step must be
+    ``first_step``) and ``engine.save_checkpoint`` after the last step.
     ``precision_options`` default (None): fp16 starts at `FP16_SCALE`; ``{}``: the
     precision plugin's own defaults. ``engine_args``: more Engine arguments (``compile``, ...).
     """
@@ -245,6 +248,8 @@ def train(
     else:
         extra.update(kit_scale(strategy, precision))
     guard = [NaNGuard()] if nan_guard else []
+    if checkpoint_dir is not None:
+        extra.update(checkpoint_dir=checkpoint_dir, resume="latest")
     with tp.Engine(
         strategy, precision=precision, plugins=guard, **extra, **(options or {})
     ) as engine:
@@ -261,6 +266,9 @@ def train(
             state = {"model": model, "optimizer": opt, "step": 0}
             engine.load(load_from, state)
             assert state["step"] == first_step, (state["step"], first_step)
+        if checkpoint_dir is not None:
+            resumed = engine.resume({"model": model, "optimizer": opt})
+            assert resumed == (first_step or None), f"resumed at {resumed}, not {first_step}"
         losses, norms, skipped, lrs, synced, scales, checksums = [], [], [], [], [], [], []
         batches = _batches(engine.data_parallel_size, global_batch)
         for step, (x, y) in enumerate(engine.setup_dataloader(batches)):
@@ -314,6 +322,8 @@ def train(
             scales.append(scaler.get_scale() if scaler is not None else None)
         if save_to is not None:
             engine.save(save_to, {"model": model, "optimizer": opt, "step": first_step + steps})
+        if checkpoint_dir is not None:
+            engine.save_checkpoint({"model": model, "optimizer": opt}, step=first_step + steps)
         return {
             "losses": losses,
             "norms": norms,

@@ -553,15 +553,33 @@ class Kit:
         return Outcome("checkpoint", ok, detail)
 
     def resume(self) -> Outcome:
+        """5 steps, save, 5 more from the checkpoint equal 10 steps: through ``engine.save`` /
+        ``load`` and through ``save_checkpoint`` / ``resume="latest"`` (which checks the step
+        the ``torchplug_checkpoint_metadata`` answer gives against the directory's name)."""
         path = str(self._tmp / "half")
         first = self.run(bodies.train, steps=5, save_to=path)[0]
         second = self.run(bodies.train, steps=5, first_step=5, load_from=path)[0]
         whole = self.cached("train10", lambda: self.run(bodies.train))[0]
+        latest = str(self._tmp / "latest")
+        self.run(bodies.train, steps=5, checkpoint_dir=latest)
+        try:
+            third = self.run(bodies.train, steps=5, first_step=5, checkpoint_dir=latest)[0]
+        except RankError as exc:
+            return Outcome(
+                "resume",
+                False,
+                f'resume="latest" failed after save_checkpoint: {_last_line(str(exc))} (the step '
+                f"torchplug_checkpoint_metadata answers must be the one save_checkpoint saved)",
+            )
         worst_loss = max(
             abs(a - b)
             for a, b in zip(first["losses"] + second["losses"], whole["losses"], strict=True)
         )
-        worst = max(worst_loss, max_diff(second["params"], whole["params"]))
+        worst = max(
+            worst_loss,
+            max_diff(second["params"], whole["params"]),
+            max_diff(third["params"], whole["params"]),
+        )
         # A resumed run repeats the same arithmetic, lossy communication included: it must
         # agree to 1e-6 whatever the parity tolerance. Only a strategy whose communication keeps
         # state that checkpoints do not carry (PowerSGD's error feedback) declares
@@ -571,7 +589,8 @@ class Kit:
         return Outcome(
             "resume",
             worst <= tolerance,
-            f"5 steps + save/load + 5 steps vs 10 steps: max diff {worst:.2e} "
+            f"5 steps + save/load (and save_checkpoint/resume='latest') + 5 steps vs 10 "
+            f"steps: max diff {worst:.2e} "
             f"{'<=' if worst <= tolerance else '>'} {tolerance:.0e}{why}",
         )
 
