@@ -62,6 +62,7 @@ _EXPORTS = {
     "job_port": "torchplug.plugins.torchrun",
     "master_port": "torchplug.plugins.torchrun",
     "env_int": "torchplug.plugins.torchrun",
+    "inside_torchrun": "torchplug.plugins.torchrun",
     # what this machine can run (a strategy's precision_check)
     "cuda_lacks": "torchplug.util.capabilities",
     "cpu_kernels_missing": "torchplug.util.capabilities",

@@ -117,6 +117,28 @@ def test_srun_starts_every_rank_of_a_plain_script(slurm, script, tmp_path):
     assert_matches_reference(tmp_path / "result-0.pt")
 
 
+#: What a shell that once ran torchrun still exports (issue 36 item 7): every task got them.
+LEFT_OVER = {"TORCHELASTIC_RUN_ID": "stale", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+
+
+def test_srun_tasks_with_torchrun_variables_left_in_the_shell_are_the_schedulers_ranks(
+    slurm, script, tmp_path
+):
+    """Both tasks used to become "rank 1 of 2" and wait 30 minutes for a rank 0."""
+    out = tmp_path / "result-{tag}.pt"
+    run = slurm.run(
+        "srun", "-n", "2", "python", str(script), str(out), env={**slurm.env, **LEFT_OVER}
+    )
+    stdout = ok(run, slurm)
+    assert worlds(stdout) == [
+        "world=2 rank=0 strategy=ddp step=0",
+        "world=2 rank=1 strategy=ddp step=0",
+    ]
+    assert "started by slurmstepd, not by torchrun" in run.stderr, run.stderr
+    assert "TORCHELASTIC_RUN_ID=stale, RANK=1, WORLD_SIZE=2" in run.stderr
+    assert_matches_reference(tmp_path / "result-0.pt")
+
+
 def test_srun_two_tasks_of_torchplug_launch_are_one_world(slurm, script, tmp_path):
     """``srun -n 2 torchplug launch train.py``: each task is one rank of one world of 2."""
     out = tmp_path / "result-{tag}.pt"
@@ -196,6 +218,25 @@ def test_mpirun_starts_every_rank_of_a_plain_script(mpirun, script, tmp_path):
         "world=2 rank=0 strategy=ddp step=mpi",
         "world=2 rank=1 strategy=ddp step=mpi",
     ]
+    assert_matches_reference(tmp_path / "result-mpi.pt")
+
+
+def test_mpirun_ranks_with_torchrun_variables_left_in_the_shell_are_mpis_ranks(
+    mpirun, script, tmp_path
+):
+    import subprocess
+
+    out = tmp_path / "result-{tag}.pt"
+    run = subprocess.run(
+        [*mpirun, "python", str(script), str(out)], env={**mpirun_env(), **LEFT_OVER},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    stdout = ok(run)
+    assert worlds(stdout) == [
+        "world=2 rank=0 strategy=ddp step=mpi",
+        "world=2 rank=1 strategy=ddp step=mpi",
+    ]
+    assert "not by torchrun, yet torchrun's variables are set" in run.stderr, run.stderr
     assert_matches_reference(tmp_path / "result-mpi.pt")
 
 

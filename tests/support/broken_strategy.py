@@ -15,7 +15,12 @@ from torchplug.plugins.ddp import DDPStrategy
 
 
 class NoAverage(DistributedStrategy):
-    """Sums gradients across ranks but forgets to divide by the world size."""
+    """Sums gradients across ranks but forgets to divide by the world size (unless given the
+    option ``average=True``: how the suite sees ``torchplug check --option`` reach the ranks)."""
+
+    def __init__(self, average: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.average = average
 
     @tpp.hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
@@ -31,6 +36,8 @@ class NoAverage(DistributedStrategy):
         for p in self.model.parameters():  # the model from wrap: this code really runs
             if p.grad is not None:
                 dist.all_reduce(p.grad)  # SUM, and no division by the world size: the bug
+                if self.average:
+                    p.grad /= engine.world_size
         return True
 
 
@@ -258,7 +265,15 @@ BROKEN = {
     "own-step-metadata": (OwnStepMetadata, "resume"),
 }
 #: What a broken strategy's registration declares beyond the defaults.
-DECLARED = {"claims-sharding": {"shards_optimizer": True}}
+DECLARED = {
+    "claims-sharding": {"shards_optimizer": True},
+    "no-average": {
+        "options": (
+            *DistributedStrategy.strategy_options(),
+            tpp.Option("average", bool, False, "divide by the world size after all"),
+        )
+    },
+}
 
 #: Not broken: the same refusal, declared (the kit passes it as "refused as declared").
 DECLARES_REFUSAL = "declares-no-clipping"

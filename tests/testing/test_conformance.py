@@ -117,6 +117,26 @@ def test_check_command_reports_pass_and_fail_per_property():
     assert "1 passed, 1 failed" in run.stdout
 
 
+@pytest.mark.slow
+def test_check_passes_option_to_every_rank_and_refuses_an_unknown_one_before_starting():
+    """Issue 35: ``torchplug check --option`` (a backend whose behaviour an option chooses)."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONWARNINGS": "ignore"}
+    base = [sys.executable, "-m", "torchplug", "check", "no-average", "--plugin",
+            "support.broken_strategy", "--precision", "32", "--only", "sgd"]  # fmt: skip
+    run = subprocess.run(
+        [*base, "--option", "average=true"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "torchplug check no-average, average=True, precision 32" in run.stdout
+    assert "PASS  sgd" in run.stdout
+    run = subprocess.run(
+        [*base, "--option", "averge=true"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "Unknown option 'averge'" in run.stderr and "Did you mean 'average'?" in run.stderr
+    assert "PASS" not in run.stdout and "FAIL" not in run.stdout  # no rank was started
+
+
 def test_a_backend_ignoring_a_skip_from_an_extension_is_caught_by_nan_skip(ranks):
     """The NaN guard (an extension wrapper) asks for no update; this backend steps anyway."""
     (outcome,) = check(

@@ -62,6 +62,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PROPERTY",
         help="check only this property (repeatable)",
     )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a strategy option the kit's Engines get, e.g. --option bucket_cap_mb=1 "
+        "(repeatable; checked against the strategy's options before any rank starts)",
+    )
     p = sub.add_parser(
         "convert",
         help="turn a checkpoint into DST/model.safetensors (loadable without torchplug), or a "

@@ -19,12 +19,14 @@ def check(args: Any) -> int:
         )
         return 2
     from torchplug.contract import manager
-    from torchplug.engine.config import normalize_precision
+    from torchplug.engine.config import normalize_precision, parse_option
     from torchplug.testing import bodies
 
     try:
         bodies.register(args.plugin)
         info = manager.get_registry().strategy(args.strategy)
+        options = dict(parse_option(text) for text in getattr(args, "option", None) or ())
+        info.resolve_options(options)  # unknown names and wrong types: refused before any rank
         precisions = [normalize_precision(args.precision)] if args.precision else info.precisions
     except TorchplugError as exc:
         print(f"torchplug check: {exc}", file=sys.stderr)
@@ -34,13 +36,19 @@ def check(args: Any) -> int:
     for precision in precisions:
         try:
             kit = Kit(
-                args.strategy, args.nprocs, plugins=args.plugin, precision=precision, pool=pool
+                args.strategy,
+                args.nprocs,
+                plugins=args.plugin,
+                options=options,
+                precision=precision,
+                pool=pool,
             )
         except TorchplugError as exc:
             print(f"torchplug check: {exc}", file=sys.stderr)
             return 2
         where = f"{kit.nprocs} ranks" if kit.nprocs > 1 else "1 process: the strategy runs one"
-        print(f"torchplug check {kit.strategy}, precision {precision} ({where})")
+        given = "".join(f", {k}={v!r}" for k, v in options.items())
+        print(f"torchplug check {kit.strategy}{given}, precision {precision} ({where})")
         outcomes = kit.check(args.only or PROPERTIES)
         if kit.nprocs > 1 and kit.started:
             pool = kit.pool  # one set of ranks for every precision; stopped below

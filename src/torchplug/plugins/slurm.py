@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from torchplug.plugin import (
     ClusterInfo,
     hookimpl,
+    inside_torchrun,
     job_port,
     master_port,
 )
@@ -50,8 +51,8 @@ def tasks_per_node(value: str, node: int) -> int:
 
 @hookimpl
 def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
-    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env or "TORCHELASTIC_RUN_ID" in env:
-        return None
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env or inside_torchrun(env):
+        return None  # torchrun's workers: torchrun's variables describe them
     # The step's own layout first: a step may use part of the job's nodes (srun -N 1 -w b)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get(
         "SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")

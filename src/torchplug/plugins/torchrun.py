@@ -14,7 +14,9 @@ and variable helpers every cluster environment uses. Built in, through the same
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from collections.abc import Mapping
 
 from torchplug.plugin import ClusterInfo, ConfigurationError, hookimpl
@@ -87,9 +89,66 @@ def master_port(value: str | None, name: str = "MASTER_PORT") -> int | None:
     return port
 
 
+#: The programs that start a scheduler's tasks. A process whose nearest ancestor outside a
+#: wrapping shell is one of these was not started by torchrun, whatever torchrun variables it has.
+TASK_STARTERS = (
+    "slurmstepd", "prted", "prterun", "orted", "hydra_pmi_proxy", "mpirun", "mpiexec", "srun",
+)  # fmt: skip
+#: What may sit between a task starter and the rank (``srun bash -c "python train.py"``).
+WRAPPERS = ("sh", "bash", "dash", "zsh", "ksh", "fish", "env", "nohup", "timeout", "stdbuf")
+
+
+def started_by(pid: int | None = None, depth: int = 8) -> str:
+    """The name of the program that started this process, looking past wrapping shells (read
+    from ``/proc``; ``""`` where that cannot be read)."""
+    pid = os.getpid() if pid is None else pid
+    for _ in range(depth):
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                parent = int(handle.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{parent}/stat") as handle:
+                name = handle.read().partition("(")[2].rpartition(")")[0]
+        except (OSError, ValueError, IndexError):
+            return ""
+        if name not in WRAPPERS or parent <= 1:
+            return name
+        pid = parent
+    return ""
+
+
 def inside_torchrun(env: Mapping[str, str]) -> bool:
-    """Whether this process is a worker that torchrun (or ``torchplug launch``) started."""
-    return "TORCHELASTIC_RUN_ID" in env and "RANK" in env and "WORLD_SIZE" in env
+    """Whether this process is a worker that torchrun (or ``torchplug launch``) started: its
+    variables are set, and no scheduler's task starter started it. A shell that once ran
+    torchrun keeps ``TORCHELASTIC_RUN_ID``, ``RANK`` and ``WORLD_SIZE``; ``srun`` and
+    ``mpirun`` pass them on to every task, which all became "rank 1 of 2" and waited 30 minutes
+    at a rendezvous nobody else came to. Such leftovers are named once and set aside, and the
+    scheduler's own variables decide."""
+    if not ("TORCHELASTIC_RUN_ID" in env and "RANK" in env and "WORLD_SIZE" in env):
+        return False
+    starter = started_by() if env is os.environ or env == os.environ else ""
+    if starter in TASK_STARTERS:
+        _said_leftovers(env, starter)
+        return False
+    return True
+
+
+_SAID: set[str] = set()
+
+
+def _said_leftovers(env: Mapping[str, str], starter: str) -> None:
+    names = [k for k in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK") if k in env]
+    if starter in _SAID:
+        return
+    _SAID.add(starter)
+    listing = ", ".join(f"{k}={env[k]}" for k in names)
+    print(  # a line, not a warning: PYTHONWARNINGS=ignore must not hide why the ranks differ
+        f"torchplug: this process was started by {starter}, not by torchrun, yet torchrun's "
+        f"variables are set ({listing}): left over in the shell from an earlier torchrun, "
+        f"they are ignored here and the scheduler's own variables say which rank this is. "
+        f"Unset them (unset {' '.join(names)}) to silence this.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def torchrun_environment(env: Mapping[str, str]) -> ClusterInfo:

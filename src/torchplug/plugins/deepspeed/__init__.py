@@ -173,6 +173,29 @@ def _user_config(config: dict[str, Any] | str | None) -> tuple[dict[str, Any], s
         raise ConfigurationError(f"DeepSpeed config file {path} is not valid JSON: {exc}") from None
 
 
+def _refuse_set_up_before(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Refuse an optimizer an earlier DeepSpeed engine took over: every stage swaps the
+    optimizer's param groups for its own flat partitions, so a second ``deepspeed.initialize``
+    failed deep inside with a ``KeyError`` or ``IndexError`` (found by the kit's ``reuse``
+    property). A model ZeRO-3 partitioned is not refused by itself: ``engine.init_module``
+    builds one so on purpose."""
+    own = {id(p) for p in model.parameters()}
+    foreign = [
+        i
+        for optimizer in optimizers
+        for i, group in enumerate(optimizer.param_groups)
+        if any(id(p) not in own for p in group["params"])
+    ]
+    if foreign:
+        raise ConfigurationError(
+            f"DeepSpeed cannot set up this optimizer: its param group(s) {foreign} hold tensors "
+            f"that are not the model's parameters (DeepSpeed's flat partitions, from an earlier "
+            f"Engine's setup, or another model's). DeepSpeed takes over the optimizer it is "
+            f"given. Build the model and the optimizer anew for this Engine (load a checkpoint "
+            f"the earlier one saved into them to carry its training on)."
+        )
+
+
 class DeepSpeedStrategy(DistributedStrategy):
     def __init__(
         self,
@@ -335,6 +358,7 @@ class DeepSpeedStrategy(DistributedStrategy):
                 "This deepspeed Engine already set up a model; create one torchplug Engine per "
                 "model with DeepSpeed."
             )
+        _refuse_set_up_before(model, optimizers)
         untested = optimizers and type(optimizers[0]).__name__ not in _ZERO_TESTED
         if untested and self.config["zero_optimization"]["stage"] > 0:
             if self.config.get("zero_allow_untested_optimizer"):
@@ -754,8 +778,9 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
         "precisions": ("32", "bf16", "fp16"),
         "shards_optimizer": True,
         # DeepSpeed compiles through its own config; micro-batches are marked by
-        # engine.accumulate (its gradient-accumulation boundary), not by a bare no_sync.
-        "refuses": ("compile", "no_sync", "clip_norm_type"),
+        # engine.accumulate (its gradient-accumulation boundary), not by a bare no_sync; a
+        # model and optimizer it took over cannot be handed on (_refuse_set_up_before).
+        "refuses": ("compile", "no_sync", "clip_norm_type", "reuse"),
     }
     register(
         StrategyInfo(
