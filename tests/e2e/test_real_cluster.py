@@ -139,6 +139,44 @@ def test_srun_tasks_with_torchrun_variables_left_in_the_shell_are_the_schedulers
     assert_matches_reference(tmp_path / "result-0.pt")
 
 
+def test_srun_tasks_given_a_master_addr_that_does_not_resolve_fail_at_once_naming_it(
+    slurm, script, tmp_path
+):
+    """Issue 36 item 7: a mistyped or leftover MASTER_ADDR used to wait 30 minutes silently."""
+    env = {**slurm.env, "MASTER_ADDR": "no-such-host.invalid"}
+    run = slurm.run("srun", "-n", "2", "python", str(script), str(tmp_path / "x"), env=env)
+    assert run.returncode != 0 and "world=" not in run.stdout
+    assert "MASTER_ADDR='no-such-host.invalid' (as SLURM gave it) does not resolve" in run.stderr
+    assert run.stderr.count("does not resolve") == 2, run.stderr  # each task says it
+
+
+def test_srun_tasks_waiting_for_an_unreachable_master_addr_say_what_they_wait_for(
+    slurm, script, tmp_path
+):
+    """An address that resolves but never answers (192.0.2.1, TEST-NET-1): each rank says,
+    after 30 s, the address, where it came from and the timeout, long before torch gives up."""
+    import subprocess
+
+    env = {**slurm.env, "MASTER_ADDR": "192.0.2.1"}
+    job = subprocess.Popen(
+        ["srun", "-n", "2", "python", str(script), str(tmp_path / "x")], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        for line in job.stderr:  # read until both ranks have said it (or the job ended)
+            lines.append(line)
+            if sum("for the other ranks at 192.0.2.1:" in seen for seen in lines) == 2:
+                break
+    finally:
+        job.kill()
+        slurm.run("scancel", "--user", "root")
+        job.wait(timeout=120)
+    said = [line for line in lines if "for the other ranks at 192.0.2.1:" in line]
+    assert len(said) == 2, "".join(lines)[-3000:]
+    assert all("from SLURM" in line and "gives up after 1800 s" in line for line in said), said
+
+
 def test_srun_two_tasks_of_torchplug_launch_are_one_world(slurm, script, tmp_path):
     """``srun -n 2 torchplug launch train.py``: each task is one rank of one world of 2."""
     out = tmp_path / "result-{tag}.pt"
@@ -238,6 +276,22 @@ def test_mpirun_ranks_with_torchrun_variables_left_in_the_shell_are_mpis_ranks(
     ]
     assert "not by torchrun, yet torchrun's variables are set" in run.stderr, run.stderr
     assert_matches_reference(tmp_path / "result-mpi.pt")
+
+
+def test_mpirun_ranks_given_a_master_addr_that_does_not_resolve_fail_at_once_naming_it(
+    mpirun, script, tmp_path
+):
+    import subprocess
+
+    run = subprocess.run(
+        [*mpirun, "python", str(script), str(tmp_path / "x")],
+        env={**mpirun_env(), "MASTER_ADDR": "no-such-host.invalid"},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode != 0 and "world=" not in run.stdout
+    assert "MASTER_ADDR='no-such-host.invalid' (as mpirun (Open MPI) gave it)" in run.stderr, (
+        run.stderr[-3000:]
+    )
 
 
 def test_mpirun_two_tasks_of_torchplug_launch_are_one_world(mpirun, script, tmp_path):
