@@ -13,6 +13,7 @@ from torchplug.util.version import VERSION as __version__
 
 _EXPORTS = {
     "Engine": "torchplug.engine.engine",
+    "RNGState": "torchplug.engine.resume",
     "seed_everything": "torchplug.features.seeding",
     "seed_worker": "torchplug.features.seeding",
     "find_executable_batch_size": "torchplug.features.batchsize",
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     )
     from torchplug.engine.engine import Engine, Runtime
     from torchplug.engine.launcher import RankFailedError, launch
+    from torchplug.engine.resume import RNGState
     from torchplug.features.batchsize import find_executable_batch_size
     from torchplug.features.seeding import seed_everything, seed_worker
     from torchplug.features.throughput import ThroughputMonitor, measure_flops

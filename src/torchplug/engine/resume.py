@@ -85,8 +85,13 @@ def path_argument(name: str, value: Any) -> Path | None:
 class RNGState:
     """Every rank's RNG states as one checkpoint entry (tensors and JSON, no pickles).
 
-    Saved: torch's CPU generator, the CUDA generators, Python's ``random``, gathered from all
-    ranks. Loaded: rank ``r`` takes row ``r`` (``r % saved ranks`` on another world size).
+    Saved: torch's CPU generator, the CUDA generators, Python's ``random`` and numpy's global
+    generator (what Accelerate's ``save_state`` keeps), gathered from all ranks. Loaded: rank
+    ``r`` takes row ``r`` (``r % saved ranks`` on another world size). ``save_checkpoint`` and
+    ``resume`` keep one under the state's ``"rng"`` entry; put ``tp.RNGState(engine)`` in the
+    state given to ``engine.save``/``load`` to have the same there::
+
+        engine.save("ckpt", {"model": model, "optimizer": opt, "rng": tp.RNGState(engine)})
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -108,6 +113,12 @@ class RNGState:
         if torch.cuda.is_available():
             cuda = torch.stack(torch.cuda.get_rng_state_all())
             state["cuda"] = self.engine.gather(cuda).cpu()
+        import numpy
+
+        _, keys, position, has_gauss, gauss = numpy.random.get_state(legacy=True)
+        words = torch.tensor([*keys.tolist(), position, has_gauss], dtype=torch.int64)
+        state["numpy"] = self.engine.gather(words).cpu()
+        state["numpy_gauss"] = self.engine.gather(torch.tensor([gauss], dtype=torch.float64))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -117,6 +128,13 @@ class RNGState:
         gauss = state["python_gauss"][0][row % len(state["python_gauss"][0])]
         internal = tuple(int(x) for x in state["python"][row].tolist())
         random.setstate((int(state["python_version"]), internal, gauss))
+        if "numpy" in state:  # checkpoints from before numpy's state was kept lack it
+            import numpy
+
+            words = state["numpy"][row % len(state["numpy"])].tolist()
+            gauss = float(state["numpy_gauss"][row % len(state["numpy_gauss"])][0])
+            keys = numpy.array(words[:-2], dtype=numpy.uint32)
+            numpy.random.set_state(("MT19937", keys, words[-2], words[-1], gauss))
         if "cuda" in state and torch.cuda.is_available():
             saved = state["cuda"][row]
             for device in range(min(len(saved), torch.cuda.device_count())):

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -173,12 +174,16 @@ def _user_config(config: dict[str, Any] | str | None) -> tuple[dict[str, Any], s
         raise ConfigurationError(f"DeepSpeed config file {path} is not valid JSON: {exc}") from None
 
 
+#: The models and optimizers a DeepSpeed engine took over in this process (by identity).
+_TAKEN: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def _refuse_set_up_before(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-    """Refuse an optimizer an earlier DeepSpeed engine took over: every stage swaps the
-    optimizer's param groups for its own flat partitions, so a second ``deepspeed.initialize``
-    failed deep inside with a ``KeyError`` or ``IndexError`` (found by the kit's ``reuse``
-    property). A model ZeRO-3 partitioned is not refused by itself: ``engine.init_module``
-    builds one so on purpose."""
+    """Refuse a model or optimizer an earlier DeepSpeed engine took over: ZeRO swaps the
+    optimizer's param groups for its own partitions and ZeRO-3 partitions the parameters in
+    place, so a second ``deepspeed.initialize`` failed deep inside with a ``KeyError`` or
+    ``IndexError`` (found by the kit's ``reuse`` property). A model ZeRO-3 partitioned while it
+    was built (``engine.init_module``) is not refused: only what a setup took over."""
     own = {id(p) for p in model.parameters()}
     foreign = [
         i
@@ -186,13 +191,19 @@ def _refuse_set_up_before(model: torch.nn.Module, optimizers: list[torch.optim.O
         for i, group in enumerate(optimizer.param_groups)
         if any(id(p) not in own for p in group["params"])
     ]
-    if foreign:
+    taken = [type(obj).__name__ for obj in (model, *optimizers) if obj in _TAKEN]
+    if taken or foreign:
+        what = (
+            f"the {' and the '.join(taken)} given were set up by an earlier Engine's DeepSpeed"
+            if taken
+            else f"the optimizer's param group(s) {foreign} hold tensors that are not the "
+            f"model's parameters (another model's, or DeepSpeed's flat partitions)"
+        )
         raise ConfigurationError(
-            f"DeepSpeed cannot set up this optimizer: its param group(s) {foreign} hold tensors "
-            f"that are not the model's parameters (DeepSpeed's flat partitions, from an earlier "
-            f"Engine's setup, or another model's). DeepSpeed takes over the optimizer it is "
-            f"given. Build the model and the optimizer anew for this Engine (load a checkpoint "
-            f"the earlier one saved into them to carry its training on)."
+            f"DeepSpeed cannot set up this model and optimizer: {what}. DeepSpeed takes over "
+            f"what it is given, for good. Build the model and the optimizer anew for this "
+            f"Engine (load a checkpoint the earlier one saved into them to carry its training "
+            f"on)."
         )
 
 
@@ -388,6 +399,7 @@ class DeepSpeedStrategy(DistributedStrategy):
             config=self.config,
             dist_init_required=False,
         )
+        _TAKEN.update([model, *optimizers])
         self.ds_engine = ds_engine
         if engine.precision in ("bf16", "fp16"):
             self.fp32_norms = _norms_in_fp32(model)
