@@ -83,6 +83,7 @@ _EXPORTS = {
     "fully_shard_kwargs": "torchplug.plugins.sharding",
     "shard": "torchplug.plugins.sharding",
     "refuse_sharded_twice": "torchplug.plugins.sharding",
+    "UnusedParameters": "torchplug.plugins.sharding",
     "finish_wrap": "torchplug.plugins.sharding",
     "compile_units": "torchplug.plugins.sharding",
     "without_gradient_sync": "torchplug.plugins.sharding",

@@ -27,4 +27,6 @@ class BF16CommDDP(DDPStrategy):
 def torchplug_register_strategies(register):
     about = "DDP, gradients all-reduced in bf16"
     info = dict(name="ddp-bf16comm", factory=BF16CommDDP, extends="ddp", description=about)
-    register(StrategyInfo(**info, tolerance=1e-2))
+    # DDP refuses ranks that use different parameters unless find_unused_parameters=True;
+    # a refusal is declared by each strategy (extends does not pass it on)
+    register(StrategyInfo(**info, tolerance=1e-2, refuses=("rank_dependent",)))

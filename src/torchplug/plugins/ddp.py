@@ -64,6 +64,10 @@ class DDPStrategy(DistributedStrategy):
             )
         # Pass only what differs from DDP's defaults: names get deprecated across torch versions.
         self.ddp_kwargs = {k: v for k, v in ddp.items() if v != defaults[k]}
+        #: The DDP modules whose unused parameters DDP does not look for, with their parameters.
+        self.watched: list[tuple[Any, list[tuple[str, torch.nn.Parameter]]]] = []
+        #: Those of them that ran a forward since the last backward (by ``id``).
+        self.forwarded: set[int] = set()
 
     @hookimpl
     def torchplug_wrap(
@@ -74,7 +78,42 @@ class DDPStrategy(DistributedStrategy):
 
         model = model.to(engine.device)
         device_ids = [engine.device.index] if engine.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs), optimizers
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        finds = self.ddp_kwargs.get("find_unused_parameters") or self.ddp_kwargs.get("static_graph")
+        if not finds:  # DDP itself does not look for unused parameters: torchplug does
+            wrapped.register_forward_pre_hook(lambda module, args: self.forwarded.add(id(module)))
+            self.watched.append((wrapped, list(model.named_parameters())))
+        return wrapped, optimizers
+
+    @hookimpl(wrapper=True)
+    def torchplug_backward(
+        self, engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
+    ) -> Any:
+        """After the backward pass: a parameter that took no part in the loss on this rank
+        (ranks using different parameters: a mixture of experts, a branch some ranks take) is
+        named now, before the optimizer steps. Without ``find_unused_parameters`` DDP cannot
+        average a gradient a rank did not produce: it stepped once with unsynchronised
+        gradients and raised at the next forward, naming its own keyword, not the option."""
+        result = yield
+        for wrapped, params in self.watched:
+            if id(wrapped) not in self.forwarded:
+                continue  # another model's loss (a GAN's two models)
+            self.forwarded.discard(id(wrapped))
+            if not wrapped.require_backward_grad_sync:
+                continue  # inside no_sync: nothing is reduced yet
+            unused = [name for name, p in params if p.requires_grad and p.grad is None]
+            if unused:
+                listing = ", ".join(unused[:5]) + (", ..." if len(unused) > 5 else "")
+                raise ConfigurationError(
+                    f"DDP on rank {engine.rank}: {len(unused)} parameter(s) took no part in this "
+                    f"step's loss ({listing}), and DDP cannot average a gradient a rank did not "
+                    f"produce (ranks that use different parameters: a mixture of experts, a "
+                    f"branch some ranks take; or a layer the model never uses). Pass "
+                    f"Engine('{engine.strategy}', find_unused_parameters=True) (torchplug launch "
+                    f"--option find_unused_parameters=true), or set requires_grad=False on "
+                    f"parameters that are never used."
+                )
+        return result
 
     @hookimpl
     def torchplug_no_sync(
@@ -113,5 +152,8 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             description="torch DistributedDataParallel: full replicas, gradients all-reduced.",
             options=(*DistributedStrategy.strategy_options(), *DDP_OPTIONS),
             memory=ddp_memory,
+            # ranks that use different parameters: right with find_unused_parameters=True,
+            # else refused before the optimizer steps, naming the option
+            refuses=("rank_dependent",),
         )
     )

@@ -49,6 +49,13 @@ def to_oss(optimizer: torch.optim.Optimizer, engine: HookContext) -> torch.optim
 
     if isinstance(optimizer, OSS):
         return optimizer
+    if optimizer in _TAKEN:
+        raise ConfigurationError(
+            "This optimizer was set up by an earlier Engine's OSS, which kept its state (the "
+            "optimizer itself holds none), so a second setup would start the moments from zero "
+            "without a word. Build the optimizer anew for this Engine (load a checkpoint the "
+            "earlier one saved into it to carry its training on)."
+        )
     if optimizer.state:
         raise ConfigurationError(
             "The optimizer has already stepped; OSS re-creates it with sharded state. Call "
@@ -62,9 +69,14 @@ def to_oss(optimizer: torch.optim.Optimizer, engine: HookContext) -> torch.optim
     # An LR scheduler made before setup holds the user's optimizer: let it change the groups OSS
     # reads (OSS copies lr & co. from its global groups into its shard's at every step).
     oss.torchplug_user_optimizer = weakref.ref(optimizer)
+    _TAKEN.add(optimizer)
     engine.restore_on_close(optimizer, "param_groups")
     _link(oss)
     return oss
+
+
+#: The user's optimizers OSS took over in this process (their state lives in OSS).
+_TAKEN: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def _link(oss: torch.optim.Optimizer) -> None:
@@ -281,7 +293,12 @@ def sharded_gradients(query: MemoryQuery) -> MemoryEstimate:
 
 @hookimpl
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
-    common: dict[str, Any] = {"requires": ("fairscale",), "install_hint": INSTALL}
+    # OSS keeps the optimizer's state: a second Engine on the same optimizer is refused
+    common: dict[str, Any] = {
+        "requires": ("fairscale",),
+        "install_hint": INSTALL,
+        "refuses": ("reuse",),
+    }
     register(
         StrategyInfo(
             name="fairscale-oss",
@@ -291,7 +308,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             memory=sharded_optimizer,
             options=(*DistributedStrategy.strategy_options(),),
             shards_optimizer=True,
-            **common,
+            **{**common, "refuses": ("reuse", "rank_dependent")},  # DDP's unused-parameter check
         )
     )
     register(

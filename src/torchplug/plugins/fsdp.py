@@ -31,6 +31,7 @@ from torchplug.plugin import (
     Option,
     Runtime,
     StrategyInfo,
+    UnusedParameters,
     ceil_div,
     clip_largest,
     compile_units,
@@ -69,12 +70,14 @@ class FSDPStrategy(DistributedStrategy):
         min_params: int = 0,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        reduce_scatter_unused_params: bool = False,
     ) -> None:
         super().__init__(process_group_backend, timeout)
         self.shard_classes = tuple(shard_classes)
         self.min_params = min_params
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.unused = UnusedParameters(reduce_scatter_unused_params)
 
     @hookimpl
     def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
@@ -94,7 +97,17 @@ class FSDPStrategy(DistributedStrategy):
             engine, job_mesh(engine), self.reshard_after_forward, self.cpu_offload
         )
         self.units = shard(model, kwargs, self.shard_classes, self.min_params)
+        self.unused.watch(model)
         return finish_wrap(engine, model, optimizers, names, "fsdp")
+
+    @hookimpl(wrapper=True)
+    def torchplug_backward(
+        self, engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
+    ) -> Any:
+        """Ranks that used different parameters: refused before the step (`UnusedParameters`)."""
+        result = yield
+        self.unused.check(engine)
+        return result
 
     @hookimpl
     def torchplug_compile(
@@ -107,7 +120,7 @@ class FSDPStrategy(DistributedStrategy):
     def torchplug_no_sync(
         self, engine: HookContext, model: torch.nn.Module
     ) -> contextlib.AbstractContextManager[None]:
-        return without_gradient_sync(model)
+        return self.unused.not_syncing(without_gradient_sync(model))
 
     @hookimpl
     def torchplug_clip_grad_norm(
@@ -178,11 +191,14 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 Option("min_params", int, 0, "shard submodules holding at least this many params"),
                 Option("reshard_after_forward", bool, True, "free gathered params after forward"),
                 Option("cpu_offload", bool, False, "keep sharded params and grads on the CPU"),
+                UnusedParameters.OPTION,
             ),
             precisions=("32", "bf16"),
             owns_precision=True,
             precision_check=gpu_check,
-            refuses=("reuse",),  # a model is sharded once (refuse_sharded_twice)
+            # a model is sharded once (refuse_sharded_twice); ranks that use different
+            # parameters: right with reduce_scatter_unused_params=True, else refused
+            refuses=("reuse", "rank_dependent"),
             shards_parameters=True,
             shards_optimizer=True,
             takes_meta_modules=True,

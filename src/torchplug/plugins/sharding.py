@@ -20,6 +20,7 @@ import torch
 from torchplug.plugin import (
     ConfigurationError,
     HookContext,
+    Option,
     PluginError,
     Runtime,
     norm_base,
@@ -172,6 +173,75 @@ def make_contiguous(model: torch.nn.Module) -> None:
     for param in model.parameters():
         if not param.is_contiguous():
             param.data = param.data.contiguous()
+
+
+class UnusedParameters:
+    """Ranks that use different parameters in one step (a mixture of experts, a branch some
+    ranks take) under FSDP2, which reduce-scatters only the gradients a rank has: the ranks'
+    buffers no longer line up and the averages come out silently wrong
+    (pytorch/pytorch#158719). After each backward that reduced gradients, one small all-reduce
+    of which parameters have a gradient; a parameter some ranks have one for and others not is
+    refused before the optimizer steps, naming the option that makes it right: ``zero_fill``
+    (FSDP2's ``set_reduce_scatter_unused_params``) counts it as a zero gradient on the ranks
+    that did not use it, as DDP's ``find_unused_parameters`` does.
+
+    Args:
+        zero_fill: The strategy's ``reduce_scatter_unused_params`` option.
+    """
+
+    OPTION = Option(
+        "reduce_scatter_unused_params",
+        bool,
+        False,
+        "ranks that use different parameters (MoE): a parameter a rank did not use counts as a "
+        "zero gradient there (else such a step is refused)",
+    )
+
+    def __init__(self, zero_fill: bool) -> None:
+        self.zero_fill = zero_fill
+        self.params: list[tuple[str, torch.nn.Parameter]] = []
+        self.syncing = True
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Check ``model`` (sharded with FSDP2) after each backward from now on."""
+        if self.zero_fill:
+            model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+        self.params += list(model.named_parameters())
+
+    @contextlib.contextmanager
+    def not_syncing(self, inner: contextlib.AbstractContextManager[None]) -> Iterator[None]:
+        """``inner`` (the backend's ``no_sync``): no gradient is reduced meanwhile."""
+        self.syncing = False
+        try:
+            with inner:
+                yield
+        finally:
+            self.syncing = True
+
+    def check(self, engine: HookContext) -> None:
+        """After a backward pass: refuse a parameter with a gradient on some ranks only."""
+        if not self.syncing or not self.params:
+            return
+        trainable = [(name, p) for name, p in self.params if p.requires_grad]
+        has = [p.grad is not None for _, p in trainable]
+        counts = engine.reduce(torch.tensor(has, dtype=torch.int32, device=engine.device), "sum")
+        partial = [
+            name
+            for (name, _), count in zip(trainable, counts.tolist(), strict=True)
+            if 0 < count < engine.world_size
+        ]
+        if partial:
+            listing = ", ".join(partial[:5]) + (", ..." if len(partial) > 5 else "")
+            raise ConfigurationError(
+                f"{engine.strategy}: {len(partial)} parameter(s) got a gradient on some ranks "
+                f"and none on others in this step ({listing}): ranks that use different "
+                f"parameters (a mixture of experts, a branch some ranks take). FSDP would "
+                f"average them wrongly, so the step is refused. Pass "
+                f"Engine('{engine.strategy}', reduce_scatter_unused_params=True) (torchplug "
+                f"launch --option reduce_scatter_unused_params=true): a parameter a rank did "
+                f"not use then counts as a zero gradient there, as DDP's "
+                f"find_unused_parameters does."
+            )
 
 
 def refuse_sharded_twice(model: torch.nn.Module, strategy: str) -> None:

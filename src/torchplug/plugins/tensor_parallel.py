@@ -41,6 +41,7 @@ from torchplug.plugin import (
     Option,
     Runtime,
     StrategyInfo,
+    UnusedParameters,
     clip_largest,
     compile_units,
     finish_wrap,
@@ -148,8 +149,10 @@ class TensorParallelStrategy(DistributedStrategy):
         shard_classes: list[str] | tuple[str, ...] = (),
         reshard_after_forward: bool = True,
         fsdp: bool = True,
+        reduce_scatter_unused_params: bool = False,
     ) -> None:
         super().__init__(process_group_backend, timeout)
+        self.unused = UnusedParameters(reduce_scatter_unused_params)
         self.shard_classes = tuple(shard_classes)
         self.reshard_after_forward = reshard_after_forward
         self.tp_plan = tp_plan
@@ -268,7 +271,18 @@ class TensorParallelStrategy(DistributedStrategy):
         if self.fsdp:
             kwargs = fully_shard_kwargs(engine, mesh["dp"], self.reshard_after_forward)
             self.units = shard(model, kwargs, self.shard_classes, 0)
+            self.unused.watch(model)
         return finish_wrap(engine, model, optimizers, names, self.name)
+
+    @hookimpl(wrapper=True)
+    def torchplug_backward(
+        self, engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
+    ) -> Any:
+        """Ranks that used different parameters: refused before the step (`UnusedParameters`;
+        ``fsdp-tp`` only: the ranks of one ``tp`` group see the same data)."""
+        result = yield
+        self.unused.check(engine)
+        return result
 
     @hookimpl
     def torchplug_compile(
@@ -311,7 +325,7 @@ class TensorParallelStrategy(DistributedStrategy):
     ) -> contextlib.AbstractContextManager[None]:
         if not self.fsdp:
             return contextlib.nullcontext()  # one data-parallel replica: nothing to synchronise
-        return without_gradient_sync(model)
+        return self.unused.not_syncing(without_gradient_sync(model))
 
 
 def _check_plan_type(plan: Any) -> None:
@@ -463,11 +477,14 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                     "class names of submodules to shard as FSDP units",
                 ),
                 Option("reshard_after_forward", bool, True, "free gathered params after forward"),
+                UnusedParameters.OPTION,
             ),
             precisions=("32", "bf16"),
             owns_precision=True,
             precision_check=gpu_check,
-            refuses=("reuse",),  # a model is sharded once (refuse_sharded_twice)
+            # a model is sharded once (refuse_sharded_twice); ranks that use different
+            # parameters: right with reduce_scatter_unused_params=True, else refused
+            refuses=("reuse", "rank_dependent"),
             shards_parameters=True,
             shards_optimizer=True,
             takes_meta_modules=True,

@@ -343,6 +343,87 @@ def train(
         }
 
 
+class TwoExperts(torch.nn.Module):
+    """A trunk and two experts; each forward uses one, as a mixture-of-experts block skips the
+    experts no local token was routed to (Mixtral and Qwen-MoE in transformers 4.x, many in-house
+    MoE layers): ranks then use different parameters in one step."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(FEATURES, width)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(width, 1) for _ in range(2)])
+        #: Its own tensor-parallel plan (the kit's MLP plan names other layers).
+        self.tp_plan = {"trunk": "colwise", "experts.*": "rowwise"}
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.experts[expert](torch.tanh(self.trunk(x)))
+
+
+def _expert_share(x: torch.Tensor, y: torch.Tensor, rank: int, ranks: int) -> tuple[Any, ...]:
+    """Rank ``rank``'s rows of a global batch and the expert they use (rank r: expert r % 2)."""
+    share = len(x) // ranks
+    rows = slice(rank * share, (rank + 1) * share)
+    return x[rows], y[rows], rank % 2
+
+
+def experts_reference(steps: int = 6, ranks: int = 2, lr: float = 3e-2) -> dict[str, Any]:
+    """`train_experts` in plain PyTorch on one process: each share of the global batch through
+    its rank's expert, the loss the mean of the shares' means (what averaging gradients over the
+    ranks computes, an expert a rank did not use counting as a zero gradient there)."""
+    torch.manual_seed(0)
+    model = TwoExperts()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step, (x, y) in enumerate(_batches(1)):
+        if step >= steps:
+            break
+        parts = []
+        for rank in range(ranks):
+            xs, ys, expert = _expert_share(x, y, rank, ranks)
+            parts.append(torch.nn.functional.mse_loss(model(xs, expert), ys))
+        loss = torch.stack(parts).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "params": params}
+
+
+def train_experts(
+    strategy: str,
+    plugins: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    precision: str | None = None,
+    steps: int = 6,
+) -> dict[str, Any]:
+    """Data parallel over `TwoExperts` where data-parallel rank r routes its whole share to
+    expert r % 2: a parameter one rank used and another did not must still be averaged over
+    every rank (as a zero where unused), or the step refused naming them."""
+    register(plugins)
+    options = {k: v for k, v in (options or {}).items() if k != "tp_plan"}  # the model's own
+    with tp.Engine(
+        strategy, precision=precision, **kit_scale(strategy, precision), **options
+    ) as engine:
+        torch.manual_seed(0)
+        model = TwoExperts()
+        model, opt = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-2))
+        losses = []
+        for step, (x, y) in enumerate(_batches(1)):
+            if step >= steps:
+                break
+            xs, ys, expert = _expert_share(
+                x, y, engine.data_parallel_rank, engine.data_parallel_size
+            )
+            loss = torch.nn.functional.mse_loss(model(xs, expert), ys)
+            engine.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(engine.reduce(loss.detach(), "mean").item())
+        dp = engine.data_parallel_size
+        return {"losses": losses, "data_parallel_size": dp, **full_state(engine, model, opt)}
+
+
 #: Where torch keeps the hooks a backend may put on a user's module or parameter.
 MODULE_HOOKS = (
     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",

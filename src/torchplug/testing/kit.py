@@ -54,6 +54,7 @@ PROPERTIES = (
     "unsupported",
     "reuse",
     "frozen",
+    "rank_dependent",
 )
 #: Checked only when asked for (``torchplug check NAME --only compile``): compiling takes seconds.
 OPTIONAL_PROPERTIES = ("compile",)
@@ -610,6 +611,21 @@ class Kit:
         return self.compare(
             "frozen", results, self.reference(frozen=True), "AdamW, a frozen layer, 2 groups"
         )
+
+    def rank_dependent(self) -> Outcome:
+        """Ranks that use different parameters in one step (rank r's share through expert
+        r % 2): every rank's result equals plain PyTorch on the global batch, or the step is
+        refused (a ConfigurationError the strategy declares) before anything goes wrong."""
+
+        def body() -> Outcome:
+            results = self.run(bodies.train_experts)
+            dp = results[0]["data_parallel_size"]
+            reference = self.cached(f"experts{dp}", lambda: bodies.experts_reference(ranks=dp))
+            return self.compare(
+                "rank_dependent", results, reference, "rank r's share through expert r % 2"
+            )
+
+        return self.refused("rank_dependent", body)
 
     def reuse(self) -> Outcome:
         """Set up, ``close()``, set up again on the same model and optimizer: the two Engines

@@ -38,5 +38,8 @@ def torchplug_register_strategies(register):
             ),
             tolerance=None,  # lossy: the kit checks convergence instead of parity
             resume_exact=False,  # PowerSGD's error-feedback state is not checkpointed
+            # DDP's refusal of ranks that use different parameters (unless
+            # find_unused_parameters=True); refusals are not inherited through extends
+            refuses=("rank_dependent",),
         )
     )

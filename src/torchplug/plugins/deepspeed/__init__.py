@@ -56,6 +56,7 @@ from torchplug.plugin import (
     portable_save,
 )
 from torchplug.plugins.deepspeed import memory
+from torchplug.plugins.deepspeed.usage import ModulesUsed
 
 INSTALL = "pip install torchplug[deepspeed]"
 OFFLOAD = ("none", "cpu", "nvme")
@@ -400,6 +401,7 @@ class DeepSpeedStrategy(DistributedStrategy):
             dist_init_required=False,
         )
         _TAKEN.update([model, *optimizers])
+        self.modules_used = ModulesUsed(model)  # removed at teardown
         self.ds_engine = ds_engine
         if engine.precision in ("bf16", "fp16"):
             self.fp32_norms = _norms_in_fp32(model)
@@ -415,7 +417,10 @@ class DeepSpeedStrategy(DistributedStrategy):
     def torchplug_backward(
         self, engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
     ) -> bool:
-        self._engine_for("backward").backward(loss)
+        ds_engine = self._engine_for("backward")
+        if getattr(self, "modules_used", None) is not None:
+            self.modules_used.check(engine)  # ranks that used different parameters: refused
+        ds_engine.backward(loss)
         return True
 
     @hookimpl
@@ -566,6 +571,9 @@ class DeepSpeedStrategy(DistributedStrategy):
     @hookimpl
     def torchplug_teardown(self, engine: HookContext) -> None:
         self.ds_engine = None
+        if getattr(self, "modules_used", None) is not None:
+            self.modules_used.remove()
+            self.modules_used = None
         _restore_norms(getattr(self, "fp32_norms", []))
         _reset_deepspeed_state()
         for key, value in getattr(self, "saved_env", {}).items():  # as they were before setup
@@ -776,6 +784,17 @@ def precision_check(precision: str) -> str | None:
     return None
 
 
+#: ZeRO-3 gathers a module's parameters when the module runs, one collective per module: ranks
+#: that run different modules disagree already in the forward, before `usage.ModulesUsed` can
+#: refuse the step (seen: a wrong forward, or a wait until the collective timeout).
+ZERO3_DEVIATIONS = {
+    "rank_dependent": (
+        "ZeRO-3 gathers each module's parameters as it runs: ranks that run different modules "
+        "(experts) disagree in the forward, where nothing can refuse them yet"
+    )
+}
+
+
 @hookimpl
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     common: dict[str, Any] = {
@@ -791,8 +810,9 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
         "shards_optimizer": True,
         # DeepSpeed compiles through its own config; micro-batches are marked by
         # engine.accumulate (its gradient-accumulation boundary), not by a bare no_sync; a
-        # model and optimizer it took over cannot be handed on (_refuse_set_up_before).
-        "refuses": ("compile", "no_sync", "clip_norm_type", "reuse"),
+        # model and optimizer it took over cannot be handed on (_refuse_set_up_before); ranks
+        # that use different parameters are refused before the backward (usage.py).
+        "refuses": ("compile", "no_sync", "clip_norm_type", "reuse", "rank_dependent"),
     }
     register(
         StrategyInfo(
@@ -813,6 +833,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 description=f"DeepSpeed ZeRO stage {stage}.",
                 shards_parameters=stage == 3,
                 memory=memory.zero(stage),
+                deviations=ZERO3_DEVIATIONS if stage == 3 else {},
                 **common,
             )
         )
@@ -824,6 +845,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             description="DeepSpeed ZeRO stage 3, optimizer and parameters offloaded to the CPU.",
             memory=memory.zero(3, offload_optimizer="cpu", offload_params="cpu"),
             shards_parameters=True,
+            deviations=ZERO3_DEVIATIONS,
             **common,
         )
     )
