@@ -92,6 +92,9 @@ class RNGState:
     state given to ``engine.save``/``load`` to have the same there::
 
         engine.save("ckpt", {"model": model, "optimizer": opt, "rng": tp.RNGState(engine)})
+
+    Args:
+        engine: The Engine whose ranks' generators are saved and restored.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -122,7 +125,11 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Set this rank's generators from its row of ``state``."""
+        """Set this rank's generators from its row of ``state``.
+
+        Args:
+            state: What `state_dict` returned when the checkpoint was saved.
+        """
         row = self.engine.rank % len(state["torch"])
         torch.set_rng_state(state["torch"][row].clone())
         gauss = state["python_gauss"][0][row % len(state["python_gauss"][0])]

@@ -203,14 +203,22 @@ class UnusedParameters:
         self.syncing = True
 
     def watch(self, model: torch.nn.Module) -> None:
-        """Check ``model`` (sharded with FSDP2) after each backward from now on."""
+        """Check ``model`` after each backward from now on.
+
+        Args:
+            model: A model sharded with FSDP2 (``fully_shard`` applied).
+        """
         if self.zero_fill:
             model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
         self.params += list(model.named_parameters())
 
     @contextlib.contextmanager
     def not_syncing(self, inner: contextlib.AbstractContextManager[None]) -> Iterator[None]:
-        """``inner`` (the backend's ``no_sync``): no gradient is reduced meanwhile."""
+        """``inner``, noting that no gradient is reduced meanwhile (nothing to check).
+
+        Args:
+            inner: The backend's ``no_sync`` context.
+        """
         self.syncing = False
         try:
             with inner:
@@ -219,7 +227,11 @@ class UnusedParameters:
             self.syncing = True
 
     def check(self, engine: HookContext) -> None:
-        """After a backward pass: refuse a parameter with a gradient on some ranks only."""
+        """After a backward pass: refuse a parameter with a gradient on some ranks only.
+
+        Args:
+            engine: The hook's context (its ``reduce`` agrees on the counts).
+        """
         if not self.syncing or not self.params:
             return
         trainable = [(name, p) for name, p in self.params if p.requires_grad]

@@ -122,7 +122,11 @@ def inside_torchrun(env: Mapping[str, str]) -> bool:
     torchrun keeps ``TORCHELASTIC_RUN_ID``, ``RANK`` and ``WORLD_SIZE``; ``srun`` and
     ``mpirun`` pass them on to every task, which all became "rank 1 of 2" and waited 30 minutes
     at a rendezvous nobody else came to. Such leftovers are named once and set aside, and the
-    scheduler's own variables decide."""
+    scheduler's own variables decide.
+
+    Args:
+        env: The environment read (this process's, for the look at who started it).
+    """
     if not ("TORCHELASTIC_RUN_ID" in env and "RANK" in env and "WORLD_SIZE" in env):
         return False
     starter = started_by() if env is os.environ or env == os.environ else ""
