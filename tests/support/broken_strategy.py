@@ -244,6 +244,21 @@ class OwnStepMetadata(DDPStrategy):
         return {"step": self.steps}
 
 
+class HidesNonFiniteNorms(DDPStrategy):
+    """Clips with the non-finite gradients left out of the norm (a finite total reported for
+    gradients that hold inf)."""
+
+    @tpp.hookimpl
+    def torchplug_clip_grad_norm(self, engine, model, optimizer, max_norm, norm_type):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        finite = [g.nan_to_num(0.0, 0.0, 0.0) for g in grads]
+        norms = torch.stack([g.norm(norm_type) for g in finite])
+        total = torch.linalg.vector_norm(norms, norm_type)
+        for g in grads:
+            g.mul_(min(1.0, max_norm / (float(total) + 1e-6)))
+        return total
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
@@ -263,6 +278,7 @@ BROKEN = {
     "unfreezes": (Unfreezes, "frozen"),
     "only-l2-or-inf": (OnlyL2OrInf, "clipping"),
     "own-step-metadata": (OwnStepMetadata, "resume"),
+    "hides-non-finite-norms": (HidesNonFiniteNorms, "clipping"),
 }
 #: What a broken strategy's registration declares beyond the defaults.
 DECLARED = {

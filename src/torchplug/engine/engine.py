@@ -199,8 +199,7 @@ class Engine(RuntimeFacts):
 
     @property
     def runtime(self) -> Runtime:
-        """Where this process runs ([`Runtime`][torchplug.Runtime]), as the backend's
-        ``torchplug_setup`` answered."""
+        """Where this process runs ([`Runtime`][torchplug.Runtime]): setup's answer."""
         runtime = self._selection.runtime
         if runtime is None:
             raise AttributeError("the runtime is known once the backend's setup answered")
@@ -212,10 +211,8 @@ class Engine(RuntimeFacts):
         return self.info.name
 
     def __repr__(self) -> str:
-        return (
-            f"Engine(strategy={self.strategy!r}, precision={self.precision!r}, "
-            f"rank={self.rank}, world_size={self.world_size}, device={str(self.device)!r})"
-        )
+        facts = f"rank={self.rank}, world_size={self.world_size}, device={str(self.device)!r}"
+        return f"Engine(strategy={self.strategy!r}, precision={self.precision!r}, {facts})"
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -346,6 +343,7 @@ class Engine(RuntimeFacts):
         max_norm: float,
         norm_type: float = 2.0,
         optimizer: torch.optim.Optimizer | None = None,
+        error_if_nonfinite: bool = False,
     ) -> torch.Tensor:
         """Clip gradients to ``max_norm`` (unscaled, across shards); return the total norm.
 
@@ -355,11 +353,14 @@ class Engine(RuntimeFacts):
             norm_type: The norm's order (``2.0``: Euclidean; ``float("inf")``: the largest value).
             optimizer: The model's optimizer, which a precision plugin needs to unscale fp16
                 gradients first.
+            error_if_nonfinite: Raise ``RuntimeError`` on every rank when the total norm is nan
+                or inf, as torch's (the backend has scaled the gradients by then).
 
         Returns:
             The total norm of the gradients before clipping.
         """
-        return self._hooks.clip_grad_norm(model, optimizer, max_norm, norm_type)
+        norm = self._hooks.clip_grad_norm(model, optimizer, max_norm, norm_type)
+        return wrappers.finite_norm(norm, norm_type) if error_if_nonfinite else norm
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:

@@ -261,3 +261,16 @@ def rebind_optimizer(
                 "The optimizer holds parameters that are not the model's. Create it from "
                 "model.parameters() and pass both to engine.setup(model, optimizer)."
             ) from None
+
+
+def finite_norm(norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``norm``, or torch's error for a non-finite one (``clip_grad_norm_(...,
+    error_if_nonfinite=True)``): the total norm is agreed on every rank, so every rank raises."""
+    if not torch.isfinite(norm).all():
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients is non-finite "
+            f"({norm.item()}), so it cannot be clipped. To scale the gradients by it anyway, "
+            f"leave error_if_nonfinite=False; to skip such steps, check the norm (or use fp16's "
+            f"loss scaler, which skips them)."
+        )
+    return norm

@@ -224,6 +224,7 @@ def train(
     with_accumulate: bool = False,
     frozen: bool = False,
     checkpoint_dir: str | None = None,
+    error_if_nonfinite: bool = False,
 ) -> dict[str, Any]:
     """``steps`` steps on the global batch split over the ranks, as a user writes them.
 
@@ -305,7 +306,10 @@ def train(
                     synced.append(_grads_agree(engine, model))
                 parts.append(part.detach())
             if clip is not None:
-                norms.append(engine.clip_grad_norm_(model, clip, norm_type=norm_type).item())
+                norm = engine.clip_grad_norm_(
+                    model, clip, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+                )
+                norms.append(norm.item())
             opt.step()
             skipped.append(bool(getattr(opt, "step_was_skipped", False)))
             opt.zero_grad()

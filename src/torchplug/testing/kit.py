@@ -340,9 +340,25 @@ class Kit:
                         f"{other[0]['norms']} differ from the reference's {expected['norms']} "
                         f"(relative {off:.2e}): the norm_type argument is not honoured",
                     )
+            try:  # an inf gradient with error_if_nonfinite=True: torch's error on every rank
+                self.run(
+                    bodies.train, optimizer="SGD", lr=0.1, clip=0.05, steps=2, inf_at_step=1,
+                    error_if_nonfinite=True,
+                )  # fmt: skip
+            except (RankError, RuntimeError) as exc:  # RuntimeError: in this process
+                if "is non-finite" not in str(exc):
+                    raise
+            else:
+                return Outcome(
+                    "clipping",
+                    False,
+                    "clip_grad_norm_(error_if_nonfinite=True) returned after an inf gradient "
+                    "instead of raising: the total norm the backend answers must be the "
+                    "gradients' (inf or nan when they are), not a finite stand-in",
+                )
             detail = (
-                f"total norm (L2, inf and 1) equal on every rank and to the reference; "
-                f"{outcome.detail}"
+                f"total norm (L2, inf and 1) equal on every rank and to the reference, a "
+                f"non-finite one refused with error_if_nonfinite; {outcome.detail}"
             )
             return Outcome("clipping", outcome.passed, detail)
 
