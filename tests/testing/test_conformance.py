@@ -187,3 +187,53 @@ def test_the_pytest_face_reports_a_declared_deviation_as_xfail_and_nan_skip_runs
     assert "each rank clips its own gradients" in out, out[-3000:]
     assert "FAILED test_third_party.py::TestUndeclared::test_clipping" in out, out[-3000:]
     assert "FAILED test_third_party.py::TestIgnoresSkip::test_nan_skip" in out, out[-3000:]
+
+
+#: Strategies whose outcomes span every kind: a failure (no-average's sgd), a declared deviation
+#: (declares-local-clipping's clipping), a declared refusal (declares-no-clipping's clipping),
+#: passes, and skips where a property cannot run.
+FACES = ("no-average", "declares-local-clipping", "declares-no-clipping")
+FACE_PROPERTIES = ("sgd", "clipping", "collectives", "reuse", "frozen", "barrier")
+
+
+@pytest.mark.slow
+def test_the_pytest_face_and_torchplug_check_agree_on_every_property(tmp_path):
+    """Issue 35 item 2: the two faces apply declarations alike; each property's result under
+    `torchplug check` is the pytest face's (PASS=passed, FAIL=failed, DEVIATES=xfail,
+    SKIP=skipped), for outcomes of every kind."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    only = [arg for name in FACE_PROPERTIES for arg in ("--only", name)]
+    classes = "".join(
+        f"class Test{i}(Conformance):\n    strategy = {name!r}\n"
+        f"    plugins = ['support.broken_strategy']\n"
+        for i, name in enumerate(FACES)
+    )
+    (tmp_path / "test_faces.py").write_text(
+        f"from torchplug.testing.conformance import Conformance\n{classes}"
+    )
+    pytest_run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-k",
+         " or ".join(f"test_{p}" for p in FACE_PROPERTIES), str(tmp_path / "test_faces.py")],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=1800,
+    )  # fmt: skip
+    as_pytest = {"PASS": "PASSED", "FAIL": "FAILED", "DEVIATES": "XFAIL", "SKIP": "SKIPPED"}
+    for i, strategy in enumerate(FACES):
+        check = subprocess.run(
+            [sys.executable, "-m", "torchplug", "check", strategy, "--plugin",
+             "support.broken_strategy", "--precision", "32", *only],
+            capture_output=True, text=True, env=env, timeout=1800,
+        )  # fmt: skip
+        said = {
+            line.split()[1]: line.split()[0]
+            for line in check.stdout.splitlines()
+            if line.startswith("  ") and line.split()[0] in as_pytest
+        }
+        assert sorted(said) == sorted(FACE_PROPERTIES), check.stdout + check.stderr[-2000:]
+        for prop, status in said.items():
+            test = f"test_faces.py::Test{i}::test_{prop}"
+            marks = [
+                line.split()[0]
+                for line in pytest_run.stdout.splitlines()
+                if test in line and line.split()[0] in as_pytest.values()
+            ]
+            assert marks == [as_pytest[status]], (strategy, prop, status, marks)
