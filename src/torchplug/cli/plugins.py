@@ -199,8 +199,13 @@ def hook_answers(
     found = []
     for hook in sorted(STRATEGY_HOOKS):
         owner = next((c for c in factory.__mro__ if hook in vars(c)), None)
-        if owner is not None and not getattr(
-            vars(owner)[hook], "torchplug_inherited_default", False
+        method = vars(owner)[hook] if owner is not None else None
+        if (
+            method is not None
+            and not getattr(method, "torchplug_inherited_default", False)
+            and (
+                not _wraps(method)  # a wrapper runs around the answer: it is none itself
+            )
         ):
             found.append((hook, qualified_name(owner)))
         elif hook in by_extensions:
@@ -209,6 +214,14 @@ def hook_answers(
             why = f" (blocked: {', '.join(blocked)})" if blocked else ""
             found.append((hook, f"{UNANSWERED}{why}"))
     return found
+
+
+def _wraps(method: object) -> bool:
+    """Whether ``method`` is a hook wrapper (``hookimpl(wrapper=True)``), which answers nothing."""
+    from torchplug.contract.spec import PROJECT
+
+    options = getattr(method, f"{PROJECT}_impl", None) or {}
+    return bool(options.get("wrapper") or options.get("hookwrapper"))
 
 
 def unanswered_hooks(

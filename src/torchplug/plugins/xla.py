@@ -240,6 +240,8 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             launcher="xla",
             supports_cuda=False,
             check=_usable,
-            refuses=("compile",),  # XLA traces and compiles the step graph itself
+            # XLA traces and compiles the step graph itself; moving a model to XLA replaces its
+            # parameters, so a second Engine on the same (stepped) optimizer is refused
+            refuses=("compile", "reuse"),
         )
     )

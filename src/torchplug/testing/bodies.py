@@ -419,6 +419,7 @@ def train_experts(
             xs, ys, expert = _expert_share(
                 x, y, engine.data_parallel_rank, engine.data_parallel_size
             )
+            xs, ys = engine.place_batch((xs, ys))  # the backend's device (and sharding)
             loss = torch.nn.functional.mse_loss(model(xs, expert), ys)
             engine.backward(loss)
             opt.step()
