@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import record
+from benchmarks.common import interleaved, record
 from torchplug.checkpoint import columns
 from torchplug.checkpoint import files as fs
 from torchplug.checkpoint import manifest as mf
@@ -81,27 +81,28 @@ def fsdp_index(ranks: int, tensors: int, cols: int = 8) -> tuple[bytes, dict[str
     return data, {name.decode(): 10**12 for name in file_names}
 
 
-def _read_index(
-    root: Path, data: bytes, sizes: dict[str, int], rounds: int, ranks: int
-) -> tuple[list[float], list[float]]:
-    """Seconds of `columns.read` (file read, digest check, validation), once per round; and of
-    one rank's load plan entries (`ColumnIndex.over`: its own rows of every tensor)."""
+def _reader(root: Path, data: bytes, sizes: dict[str, int], ranks: int) -> Any:
+    """One timed read of an index: `columns.read` (file read, digest check, validation), then
+    one rank's load plan entries (`ColumnIndex.over`: its own rows of every tensor). Each size
+    has its own folder, so that sizes can be read in turns."""
+    root.mkdir()
     (root / mf.INDEX).write_bytes(data)
     digest = fs.hasher("blake3")
     digest.update(data)
     recorded = {"file": mf.INDEX, "size": len(data), "blake3": digest.hexdigest()}
-    took, planned = [], []
     mine = [([ranks, 0], [2, 8])]  # rank ranks // 2's rows (fsdp_index: 2 rows a rank, 8 columns)
-    for _ in range(rounds):
+
+    def once() -> tuple[float, float]:
         start = time.perf_counter()
         index = columns.read(root, recorded, sizes)
-        took.append(time.perf_counter() - start)
+        took = time.perf_counter() - start
         start = time.perf_counter()
         entries = [index.over(name, mine) for name in index]
-        planned.append(time.perf_counter() - start)
+        planned = time.perf_counter() - start
         assert all(len(e["chunks"]) == 1 for e in entries)
-        del index, entries
-    return took, planned
+        return took, planned
+
+    return once
 
 
 def run(rounds: int, smoke: bool) -> list[dict[str, Any]]:
@@ -112,12 +113,22 @@ def run(rounds: int, smoke: bool) -> list[dict[str, Any]]:
     root = Path(tempfile.mkdtemp(prefix="torchplug-bench-index-"))
     per_chunk: dict[int, list[float]] = {}
     try:
+        readers, lengths = {}, {}
         for ranks, tensors in shapes:
             data, sizes = fsdp_index(ranks, tensors)
-            took, planned = _read_index(root, data, sizes, rounds, ranks)
+            readers[ranks] = _reader(root / str(ranks), data, sizes, ranks)
+            lengths[ranks] = len(data)
+            del data
+        # The sizes are read in turns, round by round (the order rotated), so that the growth
+        # row compares reads made under the same machine load, not one size's rounds against
+        # another's made minutes later.
+        times = interleaved(readers, rounds, lambda: None)
+        for ranks, tensors in shapes:
+            took = [t for t, _ in times[ranks]]
+            planned = [p for _, p in times[ranks]]
             chunks = ranks * tensors
             per_chunk[ranks] = [t / chunks for t in took]
-            group = f"index of {ranks} ranks x {tensors} tensors ({len(data) / 1e6:.0f} MB)"
+            group = f"index of {ranks} ranks x {tensors} tensors ({lengths[ranks] / 1e6:.0f} MB)"
             limit = targets.get(ranks)
             records.append(
                 record("validation", group, "format 4: read + digest + validate", "s", took,
@@ -129,7 +140,8 @@ def run(rounds: int, smoke: bool) -> list[dict[str, Any]]:
             )  # fmt: skip
             records.append(
                 record("validation", group, "format 4: bytes per chunk", "B",
-                       [len(data) / chunks] * rounds, zero, "0 B", {"max": 40.0}, mode="diff")
+                       [lengths[ranks] / chunks] * rounds, zero, "0 B", {"max": 40.0},
+                       mode="diff")
             )  # fmt: skip
         if 8192 in per_chunk:  # the time per chunk at 8,192 ranks over that at 1,024
             records.append(

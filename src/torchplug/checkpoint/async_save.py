@@ -1,13 +1,13 @@
 """Asynchronous saves: the state is staged in memory, then written, hashed, fsynced and
 committed by a background thread while training goes on.
 
-Staging is split by who may change a tensor. Parameters and optimizer state change only in an
-optimizer step, so they are copied by the background thread while the loop runs its next
-forward and backward, and the Engine's ``optimizer.step()`` waits for that copy first (torch
-DCP's asynchronous staging makes the same split). Everything else — buffers, which a forward
-updates (BatchNorm's statistics), and the user's own tensors — is copied before ``save``
-returns. A staged tensor whose version counter moved while it was copied (changed in place
-outside ``optimizer.step()``) fails the save rather than writing a mix of two states.
+Every tensor is staged before ``save`` returns: a CPU tensor is copied (into the host copies of
+the Engine's last async save, refilled in place), a CUDA tensor's copy to pinned host memory is
+queued on the caller's current stream (later kernels on that stream run after it; the
+background thread waits for it). So the checkpoint holds exactly the state at the call whatever
+changes the tensors afterwards — an optimizer step, an in-place operation, ``.data``, ``set_``,
+a NumPy view — none of which a version counter sees in full (``.data`` and NumPy views move
+none). The copy is a memory copy of this rank's share, a small part of a synchronous save.
 
 Why it is safe: after staging, a save needs no collective of the process group — its phases
 agree through the c10d store (`Coordinator`), never the
@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from torchplug.contract.errors import CheckpointError
-from torchplug.util import torchprivate
 
 #: The save that ``io.save`` may hand its writing to (set by ``Engine.save(async_=True)``).
 _HANDOFF: contextvars.ContextVar[PendingSave | None] = contextvars.ContextVar(
@@ -80,9 +79,6 @@ class PendingSave:
         self.staging = staging if staging is not None else {}
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        #: Set once the background part of staging is over (done or failed): what the next
-        #: optimizer step waits for.
-        self.staged = threading.Event()
         self._after: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._done = False
@@ -102,8 +98,6 @@ class PendingSave:
                 self.error = exc
                 with self._lock:
                     self._done = True
-            finally:
-                self.staged.set()
 
         self.thread = threading.Thread(target=run, name=f"torchplug-save {self.path}")
         _UNCLAIMED.add(self)
@@ -118,12 +112,6 @@ class PendingSave:
                 return
         if self.error is None:
             step()
-
-    def wait_staged(self) -> None:
-        """Block until the background copy of parameters and optimizer state is over (the
-        next optimizer step may change them then); its failure is raised by `wait`."""
-        if not self.staged.is_set():
-            self.staged.wait()
 
     @property
     def running(self) -> bool:
@@ -158,77 +146,58 @@ def taker() -> PendingSave | None:
     return _HANDOFF.get()
 
 
-#: Devices whose tensors a background thread may copy while the loop runs (an XLA tensor is
-#: staged before ``save`` returns: its lazy graph belongs to the training thread).
-_BACKGROUND_DEVICES = frozenset({"cpu", "cuda"})
+def stage(
+    tensors: dict[str, Any], staging: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], Callable[[], None]]:
+    """Copies of what will be written, taken before the save returns, so training may change the
+    originals at once by any path; and what the background thread calls before it reads them.
 
-
-def split(tensors: dict[str, Any], later: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``tensors`` as (staged now, staged in the background): the names in ``later`` (parameters
-    and optimizer state: only an optimizer step changes them) on a device a thread may copy
-    from go to the background, the rest (buffers, user tensors) are staged at once."""
-    now: dict[str, Any] = {}
-    background: dict[str, Any] = {}
-    for name, tensor in tensors.items():
-        movable = (
-            name in later
-            and isinstance(tensor, torch.Tensor)
-            and tensor.device.type in _BACKGROUND_DEVICES
-        )
-        (background if movable else now)[name] = tensor
-    return now, background
-
-
-def versions(tensors: dict[str, Any]) -> dict[str, int]:
-    """Each tensor's version counter (bumped by every in-place change)."""
-    return {name: torchprivate.version(tensor) for name, tensor in tensors.items()}
-
-
-def unchanged(tensors: dict[str, Any], before: dict[str, int], path: str) -> None:
-    """Raise if a tensor staged in the background was changed in place while it was copied."""
-    moved = sorted(
-        name for name, tensor in tensors.items() if torchprivate.version(tensor) != before[name]
-    )
-    if moved:
-        shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
-        raise CheckpointError(
-            f"{shown} changed in place while the asynchronous save of {path} copied it (outside "
-            f"optimizer.step(), which waits for the copy), so the copy could mix two states and "
-            f"was not written. Call engine.wait_for_save() before changing saved parameters or "
-            f"optimizer state yourself, or save synchronously."
-        )
-
-
-def stage(tensors: dict[str, Any], staging: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Copies of what will be written, so training may change the originals at once: plain
-    tensors to host memory, DTensors (sharded state) as a local copy of this rank's shard.
-    ``staging`` holds an earlier save's host copies: one of the same shape and dtype is filled
-    in place (fresh memory costs a page fault per page, which was most of the time the loop
-    waited); it then holds this save's copies for the next (`keep_only` drops the ones no
-    longer saved). Memory: one host copy of this rank's state stays with the Engine between
-    async saves, as torch DCP's cached staging."""
+    Plain tensors go to host memory, DTensors (sharded state) as a copy of the DTensor on its
+    device. A CUDA tensor is copied to pinned host memory on the current stream without
+    waiting (later kernels on that stream run after the copy); the returned wait synchronizes
+    with it. ``staging`` holds an earlier save's host copies: one of the same shape, dtype and
+    strides is refilled in place (fresh memory costs a page fault per page, which was most of
+    the time the loop waited); it then holds this save's copies for the next (`keep_only`
+    drops the ones no longer saved). Memory: one host copy of this rank's state stays with the
+    Engine between async saves, as torch DCP's cached staging."""
     from torch.distributed.tensor import DTensor
 
     staged: dict[str, Any] = {}
     kept = staging if staging is not None else {}
+    queued = False
     with torch.no_grad():
         for name, tensor in tensors.items():
             if isinstance(tensor, DTensor):
                 staged[name] = tensor.detach().clone()
+                queued = queued or tensor.device.type == "cuda"
                 continue
+            if not isinstance(tensor, torch.Tensor):
+                staged[name] = tensor
+                continue
+            cuda = tensor.device.type == "cuda"
             old = kept.get(name)
             if (
                 isinstance(old, torch.Tensor)
                 and old.shape == tensor.shape
                 and old.dtype == tensor.dtype
                 and old.stride() == tensor.stride()
+                and (old.is_pinned() or not cuda)
             ):
-                staged[name] = old.copy_(tensor.detach())
+                staged[name] = old.copy_(tensor.detach(), non_blocking=cuda)
+            elif cuda:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                staged[name] = host.copy_(tensor.detach(), non_blocking=True)
             else:
                 staged[name] = tensor.detach().to("cpu", copy=True)
+            queued = queued or cuda
     if staging is not None:
-        staging.update({k: v for k, v in staged.items() if not isinstance(v, DTensor)})
-    return staged
+        staging.update({k: v for k, v in staged.items() if isinstance(v, torch.Tensor)
+                        and not isinstance(v, DTensor)})  # fmt: skip
+    if not queued:
+        return staged, lambda: None
+    copied = torch.cuda.Event()
+    copied.record()  # on the current stream, after the queued copies
+    return staged, copied.synchronize
 
 
 def keep_only(staging: dict[str, Any], names: set[str]) -> None:

@@ -504,19 +504,25 @@ class ColumnIndex(Mapping[str, dict[str, Any]]):
         return self._entry(t, keep)
 
     def _entry(self, t: int, keep: torch.Tensor | None = None) -> dict[str, Any]:
-        """Tensor ``t``'s entry as format 3 spells it; with ``keep``, only the chunks it marks."""
+        """Tensor ``t``'s entry as format 3 spells it; with ``keep``, only the chunks it marks
+        (selected before any Python object is made: a rank's entry at 8,192 ranks costs its own
+        chunks, not every rank's)."""
         d = int(self._ndim[t])
         lo = int(self._chunk_start[t])
         hi = lo + int(self._count[t])
         cells = int(self._first_cell[t])
         col = self._columns
-        offsets = col["offsets"][cells : cells + d * (hi - lo)].view(hi - lo, d).tolist()
-        sizes = col["sizes"][cells : cells + d * (hi - lo)].view(hi - lo, d).tolist()
-        rows = range(hi - lo) if keep is None else torch.nonzero(keep).flatten().tolist()
-        files, starts = col["file"][lo:hi].tolist(), col["start"][lo:hi].tolist()
-        lengths, raws = col["length"][lo:hi].tolist(), col["raw"][lo:hi].tolist()
+        picked = [
+            col["offsets"][cells : cells + d * (hi - lo)].view(hi - lo, d),
+            col["sizes"][cells : cells + d * (hi - lo)].view(hi - lo, d),
+            *(col[name][lo:hi] for name in ("file", "start", "length", "raw")),
+        ]
+        if keep is not None:
+            rows = torch.nonzero(keep).flatten()
+            picked = [column[rows] for column in picked]
+        offsets, sizes, files, starts, lengths, raws = (column.tolist() for column in picked)
         chunks = []
-        for i in rows:
+        for i in range(len(files)):
             file, start, length, raw = files[i], starts[i], lengths[i], raws[i]
             chunk = {
                 "offsets": offsets[i], "sizes": sizes[i], "file": self._files[file],

@@ -188,29 +188,22 @@ def save(
         if any(isinstance(t, deferred.Deferred) for t in tensors.values()):
             mine = co.run("gathering state", lambda: deferred.produce(tensors, mine))
         pending = background.taker() if native is None else None  # native: written already
-        stage_rest: Callable[[], dict[str, Any]] | None = None
+        staged: Callable[[], dict[str, Any]] | None = None
         if pending is not None:
-            # Buffers and the user's tensors now; parameters and optimizer state (only an
-            # optimizer step changes them, and it waits) by the background thread.
-            now, rest = background.split(mine, set(taken[engine.rank]["spread"]))
-            before = background.versions(rest)
-            early: dict[str, Any] | Exception
+            # Every tensor staged before the call returns: whatever changes them afterwards
+            # (an optimizer step, .data, set_) cannot reach the checkpoint.
+            copies: tuple[dict[str, Any], Callable[[], None]] | Exception
             try:
-                early = background.stage(now, pending.staging)
+                copies = background.stage(mine, pending.staging)
+                background.keep_only(pending.staging, set(mine))
             except Exception as exc:  # raised in the background's first phase, on every rank
-                early = exc
-            order = list(mine)
+                copies = exc
 
-            def staged_in_background() -> dict[str, Any]:
-                if isinstance(early, Exception):
-                    raise early
-                late = background.stage(rest, pending.staging)
-                background.unchanged(rest, before, str(final))
-                background.keep_only(pending.staging, set(order))
-                staged = {**early, **late}
-                return {name: staged[name] for name in order}
-
-            stage_rest = staged_in_background
+            def staged() -> dict[str, Any]:
+                if isinstance(copies, Exception):
+                    raise copies
+                copies[1]()  # queued device copies done
+                return copies[0]
 
         def write() -> dict[str, Any]:
             try:
@@ -228,9 +221,8 @@ def save(
 
         def finish() -> None:
             nonlocal mine
-            if stage_rest is not None:
-                mine = co.run("staging state in memory", stage_rest)
-                pending.staged.set()  # the next optimizer step may go on
+            if staged is not None:
+                mine = co.run("staging state in memory", staged)
             written = co.run("writing tensors", write, share=True)
             old_name = co.run("committing", lambda: commit(written), share=True)[0]
             if old_name is not None:

@@ -42,11 +42,6 @@ class Saves:
         if pending is not None:
             pending.wait()
 
-    def wait_staged(self) -> None:
-        """Wait until the save in flight has copied what an optimizer step is about to change."""
-        if self.pending is not None:
-            self.pending.wait_staged()
-
     def after(self, step: Callable[[], None]) -> None:
         """Run ``step`` once the last save has committed (`Engine.after_save`)."""
         if self.pending is None:

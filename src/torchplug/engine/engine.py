@@ -633,9 +633,9 @@ class Engine(RuntimeFacts):
         Call it on every rank; the previous checkpoint at ``path`` stays intact until the new
         one is complete. A failure on any rank raises a CheckpointError on every rank naming it;
         a save some ranks never call fails after ``checkpoint_timeout`` seconds. ``async_=True``
-        returns once the state is staged in memory and writes in the background (change saved
-        tensors in place only through ``optimizer.step()`` until then: one changed during its
-        copy fails the save rather than mixing two states); the next save, load, resume or
+        returns once the state is copied to memory (a CUDA tensor's copy queued on the current
+        stream) and writes in the background: the checkpoint holds the state at the call, however
+        the tensors change afterwards (``.data`` included); the next save, load, resume or
         [`close`][torchplug.Engine.close] waits for it and raises its failure, on every rank. A
         backend with a format of its own (DeepSpeed's ``native_checkpoint``) saves synchronously.
 
@@ -643,8 +643,8 @@ class Engine(RuntimeFacts):
             path: The checkpoint directory to write (replaced once the new one is complete).
             state: What to save, by name: modules, optimizers, tensors, JSON values.
             metadata: JSON values recorded in the manifest for your own use.
-            async_: Return once buffers and values are staged in memory; parameters and
-                optimizer state are copied, and the write goes on, in the background.
+            async_: Return once every tensor is staged in memory; the write goes on in the
+                background.
 
         Raises:
             CheckpointError: The save failed on any rank (on every rank), or some rank did not call

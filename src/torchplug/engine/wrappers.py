@@ -186,7 +186,6 @@ def route_step(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
         if accumulating is not None and not accumulating[1]:
             opt.step_was_skipped = True  # an accumulation step: no update yet
             return None
-        engine._saves.wait_staged()  # an async save still copying what we change
         inside = True
         try:
             stepped = engine._hooks.optimizer_step(opt, closure)

@@ -68,15 +68,6 @@ def batch_norm_base() -> type[torch.nn.Module]:
     return _BatchNorm
 
 
-def version(tensor: torch.Tensor) -> int:
-    """``tensor``'s version counter: bumped by every in-place change.
-
-    Args:
-        tensor: Any tensor.
-    """
-    return tensor._version  # noqa: SLF001
-
-
 def mark_scheduler_wrapped(step: object) -> None:
     """Mark ``step`` (an optimizer's replacement ``step``) as LR-scheduler-wrapped, as torch's
     schedulers' own wrapper does (``_wrapped_by_lr_sched``), so a scheduler made before or after
