@@ -301,3 +301,20 @@ def test_an_async_save_that_fails_in_a_script_that_never_closes_is_not_lost(tmp_
         with tp.Engine("single") as engine:
             model = engine.setup(torch.nn.Linear(3, 2))
             engine.load(path, {"model": model})
+
+
+def test_the_launch_summary_names_an_async_save_that_failed_unwaited(tmp_path):
+    """Issue 36 item 2: under ``torchplug launch -n 2`` the job fails and its summary names the
+    failed save (each rank's exit check writes torchrun's error file), not just "exit code 1"."""
+    from support.commands import torchplug
+
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED.replace('tp.Engine("single")', 'tp.Engine("ddp")'))
+    run = torchplug("launch", "-n", "2", str(script), str(tmp_path / "ckpt"), "fail",
+                    timeout=600)  # fmt: skip
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "the job failed" in run.stderr, run.stderr[-3000:]
+    summary = run.stderr[run.stderr.index("the job failed") :]
+    assert "The asynchronous save of" in summary and "No space left" in summary, summary
+    assert "no error recorded" not in summary, summary
+    assert not (tmp_path / "ckpt").exists()

@@ -26,12 +26,15 @@ import contextvars
 import os
 import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from torchplug.contract.errors import CheckpointError
+from torchplug.util import errorfile
 
 #: The save that ``io.save`` may hand its writing to (set by ``Engine.save(async_=True)``).
 _HANDOFF: contextvars.ContextVar[PendingSave | None] = contextvars.ContextVar(
@@ -54,13 +57,22 @@ def _report_unclaimed() -> None:
         return
     for pending in failed:
         error = pending.error
+        what = f"the asynchronous save of {pending.path} failed"
         print(
-            f"torchplug: the asynchronous save of {pending.path} failed, and the script ended "
-            f"without waiting for it (engine.close(), `with Engine(...)`, or "
-            f"engine.wait_for_save() raise it): {type(error).__name__}: {error}. That "
-            f"checkpoint was not written; exiting with status 1.",
+            f"torchplug: {what}, and the script ended without waiting for it (engine.close(), "
+            f"`with Engine(...)`, or engine.wait_for_save() raise it): "
+            f"{type(error).__name__}: {error}. That checkpoint was not written; exiting with "
+            f"status 1.",
             file=sys.stderr,
         )
+    error = failed[0].error
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    errorfile.write(  # what torchplug launch's summary names
+        f"CheckpointError: The asynchronous save of {failed[0].path} failed and the script "
+        f"ended without waiting for it: {type(error).__name__}: {error}",
+        trace,
+        time.time(),
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from torchplug.contract.errors import ConfigurationError, TorchplugError
+from torchplug.util import errorfile
 from torchplug.util.text import first_line
 
 DEBUG_ENV = "TORCHPLUG_DEBUG_COLLECTIVES"
@@ -81,27 +82,10 @@ def _first_on_node(error_file: Path) -> bool:
 
 def record(exc: BaseException, tb: TracebackType | None) -> bool:
     """Write ``exc`` to torchrun's error file for this rank; return whether one was written."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return False
     now = _seen.get(id(exc), time.time())
-    data = {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": _format(exc, tb),
-                "timestamp": str(int(now)),
-                "torchplug_time": repr(now),
-                "torchplug_secondary": is_secondary(exc),
-            },
-        }
-    }
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data))
-    except OSError:
-        return False
-    return True
+    return errorfile.write(
+        f"{type(exc).__name__}: {exc}", _format(exc, tb), now, secondary=is_secondary(exc)
+    )
 
 
 _PACKAGE = str(Path(__file__).resolve().parent.parent)
