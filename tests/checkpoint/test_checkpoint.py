@@ -105,6 +105,43 @@ def test_truncated_file_is_rejected_naming_it(saved):
         load_and_snapshot(str(saved), "single")
 
 
+def test_a_file_changed_through_a_shared_mapping_after_hashing_never_reaches_a_signed_load(
+    tmp_path, monkeypatch
+):
+    """Issue 36 item 1: a same-user process writing through a ``MAP_SHARED`` mapping whose page
+    is dirty already changes the file without moving its mtime or ctime, so a check of the
+    file's identity cannot see it. The load uses the bytes it hashed (read once, into memory):
+    changed right after the hashing, the file's new bytes never reach the model."""
+    import mmap
+
+    from torchplug.checkpoint import verify
+
+    monkeypatch.setenv("TORCHPLUG_CHECKPOINT_KEY", "a key of at least sixteen bytes")
+    saved = tmp_path / "ckpt"
+    train("single", steps=2, save_to=str(saved))
+    expected = load_and_snapshot(str(saved), "single")
+    real = verify.check_files
+    with (saved / SHARD).open("r+b") as handle, mmap.mmap(handle.fileno(), 0) as mapped:
+        page = (len(mapped) // 2) & ~(mmap.PAGESIZE - 1)  # a page of tensor data
+        mapped[page] = original = mapped[page]  # dirty before the load: later writes move no time
+
+        def check_then_change(root, files, names):
+            found = real(root, files, names)
+            for i in range(page, min(page + mmap.PAGESIZE, len(mapped))):
+                mapped[i] ^= 0xFF
+            return found
+
+        verify.check_files = check_then_change
+        try:
+            loaded = load_and_snapshot(str(saved), "single")
+        finally:
+            verify.check_files = real
+        assert (saved / SHARD).read_bytes()[page] == original ^ 0xFF  # the file did change
+    assert loaded["step"] == expected["step"]
+    assert_bit_exact(loaded["params"], expected["params"])
+    assert_bit_exact(loaded["optimizer"], expected["optimizer"])
+
+
 def test_altered_file_is_rejected_naming_it(saved):
     data = bytearray((saved / SHARD).read_bytes())
     data[len(data) // 2] ^= 0xFF

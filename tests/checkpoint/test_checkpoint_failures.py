@@ -133,39 +133,59 @@ def test_save_and_load_need_no_numpy(ranks, tmp_path):
     assert first == second == [p.sum().item() for p in make_model().parameters()]
 
 
-def count_hashing(path: str, strategy: str) -> int:
-    """How many files this rank hashed while loading."""
+def count_hashing(path: str, strategy: str, key: str | None = None) -> list[str]:
+    """The files this rank hashed while loading (up front, or as read for use)."""
     from torchplug.checkpoint import verify
 
-    hashed = []
-    real = verify.hash_pinned
+    hashed: list[str] = []
+    real, real_read = verify.hash_pinned, verify.VerifiedBytes._read_and_check
 
     def counting(file: Path, algorithm: str) -> tuple:
-        hashed.append(file)
+        hashed.append(Path(file).name)
         return real(file, algorithm)
 
+    def reading(self, name: str) -> memoryview:
+        hashed.append(Path(name).name)
+        return real_read(self, name)
+
     verify.hash_pinned = counting
+    verify.VerifiedBytes._read_and_check = reading
     try:
-        with tp.Engine(strategy) as engine:
+        with tp.Engine(strategy, checkpoint_key=key) as engine:
             model = engine.setup(make_model(seed=4))
             engine.load(path, {"model": model})
     finally:
         verify.hash_pinned = real
-    return len(hashed)
+        verify.VerifiedBytes._read_and_check = real_read
+    return sorted(hashed)
 
 
-def train_fsdp_and_save(path: str) -> None:
-    with tp.Engine("fsdp") as engine:
+def train_fsdp_and_save(path: str, key: str | None = None) -> None:
+    with tp.Engine("fsdp", checkpoint_key=key) as engine:
         model = engine.setup(make_model())
         engine.save(path, {"model": model})
 
 
 def test_each_file_is_hashed_by_one_rank(ranks, tmp_path):
+    """Without a key (the threat is corruption) the files are hashed up front, split over the
+    ranks, and read in place."""
     path = str(tmp_path / "ckpt")
     ranks.run(train_fsdp_and_save, path)
     files = [p for p in Path(path).rglob("tensors/**/*") if p.is_file()]
     assert len(files) == 2  # one shard file per rank (beside manifest.json and manifest.index)
-    assert ranks.run(count_hashing, path, "ddp") == [1, 1]
+    assert [len(h) for h in ranks.run(count_hashing, path, "ddp")] == [1, 1]
+
+
+def test_signed_each_file_is_hashed_once_by_each_rank_that_reads_it(ranks, tmp_path):
+    """With a key a rank hashes the bytes it uses, from memory, once: ddp ranks read both shard
+    files (whole tensors), fsdp ranks only their own; no rank hashes a file twice."""
+    path, key = str(tmp_path / "ckpt"), "a key of at least sixteen bytes"
+    ranks.run(train_fsdp_and_save, path, key)
+    files = sorted(p.name for p in Path(path).rglob("tensors/**/*") if p.is_file())
+    assert len(files) == 2
+    assert ranks.run(count_hashing, path, "ddp", key) == [files, files]
+    mine = ranks.run(count_hashing, path, "fsdp", key)
+    assert [len(m) for m in mine] == [1, 1] and sorted(mine[0] + mine[1]) == files
 
 
 def save_under_a_file(path: str) -> dict[str, Any]:

@@ -407,9 +407,9 @@ def load_counting_chunks(path: str) -> dict:
     given: dict[str, int] = {}
     real = tensors.reader
 
-    def counting(root, index, pins=None):
+    def counting(root, index, source):
         given.update({name: len(meta["chunks"]) for name, meta in index.items()})
-        return real(root, index, pins)
+        return real(root, index, source)
 
     tensors.reader = counting
     try:

@@ -356,9 +356,20 @@ def read_manifest(path: str | os.PathLike[str], key: bytes | None = None) -> dic
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str], key: bytes | None, co: Coordinator | None = None
+    path: str | os.PathLike[str],
+    key: bytes | None,
+    co: Coordinator | None = None,
+    *,
+    hash_files: bool = True,
 ) -> tuple[Path, dict[str, Any]]:
-    """Read, check and verify a checkpoint (each file hashed once, split over the ranks)."""
+    """Read, check and verify a checkpoint (each file hashed once, split over the ranks).
+
+    Its tensors are then read through ``body[VERIFIED]``. With a key (signed checkpoints: the
+    threat is someone who can write the files) each file is read into memory again and hashed
+    from there before any byte is used, so no later change reaches the caller; without one
+    (the threat is corruption, which a checker of identical bytes could not stop anyway) the
+    files are read in place, each refused unless it is the file that was hashed. `load` with a
+    key passes ``hash_files=False`` and verifies as it reads instead (each byte hashed once)."""
     root = Path(path)
     if co is None:
         co = Coordinator("load", str(root), 0, 1, 0.0, 0.0)
@@ -371,12 +382,18 @@ def open_checkpoint(
     digests = co.run(ARRIVING, arrive, share=True)
     _same_everywhere(digests, "checkpoint (its manifest differs)", "load")
     body = read["body"]
-    names = verify.share(list(body["files"]), co.rank, co.world_size)
-    found = co.run(
-        "verifying files", lambda: verify.check_files(root, body["files"], names), share=True
+    pins = None
+    if hash_files:
+        names = verify.share(list(body["files"]), co.rank, co.world_size)
+        found = co.run(
+            "verifying files", lambda: verify.check_files(root, body["files"], names), share=True
+        )
+        pins = {name: tuple(pin) for part in found for name, pin in part.items()}
+    body[mf.VERIFIED] = (
+        verify.VerifiedBytes(root, body["files"], keep=1)
+        if key is not None
+        else verify.PinnedFiles(root, pins)
     )
-    # Every rank reads only the files verified (by whichever rank hashed them): the pins.
-    body[mf.PINS] = {name: tuple(pin) for part in found for name, pin in part.items()}
     return root, body
 
 
@@ -395,7 +412,9 @@ def load(
     ``skip(key, entry)`` tells entries a backend restored on its own.
     """
     co = coordinator(engine, "load", path)
-    root, body = open_checkpoint(path, engine.checkpoint_key, co)
+    key = engine.checkpoint_key
+    as_read = key is not None and state is not None  # every byte used hashed as it is read
+    root, body = open_checkpoint(path, key, co, hash_files=not as_read)
     entries, index = body["entries"], body["tensors"]
     if state is None:
         return co.run("reading values", lambda: summary(root, body))
@@ -408,18 +427,39 @@ def load(
             f"Remove those keys from the state you load into."
         )
     remainder: dict[str, Any] = {}
+    plan: list[Callable[[dict[str, torch.Tensor], dict[str, Any]], None]] = []
+    targets: dict[str, torch.Tensor] = {}
+    wanted: dict[str, Any] = {}
 
-    def read() -> None:
-        plan = []
-        targets: dict[str, torch.Tensor] = {}
+    def prepare() -> list[str]:
         for key, entry in entries.items():
             if skip is not None and skip(key, entry):
                 continue
             action = _plan(engine, root, body, key, entry, state, strict, targets)
             if action is not None:
                 plan.append(action)
+        wanted.update(store.plan(index, targets))
+        return sorted(store.needed(wanted))
+
+    # With a key, each rank reads the files it needs into memory and hashes them there (the
+    # bytes it uses are the bytes hashed, whatever happens to the files later); files nobody
+    # needs are hashed by one rank each. Only once every rank has verified does any rank copy
+    # a byte into the objects: nothing is half-loaded.
+    needs = co.run("planning the read", prepare, share=True)
+    source = body[mf.VERIFIED]
+    if as_read:
+        source = verify.VerifiedBytes(root, body["files"])
+        unread = sorted(set(body["files"]) - set().union(*needs))
+
+        def check() -> None:
+            source.prefetch(needs[co.rank])
+            verify.check_files(root, body["files"], verify.share(unread, co.rank, co.world_size))
+
+        co.run("verifying files", check)
+
+    def read() -> None:
         try:
-            store.read(root, index, targets, body[mf.PINS])
+            store.read(root, index, targets, source, wanted)
         except CheckpointError:
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -571,7 +611,7 @@ def summary(root: Path, body: dict[str, Any]) -> dict[str, Any]:
         names = list(mf.tensor_paths(entry["data"]))
         if entry["kind"] in ("value", "tensor", "stateful"):
             tensors = store.allocate(index, names)
-            store.read(root, index, tensors, body.get(mf.PINS))
+            store.read(root, index, tensors, body[mf.VERIFIED])
             result[key] = mf.decode(entry["data"], tensors)
         else:
             strip = len(key) + 1

@@ -48,8 +48,8 @@ LAYOUT = "dcp"
 MANIFEST = "manifest.json"
 #: Format 4's tensor index, beside manifest.json (`torchplug.checkpoint.columns`).
 INDEX = "manifest.index"
-#: Where a loaded manifest keeps the pins of its verified files (never written to disk).
-PINS = "torchplug_verified_files"
+#: Where a loaded manifest keeps the reader of its verified bytes (never written to disk).
+VERIFIED = "torchplug_verified_files"
 TENSORS = "tensors"
 #: What `torchplug convert` writes for a plain nn.Module, and what `load_pretrained` reads: one
 #: safetensors file, or shards listed by an index (Hugging Face's layout).

@@ -17,7 +17,6 @@ one place so that a torch upgrade is checked against one module.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import io
 import os
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 
 from torchplug.checkpoint.columns import ColumnIndex
-from torchplug.checkpoint.files import confined, hasher, open_pinned, preferred_digest
+from torchplug.checkpoint.files import confined, hasher, preferred_digest
 from torchplug.checkpoint.manifest import DTYPES, TENSORS, dtype_name
 from torchplug.contract.errors import CheckpointError
 from torchplug.util import torchprivate
@@ -409,33 +408,28 @@ def merge(indexes: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _pinned_file_system(root: Path, pins: Mapping[str, Any] | None) -> Any:
-    """A DCP file system that opens only the files that were verified (their pins)."""
+#: Where a load's bytes come from (`verify.VerifiedBytes` with a checkpoint key: the bytes
+#: hashed, in memory; `verify.PinnedFiles` without: the files checked to be the ones hashed):
+#: ``stream(name)`` for DCP's reads, ``filler(name)`` giving ``fill(start, tensor)`` for raw ones.
+Source = Any
+
+
+def _verified_file_system(root: Path, source: Source) -> Any:
+    """A DCP file system whose streams come from ``source``, never opened here."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    class PinnedFileSystem(FileSystem):
+    class VerifiedFileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-            name = Path(path).relative_to(root).as_posix()
-            with open_pinned(Path(path), _pin(pins, name, root)) as stream:
+            with source.stream(Path(path).relative_to(root).as_posix()) as stream:
                 yield stream
 
-    return PinnedFileSystem()
+    return VerifiedFileSystem()
 
 
-def _pin(pins: Mapping[str, Any] | None, name: str, root: Path) -> Any:
-    if pins is None:
-        return None
-    if name not in pins:
-        raise CheckpointError(
-            f"Checkpoint {root}: file {name!r} was not verified; refusing to read it."
-        )
-    return pins[name]
-
-
-def reader(root: Path, index: Mapping[str, Any], pins: Mapping[str, Any] | None = None) -> Any:
+def reader(root: Path, index: Mapping[str, Any], source: Source) -> Any:
     """A DCP storage reader whose metadata comes from the manifest's index, never from a file,
-    and which reads only the verified files (``pins``, from ``open_checkpoint``)."""
+    and which reads only verified bytes in memory (``source``), never a file."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -467,7 +461,7 @@ def reader(root: Path, index: Mapping[str, Any], pins: Mapping[str, Any] | None 
     class IndexedReader(FileSystemReader):
         def __init__(self, path: Any) -> None:
             super().__init__(path)
-            self.fs = _pinned_file_system(Path(self.path), pins)
+            self.fs = _verified_file_system(Path(self.path), source)
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return Metadata(
@@ -484,7 +478,7 @@ def reader(root: Path, index: Mapping[str, Any], pins: Mapping[str, Any] | None 
                 raw = item.type == LoadItemType.TENSOR and item.storage_index in raw_chunks
                 (direct if raw else rest).append(item)
             if direct:
-                _read_raw(root, direct, raw_chunks, planner, pins)
+                _read_raw(root, direct, raw_chunks, planner, source)
             return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
     raw_chunks: dict[Any, tuple[str, int, torch.Size, torch.dtype]] = {}
@@ -506,7 +500,7 @@ def _read_raw(
     items: list[Any],
     raw_chunks: Mapping[Any, tuple[str, int, torch.Size, torch.dtype]],
     planner: Any,
-    pins: Mapping[str, Any] | None = None,
+    source: Source,
 ) -> None:
     """Read chunks whose bytes are stored raw: straight into the target when it is the whole
     chunk, contiguous and of the same dtype on the CPU; otherwise into a temporary, then the
@@ -515,9 +509,8 @@ def _read_raw(
     for item in items:
         by_file.setdefault(raw_chunks[item.storage_index][0], []).append(item)
     for name, wanted in by_file.items():
-        path = confined(root, name, "a tensor chunk refers to file")
         wanted.sort(key=lambda item: raw_chunks[item.storage_index][1])
-        with open_pinned(path, _pin(pins, name, root), buffering=0) as handle:
+        with source.filler(name) as fill:
             for item in wanted:
                 _, start, sizes, dtype = raw_chunks[item.storage_index]
                 target = planner.resolve_tensor(item).detach()
@@ -532,7 +525,7 @@ def _read_raw(
                     and not target.is_neg()
                 )
                 into = target if in_place else torch.empty(sizes, dtype=dtype)
-                _fill(handle, start, into, path)
+                fill(start, into)
                 if not in_place:
                     part = torchprivate.narrow_by_index(into, item.storage_offsets, item.lengths)
                     if part.shape != target.shape:
@@ -544,39 +537,34 @@ def _read_raw(
                 planner.commit_tensor(item, target)
 
 
-def _fill(handle: Any, start: int, tensor: torch.Tensor, path: Path) -> None:
-    """Read ``tensor.nbytes`` bytes at ``start`` into a contiguous CPU tensor's memory."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return
-    view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-    handle.seek(start)
-    done = 0
-    while done < nbytes:
-        got = handle.readinto(view[done:])
-        if not got:
-            raise CheckpointError(
-                f"Checkpoint file {path} ends before the tensor data it should hold: it was "
-                f"truncated. Load an earlier checkpoint."
-            )
-        done += got
-
-
 def read(
     root: Path,
     index: Mapping[str, Any],
     targets: dict[str, torch.Tensor],
-    pins: Mapping[str, Any] | None,
+    source: Source,
+    wanted: Mapping[str, Any] | None = None,
 ) -> None:
-    """Fill ``targets`` in place from the store (resharding as needed); no collective. With
-    ``pins`` (what ``open_checkpoint`` verified) every file read must be the one hashed."""
+    """Fill ``targets`` in place from the store (resharding as needed); no collective. Every
+    byte comes from ``source``: the verified bytes in memory, never the files. ``wanted`` is
+    `needed`'s plan when the caller made it already."""
     if not targets:
         return
     import torch.distributed.checkpoint as dcp
 
-    wanted = {name: _over(index, name, target) for name, target in targets.items()}
+    if wanted is None:
+        wanted = plan(index, targets)
     with _quiet_single_process():
-        dcp.load(targets, storage_reader=reader(root, wanted, pins), no_dist=True)
+        dcp.load(targets, storage_reader=reader(root, wanted, source), no_dist=True)
+
+
+def plan(index: Mapping[str, Any], targets: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Each target's entry with only the chunks it overlaps (what `read` reads)."""
+    return {name: _over(index, name, target) for name, target in targets.items()}
+
+
+def needed(wanted: Mapping[str, Any]) -> set[str]:
+    """The files a plan reads from."""
+    return {chunk["file"] for entry in wanted.values() for chunk in entry["chunks"]}
 
 
 def head(index: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -10,13 +10,26 @@ signature proves only that someone holding the key wrote it.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import hmac
-from collections.abc import Mapping
+import io
+import mmap
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from torchplug.checkpoint.files import Pin, confined, expected_digest, hash_pinned
+import torch
+
+from torchplug.checkpoint.files import (
+    Pin,
+    confined,
+    expected_digest,
+    hash_pinned,
+    hasher,
+    open_pinned,
+)
 from torchplug.checkpoint.manifest import canonical
 from torchplug.checkpoint.settings import KEY_ENV
 from torchplug.contract.errors import CheckpointError
@@ -92,3 +105,192 @@ def check_files(root: Path, files: Mapping[str, Any], names: list[str]) -> dict[
 def share(names: list[str], rank: int, world_size: int) -> list[str]:
     """This rank's part of the files to verify: each file is hashed by one rank only."""
     return sorted(names)[rank::world_size]
+
+
+class VerifiedBytes:
+    """Each file's bytes read once into this process's memory and hashed from that memory, so
+    that what a load uses is exactly what was hashed: no later change to the file (``write``, a
+    shared ``mmap`` whose page was dirty already, truncation, rename, a hard link) reaches the
+    caller, because the file is never read again.
+
+    ``keep=None`` keeps every file read (a load reads all it needs before it copies anything:
+    all or nothing, each byte hashed once); ``keep=1`` only the last one (a reader that walks
+    the files in pieces with bounded memory: a file met again is read and hashed again)."""
+
+    def __init__(self, root: Path, files: Mapping[str, Any], keep: int | None = None) -> None:
+        self.root = root
+        self.files = files
+        self.keep = keep
+        self._read: dict[str, memoryview] = {}
+
+    def __call__(self, name: str) -> memoryview:
+        """The verified bytes of the file the manifest lists as ``name``."""
+        found = self._read.get(name)
+        if found is None:
+            found = self._read_and_check(name)
+            if self.keep is not None:
+                while len(self._read) >= self.keep:
+                    self._read.pop(next(iter(self._read)))
+            if self.keep != 0:
+                self._read[name] = found
+        return found
+
+    @contextlib.contextmanager
+    def stream(self, name: str) -> Iterator[Any]:
+        """A stream over the file's verified bytes (DCP reads its non-raw chunks so)."""
+        yield _BytesView(self(name))
+
+    @contextlib.contextmanager
+    def filler(self, name: str) -> Iterator[Callable[[int, torch.Tensor], None]]:
+        """``fill(start, tensor)``: copy the verified bytes at ``start`` into ``tensor``."""
+        data, path = self(name), self.root / name
+
+        def fill(start: int, tensor: torch.Tensor) -> None:
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes == 0:
+                return
+            if start < 0 or start + nbytes > len(data):
+                raise CheckpointError(
+                    f"Checkpoint file {path} ends before the tensor data it should hold: it "
+                    f"was truncated. Load an earlier checkpoint."
+                )
+            source = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=start)
+            tensor.reshape(-1).view(torch.uint8).copy_(source)
+
+        yield fill
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Read and check ``names`` now (the verification phase of a load)."""
+        for name in sorted(names):
+            self(name)
+
+    def _read_and_check(self, name: str) -> memoryview:
+        if name not in self.files:
+            raise CheckpointError(
+                f"Checkpoint {self.root}: file {name!r} is not listed in its manifest; refusing "
+                f"to read it."
+            )
+        expected = self.files[name]
+        path = confined(self.root, name, "a tensor chunk refers to file")
+        size = expected["size"]
+        try:
+            with path.open("rb", buffering=0) as handle:
+                view = _fresh(size)
+                done = 0
+                algorithm, recorded = expected_digest(expected)
+                digest = hasher(algorithm)
+                while done < size:  # a block at a time, hashed while it is in the cache
+                    got = handle.readinto(view[done : done + _BLOCK])
+                    if not got:
+                        break
+                    digest.update(view[done : done + got])
+                    done += got
+                longer = done == size and handle.read(1)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"Checkpoint file {path} is missing (the manifest lists it). The checkpoint is "
+                f"incomplete; restore the file or load an earlier checkpoint."
+            ) from None
+        if done != size or longer:
+            raise CheckpointError(
+                f"Checkpoint file {path} has {'more than ' if longer else ''}{done} bytes, the "
+                f"manifest says {size}: it was truncated or changed after saving (or while "
+                f"this load read it). Restore it or load an earlier checkpoint."
+            )
+        if digest.hexdigest() != recorded:
+            raise CheckpointError(
+                f"Checkpoint file {path} fails its {algorithm} check as read for this load: it "
+                f"was altered or corrupted after saving (or while this load read it). Nothing "
+                f"read from it was used; restore it or load an earlier checkpoint."
+            )
+        return view
+
+
+_BLOCK = 4 << 20
+
+
+def _fresh(size: int) -> memoryview:
+    """``size`` bytes of private memory for a file's bytes, its pages made in one call
+    (``MAP_POPULATE``: a page fault per 4 KiB page was most of the read's time)."""
+    if size == 0:
+        return memoryview(bytearray())
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return memoryview(mmap.mmap(-1, size, flags=flags))
+
+
+class PinnedFiles:
+    """Without a checkpoint key: the files are read where they lie, each refused unless it is
+    the very file that was hashed (`files.open_pinned`: same inode, size, mtime and ctime).
+    This stops a file replaced or rewritten with ``write()`` during the load; it is not proof
+    against a process that writes through a shared mapping (only a signature makes a
+    checkpoint proof against someone who can write it; with a key, `VerifiedBytes` reads)."""
+
+    def __init__(self, root: Path, pins: Mapping[str, Pin] | None) -> None:
+        self.root = root
+        self.pins = pins
+
+    def _pin(self, name: str) -> Pin | None:
+        if self.pins is None:
+            return None
+        if name not in self.pins:
+            raise CheckpointError(
+                f"Checkpoint {self.root}: file {name!r} was not verified; refusing to read it."
+            )
+        return self.pins[name]
+
+    @contextlib.contextmanager
+    def stream(self, name: str) -> Iterator[Any]:
+        with open_pinned(self.root / name, self._pin(name)) as handle:
+            yield handle
+
+    @contextlib.contextmanager
+    def filler(self, name: str) -> Iterator[Callable[[int, torch.Tensor], None]]:
+        path = confined(self.root, name, "a tensor chunk refers to file")
+        with open_pinned(path, self._pin(name), buffering=0) as handle:
+            yield lambda start, tensor: _read_into(handle, start, tensor, path)
+
+
+def _read_into(handle: Any, start: int, tensor: torch.Tensor, path: Path) -> None:
+    """Read ``tensor.nbytes`` bytes at ``start`` into a contiguous CPU tensor's memory."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return
+    view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    handle.seek(start)
+    done = 0
+    while done < nbytes:
+        got = handle.readinto(view[done:])
+        if not got:
+            raise CheckpointError(
+                f"Checkpoint file {path} ends before the tensor data it should hold: it was "
+                f"truncated. Load an earlier checkpoint."
+            )
+        done += got
+
+
+class _BytesView(io.RawIOBase):
+    """A read-only, seekable stream over bytes in memory, without copying them."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = data
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._data)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        count = max(0, min(len(buffer), len(self._data) - self._at))
+        memoryview(buffer).cast("B")[:count] = self._data[self._at : self._at + count]
+        self._at += count
+        return count

@@ -22,8 +22,8 @@ from torchplug.checkpoint.io import open_checkpoint
 from torchplug.checkpoint.manifest import (
     INDEX_FILE,
     MANIFEST,
-    PINS,
     SINGLE_FILE,
+    VERIFIED,
     decode,
     tensor_paths,
 )
@@ -343,7 +343,7 @@ def convert(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     bar = Progress(total, sys.stderr.isatty() or total > 2**30 if progress is None else progress)
     for chunk in _chunks(tensors, CHUNK_BYTES):  # read in pieces so the bar moves
-        store.read(root, index, chunk, manifest[PINS])
+        store.read(root, index, chunk, manifest[VERIFIED])
         bar.advance(sum(t.numel() * t.element_size() for t in chunk.values()))
     bar.close()
     out = Path(destination)
