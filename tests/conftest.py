@@ -21,6 +21,12 @@ def ranks(torchplug_ranks: RankPool) -> RankPool:
     return torchplug_ranks
 
 
+#: Every pool's calls wait at least 900 s: the timeouts the tests pass are hang guards sized for
+#: an idle machine, and no test may fail because the machine is slow (pytest-timeout's 1,200 s
+#: per test is the last guard).
+RankPool.timeout_floor = 900.0
+
+
 #: Fixtures that start real ranks: a test using one is multi-process, hence ``slow``.
 RANK_FIXTURES = {"ranks", "torchplug_ranks", "torchplug_kit", "four"}
 

@@ -779,3 +779,32 @@ def test_the_mesh_example_in_the_author_guide_passes_the_kit_on_four_ranks(tmp_p
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "4 passed, 0 failed" in run.stdout, run.stdout
+
+
+SEEN_LOSSES: list[float] = []
+
+
+@tpp.hookimpl(wrapper=True)
+def torchplug_backward(engine, loss, model):
+    """A module-level hook function of a script, given on its own as a plugin."""
+    SEEN_LOSSES.append(loss.item())
+    return (yield)
+
+
+def test_a_hook_function_given_as_a_plugin_runs_and_a_non_hook_function_is_refused():
+    """The README's "a @tpp.hookimpl(wrapper=True) function given as Engine(plugins=[...])": a
+    bare function used to be taken without error and never called."""
+    SEEN_LOSSES.clear()
+    with tp.Engine("single", plugins=[torchplug_backward]) as engine:
+        model = engine.setup(torch.nn.Linear(3, 1))
+        loss = model(torch.ones(2, 3)).sum()
+        engine.backward(loss)
+        assert [loss.item()] == SEEN_LOSSES
+        assert model.weight.grad is not None  # the backward itself still ran
+    with pytest.raises(tp.ConfigurationError, match="is not a hook.*named after the hook"):
+        tp.Engine(
+            "single",
+            plugins=[
+                test_a_hook_function_given_as_a_plugin_runs_and_a_non_hook_function_is_refused
+            ],
+        )

@@ -197,7 +197,7 @@ def test_every_row_of_docs_errors_is_backed_by_a_test():
         ({"checkpoint_dir": ""}, "checkpoint_dir is an empty path"),
         ({"log_dir": 5}, "log_dir must be a non-empty directory path"),
         ({"activation_checkpointing": 5}, "activation_checkpointing takes module classes"),
-        ({"plugins": [5]}, "plugins takes plugin objects or module names, got int"),
+        ({"plugins": [5]}, "plugins takes plugin objects, module names or hook functions, got int"),
     ],
 )
 def test_engine_arguments_are_checked_where_they_enter(kwargs, message):

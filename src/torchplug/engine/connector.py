@@ -8,8 +8,9 @@ choices and refuses what cannot run here; the Engine then only runs what it pick
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,12 +139,17 @@ def active_set(
     for plugin in plugins:
         if plugin is None or isinstance(plugin, (bool, int, float, bytes)):
             raise ConfigurationError(
-                f"plugins takes plugin objects or module names, got "
+                f"plugins takes plugin objects, module names or hook functions, got "
                 f"{type(plugin).__name__} {plugin!r}. Pass e.g. plugins=['my_module'] or "
                 f"plugins=[MyExtension()]."
             )
     for plugin in plugins:  # one already active (registered globally too) is active once
-        loaded = load_extension(plugin) if isinstance(plugin, str) else plugin
+        if isinstance(plugin, str):
+            loaded = load_extension(plugin)
+        elif inspect.isfunction(plugin):
+            loaded = HookFunction(plugin)
+        else:
+            loaded = plugin
         if not any(loaded is other for other in active):
             active.append(loaded)
     return backend, active, resolved
@@ -312,3 +318,25 @@ def load_extension(module: str) -> object:
             f"{exc}. Expected a module importable as `import {module}` from the current "
             f"directory ({os.getcwd()}) or an installed package; or pass the plugin object."
         ) from exc
+
+
+class HookFunction:
+    """One hook function given as a plugin (``Engine(plugins=[torchplug_backward])``), as a
+    module holding only it would be: without this, pluggy would find no hook on a function
+    object and the Engine would run without it, silently."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        name = function.__name__
+        if not name.startswith("torchplug_"):
+            raise ConfigurationError(
+                f"plugins got the function {function.__module__}.{function.__qualname__}, which "
+                f"is not a hook: a hook function is named after the hook it implements "
+                f"(torchplug_backward, torchplug_optimizer_step, ...; docs/hooks.md lists them) "
+                f"and decorated with @torchplug.plugin.hookimpl. Rename it, or pass the module "
+                f"or object that holds your hooks."
+            )
+        setattr(self, name, function)
+        self.__name__ = f"{function.__module__}.{function.__qualname__}"
+
+    def __repr__(self) -> str:
+        return f"<hook function {self.__name__}>"
