@@ -57,10 +57,10 @@ def _report_unclaimed() -> None:
         return
     for pending in failed:
         error = pending.error
-        what = f"the asynchronous save of {pending.path} failed"
         print(
-            f"torchplug: {what}, and the script ended without waiting for it (engine.close(), "
-            f"`with Engine(...)`, or engine.wait_for_save() raise it): "
+            f"torchplug: the asynchronous save of {pending.path} failed, and the script ended "
+            f"without waiting for it (engine.close(), `with Engine(...)`, or "
+            f"engine.wait_for_save() raise it): "
             f"{type(error).__name__}: {error}. That checkpoint was not written; exiting with "
             f"status 1.",
             file=sys.stderr,

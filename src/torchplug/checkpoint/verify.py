@@ -128,11 +128,9 @@ class VerifiedBytes:
         found = self._read.get(name)
         if found is None:
             found = self._read_and_check(name)
-            if self.keep is not None:
-                while len(self._read) >= self.keep:
-                    self._read.pop(next(iter(self._read)))
-            if self.keep != 0:
-                self._read[name] = found
+            while self.keep is not None and len(self._read) >= self.keep:
+                self._read.pop(next(iter(self._read)))
+            self._read[name] = found
         return found
 
     @contextlib.contextmanager
