@@ -179,6 +179,37 @@ class FloorsIntegerMeans(DDPStrategy):
         return result
 
 
+class ReducesInFloat32(DDPStrategy):
+    """Reduces every tensor in one float32 buffer (a shortcut for coalescing) and hands that
+    back: an int64 counter comes back float32, a float64 sum rounded to float32."""
+
+    @tpp.hookimpl
+    def torchplug_reduce(self, engine, tensor, op):
+        result = tensor.detach().to(torch.float32, copy=True)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX if op == "max" else
+                        dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)  # fmt: skip
+        return result / engine.world_size if op == "mean" else result
+
+
+class ReducesPresentGradients(DistributedStrategy):
+    """Averages the gradients each rank has (``p.grad is not None``), one all-reduce each:
+    ranks that used different parameters pair up different gradients of the same shape."""
+
+    @tpp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        self.model = model.to(engine.device)
+        return self.model, optimizers
+
+    @tpp.hookimpl
+    def torchplug_backward(self, engine, loss, model):
+        loss.backward()
+        for p in self.model.parameters():
+            if p.grad is not None:  # the bug: which parameters have one differs by rank
+                dist.all_reduce(p.grad)
+                p.grad /= engine.world_size
+        return True
+
+
 class IgnoresNormType(DDPStrategy):
     """Clips by the L2 norm whatever ``norm_type`` asks (an inf-norm reported as the L2 one)."""
 
@@ -273,6 +304,8 @@ BROKEN = {
     "averages-buffers": (AveragesBuffers, "real_model"),
     "per-rank-buffers": (PerRankBuffers, "replicas"),
     "floors-integer-means": (FloorsIntegerMeans, "collectives"),
+    "reduces-in-float32": (ReducesInFloat32, "collectives"),
+    "reduces-present-gradients": (ReducesPresentGradients, "rank_dependent"),
     "ignores-norm-type": (IgnoresNormType, "clipping"),
     "leaves-hooks": (LeavesHooks, "reuse"),
     "unfreezes": (Unfreezes, "frozen"),

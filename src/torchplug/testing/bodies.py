@@ -656,18 +656,44 @@ def load(
         return {"step": state["step"], "optimizer_portable": portable, **snapshot}
 
 
+#: The dtypes the ``collectives`` property reduces and gathers in: every one a user's metrics
+#: and counters come in (torch.distributed's gloo and nccl take them all).
+COLLECTIVE_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32", "int8", "uint8")
+
+
+def collective_values(rank: int, dtype: str) -> list[float]:
+    """Rank ``rank``'s values for the ``collectives`` property in ``dtype``: whole numbers small
+    enough for int8 on 8 ranks, a negative one for signed types, each exact in every dtype."""
+    values = [rank + 1.0, 2.0 * rank + 1.0, 3.0]
+    if dtype != "uint8":
+        values.append(-(rank + 1.0))
+    return values
+
+
 def collectives(
     strategy: str, plugins: Sequence[str] = (), options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """reduce (every op) and gather of rank-dependent values."""
+    """reduce (every op) and gather of rank-dependent values, in every dtype of
+    `COLLECTIVE_DTYPES` alone and mixed in one nested call; each answer as ``(values, dtype)``."""
     register(plugins)
+
+    def seen(tensor: torch.Tensor) -> tuple[Any, str]:
+        return tensor.cpu().double().tolist(), str(tensor.dtype).removeprefix("torch.")
+
     with tp.Engine(strategy, **(options or {})) as engine:
-        value = torch.tensor([engine.rank + 1.0, -2.0 * (engine.rank + 1)])
-        out: dict[str, Any] = {op: engine.reduce(value, op).cpu().tolist() for op in REDUCE_OPS}
-        whole = torch.tensor([engine.rank + 1, 2 * engine.rank + 1])  # integers: a true mean
-        out["int mean"] = engine.reduce(whole, "mean").cpu().tolist()
-        out["int sum"] = engine.reduce(whole, "sum").cpu().tolist()
-        out["gather"] = engine.gather(value).cpu().tolist()
+        out: dict[str, Any] = {}
+        mixed = {}
+        for dtype in COLLECTIVE_DTYPES:
+            value = torch.tensor(collective_values(engine.rank, dtype), dtype=getattr(torch, dtype))
+            mixed[dtype] = value
+            for op in REDUCE_OPS:
+                out[f"{dtype} {op}"] = seen(engine.reduce(value, op))
+            out[f"{dtype} gather"] = seen(engine.gather(value))
+        for op in REDUCE_OPS:  # one call, every dtype nested in it
+            for dtype, tensor in engine.reduce(mixed, op).items():
+                out[f"mixed {dtype} {op}"] = seen(tensor)
+        for dtype, tensor in engine.gather(mixed).items():
+            out[f"mixed {dtype} gather"] = seen(tensor)
         out["rank"], out["world_size"] = engine.rank, engine.world_size
         engine.barrier()
         return out

@@ -522,30 +522,49 @@ class Kit:
         )
 
     def collectives(self) -> Outcome:
+        """reduce (every op) and gather in every dtype of `bodies.COLLECTIVE_DTYPES`, alone and
+        mixed in one nested call: each answer equals the exact one, in the input's dtype (the
+        mean of integers: a true mean, in the default float dtype)."""
         results = self.run(bodies.collectives)
         n = results[0]["world_size"]
-        values = [[r + 1.0, -2.0 * (r + 1)] for r in range(n)]
-        expected = {
-            "sum": [sum(v[i] for v in values) for i in range(2)],
-            "mean": [sum(v[i] for v in values) / n for i in range(2)],
-            "max": [max(v[i] for v in values) for i in range(2)],
-            "min": [min(v[i] for v in values) for i in range(2)],
-            "gather": values,
-            # integers: the mean is a true mean (2.5, not 2), the sum stays whole
-            "int mean": [sum(r + 1 for r in range(n)) / n, sum(2 * r + 1 for r in range(n)) / n],
-            "int sum": [sum(r + 1 for r in range(n)), sum(2 * r + 1 for r in range(n))],
-        }
-        wrong = [
-            f"rank {r['rank']} {op}: got {r[op]}, expected {want}"
-            for r in results
-            for op, want in expected.items()
-            if r[op] != want
-        ]
+        expected = {}
+        for dtype in bodies.COLLECTIVE_DTYPES:
+            values = torch.tensor([bodies.collective_values(r, dtype) for r in range(n)])
+            floating = getattr(torch, dtype).is_floating_point
+            mean_dtype = dtype if floating else str(torch.get_default_dtype())[6:]
+            answers = {
+                "sum": (values.sum(0), dtype),
+                "mean": (values.sum(0) / n, mean_dtype),
+                "max": (values.max(0).values, dtype),
+                "min": (values.min(0).values, dtype),
+                "gather": (values, dtype),
+            }
+            for op, (want, want_dtype) in answers.items():
+                for key in (f"{dtype} {op}", f"mixed {dtype} {op}"):
+                    expected[key] = (want.double().tolist(), want_dtype)
+        wrong = []
+        for r in results:
+            for key, (want, want_dtype) in expected.items():
+                got, got_dtype = r[key]
+                # an answer rounded to its dtype: a mean of 2 or 3 ranks in bf16 is the nearest
+                eps = torch.finfo(getattr(torch, want_dtype)).eps if want_dtype[0] in "fb" else 0
+                close = torch.allclose(
+                    torch.tensor(got, dtype=torch.float64),
+                    torch.tensor(want, dtype=torch.float64),
+                    rtol=eps,
+                    atol=0.0,
+                )
+                if got_dtype != want_dtype or not close:
+                    wrong.append(
+                        f"rank {r['rank']} {key}: got {got} ({got_dtype}), expected {want} "
+                        f"({want_dtype})"
+                    )
         return Outcome(
             "collectives",
             not wrong,
-            "; ".join(wrong)
-            or f"sum/mean/max/min (floats and integers) and gather correct on {n} ranks",
+            "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
+            or f"sum/mean/max/min and gather exact in {len(bodies.COLLECTIVE_DTYPES)} dtypes "
+            f"(alone and mixed in one nested call) on {n} ranks",
         )
 
     def _saved(self) -> tuple[str, dict[str, Any]]:
