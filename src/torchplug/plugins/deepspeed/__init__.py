@@ -401,7 +401,9 @@ class DeepSpeedStrategy(DistributedStrategy):
             dist_init_required=False,
         )
         _TAKEN.update([model, *optimizers])
-        self.modules_used = ModulesUsed(model)  # removed at teardown
+        # removed at teardown; under ZeRO-3 its hooks run ahead of DeepSpeed's gathers
+        zero3 = self.config["zero_optimization"]["stage"] == 3
+        self.modules_used = ModulesUsed(model, engine, lockstep=zero3)
         self.ds_engine = ds_engine
         if engine.precision in ("bf16", "fp16"):
             self.fp32_norms = _norms_in_fp32(model)
@@ -784,17 +786,6 @@ def precision_check(precision: str) -> str | None:
     return None
 
 
-#: ZeRO-3 gathers a module's parameters when the module runs, one collective per module: ranks
-#: that run different modules disagree already in the forward, before `usage.ModulesUsed` can
-#: refuse the step (seen: a wrong forward, or a wait until the collective timeout).
-ZERO3_DEVIATIONS = {
-    "rank_dependent": (
-        "ZeRO-3 gathers each module's parameters as it runs: ranks that run different modules "
-        "(experts) disagree in the forward, where nothing can refuse them yet"
-    )
-}
-
-
 @hookimpl
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     common: dict[str, Any] = {
@@ -811,7 +802,8 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
         # DeepSpeed compiles through its own config; micro-batches are marked by
         # engine.accumulate (its gradient-accumulation boundary), not by a bare no_sync; a
         # model and optimizer it took over cannot be handed on (_refuse_set_up_before); ranks
-        # that use different parameters are refused before the backward (usage.py).
+        # that use different parameters are refused before the backward, under ZeRO-3 before
+        # the module's gather in the forward (usage.py).
         "refuses": ("compile", "no_sync", "clip_norm_type", "reuse", "rank_dependent"),
     }
     register(
@@ -833,7 +825,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 description=f"DeepSpeed ZeRO stage {stage}.",
                 shards_parameters=stage == 3,
                 memory=memory.zero(stage),
-                deviations=ZERO3_DEVIATIONS if stage == 3 else {},
                 **common,
             )
         )
@@ -845,7 +836,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             description="DeepSpeed ZeRO stage 3, optimizer and parameters offloaded to the CPU.",
             memory=memory.zero(3, offload_optimizer="cpu", offload_params="cpu"),
             shards_parameters=True,
-            deviations=ZERO3_DEVIATIONS,
             **common,
         )
     )
