@@ -290,6 +290,30 @@ class HidesNonFiniteNorms(DDPStrategy):
         return total
 
 
+class RoundsGradients(DDPStrategy):
+    """Not broken: rounds the averaged gradients through bfloat16 when ``round_to_bf16=True`` (a
+    compressed exchange, lossy by choice), and declares a wider tolerance for that value only."""
+
+    def __init__(self, round_to_bf16: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.round_to_bf16 = round_to_bf16
+
+    @tpp.hookimpl
+    def torchplug_wrap(self, engine, model, optimizers):
+        self.model, optimizers = super().torchplug_wrap(engine, model, optimizers)
+        return self.model, optimizers
+
+    @tpp.hookimpl
+    def torchplug_backward(self, engine, loss, model):
+        answered = super().torchplug_backward(engine, loss, model)
+        if self.round_to_bf16:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.copy_(p.grad.bfloat16())
+        return answered
+
+
 BROKEN = {
     "no-average": (NoAverage, "sgd"),
     "local-clip": (LocalClip, "clipping"),
@@ -330,6 +354,14 @@ DECLARES_REFUSAL = "declares-no-clipping"
 DECLARES_DEVIATION = "declares-local-clipping"
 #: A deviation declared under a name that is no kit property: the kit says so.
 MISNAMED_DEVIATION = "misnamed-deviation"
+#: Not broken: lossy for one option value, with a tolerance declared per option value; and the
+#: same strategy declaring the exact tolerance whatever the option says (lossy: caught).
+PER_OPTION_TOLERANCE = "rounds-gradients"
+ONE_TOLERANCE = "rounds-gradients-one-tolerance"
+_ROUNDING = (
+    *DDPStrategy.strategy_options(),
+    tpp.Option("round_to_bf16", bool, False, "round the averaged gradients through bfloat16"),
+)
 
 
 @tpp.hookimpl
@@ -358,6 +390,23 @@ def torchplug_register_strategies(register):
             factory=LocalClip,
             description="clips each rank's gradients, by design",
             deviations={"clipping": "each rank clips its own gradients, by design"},
+        )
+    )
+    register(
+        tpp.StrategyInfo(
+            name=PER_OPTION_TOLERANCE,
+            factory=RoundsGradients,
+            description="rounds gradients through bf16 when asked, declared per option value",
+            options=_ROUNDING,
+            tolerance=lambda options: 1e-2 if options["round_to_bf16"] else 1e-5,
+        )
+    )
+    register(
+        tpp.StrategyInfo(
+            name=ONE_TOLERANCE,
+            factory=RoundsGradients,
+            description="rounds gradients through bf16 when asked, declared exact",
+            options=_ROUNDING,
         )
     )
     register(

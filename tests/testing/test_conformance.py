@@ -79,6 +79,22 @@ def test_a_declared_deviation_is_reported_as_one_with_its_reason(ranks):
     assert clip.status == "FAIL"
 
 
+def test_a_tolerance_declared_per_option_value_applies_to_that_value_only(ranks):
+    """Issue 35 item 2: tolerance can depend on an option's value. Gradients rounded through
+    bf16 (round_to_bf16=True) pass sgd under the tolerance declared for that value; the exact
+    regime is held to 1e-5; the same rounding under a strategy declaring 1e-5 only fails."""
+    from support.broken_strategy import ONE_TOLERANCE, PER_OPTION_TOLERANCE
+
+    plugins = ["support.broken_strategy"]
+    lossy = {"round_to_bf16": True}
+    (sgd,) = check(PER_OPTION_TOLERANCE, plugins=plugins, pool=ranks, only=["sgd"], options=lossy)
+    assert sgd.passed and "tolerance 1e-02" in sgd.detail, sgd
+    (exact,) = check(PER_OPTION_TOLERANCE, plugins=plugins, pool=ranks, only=["sgd"])
+    assert exact.passed and "tolerance 1e-05" in exact.detail, exact
+    (held,) = check(ONE_TOLERANCE, plugins=plugins, pool=ranks, only=["sgd"], options=lossy)
+    assert not held.passed and "> tolerance 1e-05" in held.detail, held
+
+
 def test_summing_instead_of_averaging_is_caught_by_sgd_where_adamw_hides_it(ranks):
     parity, sgd = check(
         "no-average", plugins=["support.broken_strategy"], pool=ranks, only=["parity", "sgd"]
@@ -192,8 +208,8 @@ def test_the_pytest_face_reports_a_declared_deviation_as_xfail_and_nan_skip_runs
 #: Strategies whose outcomes span every kind: a failure (no-average's sgd), a declared deviation
 #: (declares-local-clipping's clipping), a declared refusal (declares-no-clipping's clipping),
 #: passes, and skips where a property cannot run.
-FACES = ("no-average", "declares-local-clipping", "declares-no-clipping")
-FACE_PROPERTIES = ("sgd", "clipping", "collectives", "reuse", "frozen", "barrier")
+FACES = ("no-average", "declares-local-clipping", "declares-no-clipping", "ddp")
+FACE_PROPERTIES = ("sgd", "clipping", "collectives", "reuse", "frozen", "barrier", "rank_dependent")
 
 
 @pytest.mark.slow

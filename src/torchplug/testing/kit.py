@@ -192,9 +192,10 @@ class Kit:
     def tolerance(self) -> float | None:
         """How far results may stray from the reference: the strategy's own tolerance, widened
         for low precision (reductions in another order round differently in bf16/fp16)."""
-        if self.info.tolerance is None:
+        declared = self.info.tolerance_for(self.options)
+        if declared is None:
             return None
-        return max(self.info.tolerance, LOW_PRECISION_TOLERANCE.get(self.precision, 0.0))
+        return max(declared, LOW_PRECISION_TOLERANCE.get(self.precision, 0.0))
 
     def compare(
         self, name: str, results: list[dict[str, Any]], reference: dict[str, Any], what: str
@@ -620,8 +621,9 @@ class Kit:
         # agree to 1e-6 whatever the parity tolerance. Only a strategy whose communication keeps
         # state that checkpoints do not carry (PowerSGD's error feedback) declares
         # resume_exact=False, and is held to convergence-level agreement.
-        tolerance = 1e-6 if self.info.resume_exact else 1e-1
-        why = "" if self.info.resume_exact else " (resume_exact=False: state not checkpointed)"
+        exact = self.info.resume_exact_for(self.options)
+        tolerance = 1e-6 if exact else 1e-1
+        why = "" if exact else " (resume_exact=False: state not checkpointed)"
         return Outcome(
             "resume",
             worst <= tolerance,
