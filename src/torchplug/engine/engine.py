@@ -415,9 +415,8 @@ class Engine(RuntimeFacts):
     # -- collectives ------------------------------------------------------------------------------
 
     def reduce(self, tensor: Any, op: str = "mean") -> Any:
-        """Reduce over all ranks with ``op`` (sum, mean, max, min); every rank gets the result,
-        a new tensor in the input's dtype (the mean of integers: a true mean, in the default
-        float dtype). The input is left as it was, where Fabric's ``all_reduce`` reduces in place.
+        """Reduce over all ranks with ``op`` (sum, mean, max, min): a new tensor on every rank,
+        in the input's dtype (an integer mean: a true mean, as floats); the input is unchanged.
 
         Args:
             tensor: This rank's tensor or number, or tensors nested in tuples, lists and dicts
