@@ -481,10 +481,8 @@ def torchplug_autocast(engine: HookContext) -> AbstractContextManager[None] | No
 def torchplug_reduce(engine: HookContext, tensor: torch.Tensor, op: str) -> torch.Tensor | None:
     """Reduce ``tensor`` over all ranks with ``op`` (``sum``, ``mean``, ``max``, ``min``).
 
-    Returns a new tensor holding the result on every rank; the input is not modified. The
-    result has the input's dtype (an int64 counter stays int64, float64 is not rounded through
-    float32), except the ``mean`` of an integer tensor: a true mean (2.5, not 2) in torch's
-    default float dtype. The kit's ``collectives`` property checks every op in eight dtypes.
+    Returns a new tensor holding the result on every rank; the input is not modified. It has
+    the input's dtype, except an integer ``mean``: a true mean (2.5, not 2) in the default dtype.
 
     Args:
         engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].

@@ -177,14 +177,11 @@ class StrategyInfo(Announced):
         distributed: Runs several processes (needs a launcher such as torchrun when world size > 1).
         launcher: ``"torchrun"`` or the name of a launcher the strategy brings (e.g. ``"xla"``).
         tolerance: How far results may stray from the single-process reference (lossy communication
-            such as gradient compression declares more); ``None``: check convergence instead. Or
-            a function of the run's options (every option's value, defaults filled in) answering
-            one of those, where an option changes the numerics (a compression level): see
-            `tolerance_for`.
-        resume_exact: Whether a run resumed from a checkpoint repeats the uninterrupted run exactly
-            (the kit's ``resume`` property, to 1e-6, whatever ``tolerance`` says). ``False`` only
-            for a strategy whose communication keeps state that checkpoints do not carry (e.g.
-            PowerSGD's). Or a function of the run's options, as for ``tolerance``.
+            such as gradient compression declares more); ``None``: check convergence instead; or
+            a function of the run's options (defaults filled in) answering one, per option value.
+        resume_exact: Whether a resumed run repeats the uninterrupted one exactly (the kit's
+            ``resume``, to 1e-6 whatever ``tolerance`` says); ``False`` only where communication
+            keeps state checkpoints do not carry (PowerSGD's); or a function, as ``tolerance``.
         refuses: What the strategy refuses by design with a ConfigurationError, by the conformance
             kit's names: ``"compile"`` (Engine(compile=True)), ``"clipping"``, ``"accumulation"``,
             ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate),
@@ -276,27 +273,6 @@ class StrategyInfo(Announced):
             name: The option's name.
         """
         return next((o for o in self.options if o.name == name), None)
-
-    def tolerance_for(self, options: Mapping[str, Any]) -> float | None:
-        """``tolerance`` for a run given ``options`` (a function declared there is called with
-        every option's value, the defaults filled in).
-
-        Args:
-            options: The options given to the run (``Engine(...)``, ``torchplug check --option``).
-        """
-        if callable(self.tolerance):
-            return self.tolerance(self.resolve_options(options))
-        return self.tolerance
-
-    def resume_exact_for(self, options: Mapping[str, Any]) -> bool:
-        """``resume_exact`` for a run given ``options``, as `tolerance_for`.
-
-        Args:
-            options: The options given to the run.
-        """
-        if callable(self.resume_exact):
-            return bool(self.resume_exact(self.resolve_options(options)))
-        return self.resume_exact
 
     def unusable_reason(self) -> str | None:
         """Why this strategy cannot run on this machine, or ``None`` if it can (the machine's

@@ -188,11 +188,17 @@ class Kit:
         key = f"reference{sorted(kwargs.items())}"
         return self.cached(key, lambda: bodies.reference(**kwargs))
 
+    def for_options(self, value: Any) -> Any:
+        """A `StrategyInfo` declaration for this kit's run: a function of the options (``tolerance``
+        or ``resume_exact`` that an option's value changes) is called with every option's value,
+        the defaults filled in."""
+        return value(self.info.resolve_options(self.options)) if callable(value) else value
+
     @property
     def tolerance(self) -> float | None:
         """How far results may stray from the reference: the strategy's own tolerance, widened
         for low precision (reductions in another order round differently in bf16/fp16)."""
-        declared = self.info.tolerance_for(self.options)
+        declared = self.for_options(self.info.tolerance)
         if declared is None:
             return None
         return max(declared, LOW_PRECISION_TOLERANCE.get(self.precision, 0.0))
@@ -621,7 +627,7 @@ class Kit:
         # agree to 1e-6 whatever the parity tolerance. Only a strategy whose communication keeps
         # state that checkpoints do not carry (PowerSGD's error feedback) declares
         # resume_exact=False, and is held to convergence-level agreement.
-        exact = self.info.resume_exact_for(self.options)
+        exact = bool(self.for_options(self.info.resume_exact))
         tolerance = 1e-6 if exact else 1e-1
         why = "" if exact else " (resume_exact=False: state not checkpointed)"
         return Outcome(
