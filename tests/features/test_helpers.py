@@ -715,6 +715,51 @@ def test_profile_writes_one_trace_per_rank_over_the_chosen_steps(tmp_path):
         assert any(n.startswith("aten::") and "mm" in n for n in seen)  # the Linear layers
 
 
+def profile_a_block(directory: str) -> dict:
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = engine.setup(model, optimizer)
+        with engine.profile(dir=directory, record_shapes=True) as prof:
+            engine.backward(model(torch.randn(4, 16)).sum())
+            optimizer.step()
+        table = prof.key_averages().table(row_limit=50)
+        # Accelerate's schedule_option: a dict of torch.profiler.schedule's keywords
+        with engine.profile(schedule={"wait": 1, "warmup": 0, "active": 1}) as scheduled:
+            for _ in range(2):
+                model(torch.randn(4, 16)).sum()
+                scheduled.step()
+        ops = {event.key for event in scheduled.key_averages()}
+        return {
+            "type": type(prof).__module__ + "." + type(prof).__qualname__,
+            "table": table,
+            "files": sorted(p.name for p in pathlib.Path(directory).iterdir()),
+            "scheduled": any("mm" in op for op in ops),
+        }
+
+
+@pytest.mark.slow
+def test_engine_profile_yields_torchs_profiler_as_accelerates_does(tmp_path):
+    """Issue 34 item 5: ``with engine.profile() as prof`` is torch's profiler over the block
+    (``key_averages()``), each rank's Chrome trace written as Accelerate names it when a directory
+    is given (after the block: both ranks' files are there once either leaves), a schedule dict
+    taken as Accelerate's ``schedule_option``. On ranks of its own, as the test above."""
+    with RankPool(2) as own:
+        results = own.run(profile_a_block, str(tmp_path), timeout=180)
+    for result in results:
+        assert result["type"] == "torch.profiler.profiler.profile"
+        assert "aten::addmm" in result["table"] or "aten::mm" in result["table"], result["table"]
+        assert result["files"] == ["profile_0.json", "profile_1.json"]
+        assert result["scheduled"]
+    for rank in range(2):
+        events = json.loads((tmp_path / f"profile_{rank}.json").read_text())["traceEvents"]
+        assert any("mm" in e.get("name", "") for e in events)
+    with tp.Engine("single") as engine, pytest.raises(tp.ConfigurationError, match="keywords"):
+        with engine.profile(record_everything=True):
+            pass
+
+
 def test_profile_settings_are_checked_and_the_trainer_passes_them(tmp_path):
     with pytest.raises(tp.ConfigurationError, match="unknown key"):
         tp.Engine("single", profile={"steps": 3})

@@ -450,10 +450,8 @@ class Engine(RuntimeFacts):
     def split_between_processes(self, items: Any, apply_padding: bool = False) -> Iterator[Any]:
         """This process's contiguous part of ``items`` (a list, tuple, tensor along dimension
         0, or a dict of those), as Accelerate's: 5 prompts on 2 ranks are ``[0, 1, 2]`` and
-        ``[3, 4]``. Parts follow the data-parallel rank (a tensor-parallel group shares one).
-        ``apply_padding=True`` makes every part as long as the longest by repeating its last
-        item, so a later [`gather`][torchplug.Engine.gather] lines up; drop the repeats after
-        gathering.
+        ``[3, 4]``, by data-parallel rank. ``apply_padding=True`` repeats each part's last item
+        up to the longest, so a later [`gather`][torchplug.Engine.gather] lines up.
 
         ``with engine.split_between_processes(prompts) as mine: outputs = generate(mine)``
 
@@ -481,10 +479,8 @@ class Engine(RuntimeFacts):
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``hook_name(*args, **kwargs)`` on every object of ``Engine(callbacks=...)`` that
         has that method, in the order given, and return what each returned (Fabric's
-        ``fabric.call``): events of your own loop, such as
-        ``engine.call("on_validation_end", metrics=metrics)``. A callback without the method is
-        skipped; an attribute of that name that is not callable is an error. The Trainer's
-        callback objects work here too (their hooks are plain methods). Local to this rank.
+        ``fabric.call``), e.g. ``engine.call("on_validation_end", metrics=metrics)``. A callback
+        without the method is skipped; a non-callable attribute of that name is an error.
 
         Args:
             hook_name: The method name to call on each callback.
@@ -513,15 +509,12 @@ class Engine(RuntimeFacts):
     def gather_for_metrics(self, data: Any, padding: int | None = None) -> Any:
         """Every rank's ``data`` joined along the first dimension, without the padding.
 
-        A distributed sampler repeats a few samples so that every rank gets as many; a plain
-        [`gather`][torchplug.Engine.gather] would count them twice (a 7-item eval set on 2 ranks
-        gathers 8). This drops the repeats in the batch last handed out by a loader from
-        [`setup_dataloader`][torchplug.Engine.setup_dataloader] (or the last ``padding`` rows, when
-        given), then gathers: ``data`` is a tensor or tensors nested in tuples, lists and dicts
-        (returned in the same structure), and first dimensions may differ between ranks (the last
-        batch). A 0-d tensor or a number becomes one row per rank. Under tensor parallelism the
-        ranks of one data-parallel replica hold the same data: each replica's values appear once.
-        Call it on every rank.
+        A distributed sampler repeats a few samples so that every rank gets as many (a 7-item
+        eval set on 2 ranks gathers 8 with [`gather`][torchplug.Engine.gather]). This drops the
+        repeats in the batch last handed out by a loader from
+        [`setup_dataloader`][torchplug.Engine.setup_dataloader] (or the last ``padding`` rows),
+        then gathers (first dimensions may differ; a number gives one row per rank; each
+        tensor-parallel replica's values appear once). Call it on every rank.
 
         Args:
             data: This rank's tensor, or tensors nested in tuples, lists and dicts.
@@ -592,6 +585,13 @@ class Engine(RuntimeFacts):
         """
         if self.is_main:
             builtins.print(*args, **kwargs)
+
+    def profile(self, **settings: Any) -> contextlib.AbstractContextManager[Any]:
+        """``with engine.profile() as prof:`` torch's profiler over the block (Accelerate's
+        ``accelerator.profile()``): ``prof.key_averages()``; ``dir=...`` writes each rank's
+        Chrome trace there. Other keywords: ``torch.profiler.profile``'s (``schedule`` may be a
+        dict). ``Engine(profile=...)`` profiles chosen optimizer steps instead."""
+        return profiling.block(settings, self.rank, self.device, self.barrier)
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:

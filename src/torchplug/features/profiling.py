@@ -10,8 +10,9 @@ rest of the run costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,38 @@ class StepProfiler:
         if self.running:
             self.running = False
             self._profiler.stop()
+
+
+@contextlib.contextmanager
+def block(
+    settings: dict[str, Any], rank: int, device: torch.device, barrier: Callable[[], None]
+) -> Iterator[Any]:
+    """`Engine.profile`: torch's profiler over one block, yielded (``prof.key_averages()``,
+    ``prof.step()`` under a ``schedule``), as Accelerate's ``accelerator.profile()``. With
+    ``dir``, each rank writes ``DIR/profile_<rank>.json`` (Accelerate's name: a Chrome trace)
+    after the block, and the ranks leave together, as there. ``schedule`` may be a dict of
+    ``torch.profiler.schedule``'s keywords (Accelerate's ``schedule_option``)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    settings = dict(settings)
+    where = settings.pop("dir", None)
+    if isinstance(settings.get("schedule"), Mapping):
+        settings["schedule"] = schedule(**settings["schedule"])
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    settings.setdefault("activities", activities)
+    try:
+        profiler = profile(**settings)
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"engine.profile(...): {exc}. It takes torch.profiler.profile's keywords "
+            f"(record_shapes, profile_memory, with_stack, with_flops, schedule, on_trace_ready) "
+            f"and dir=... (where each rank's Chrome trace is written)."
+        ) from None
+    with profiler:
+        yield profiler
+    if where is not None:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(Path(where) / f"profile_{rank}.json"))
+        barrier()
