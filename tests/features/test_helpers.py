@@ -755,9 +755,9 @@ def test_engine_profile_yields_torchs_profiler_as_accelerates_does(tmp_path):
     for rank in range(2):
         events = json.loads((tmp_path / f"profile_{rank}.json").read_text())["traceEvents"]
         assert any("mm" in e.get("name", "") for e in events)
-    with tp.Engine("single") as engine, pytest.raises(tp.ConfigurationError, match="keywords"):
-        with engine.profile(record_everything=True):
-            pass
+    engine = tp.Engine("single")
+    with engine, pytest.raises(tp.ConfigurationError, match="keywords"), engine.profile(bad=1):
+        pass
 
 
 def test_profile_settings_are_checked_and_the_trainer_passes_them(tmp_path):

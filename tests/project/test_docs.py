@@ -215,7 +215,8 @@ def test_nav_lists_existing_pages_only():
 
 
 PAGE_OF = {
-    "single": "single", "ddp": "ddp", "fsdp": "fsdp", "xla": "xla", "tp": "tp", "fsdp-tp": "tp",
+    "single": "single", "ddp": "ddp", "local-sgd": "local-sgd", "fsdp": "fsdp", "xla": "xla",
+    "tp": "tp", "fsdp-tp": "tp",
     "fairscale-oss": "fairscale", "fairscale-sdp": "fairscale", "fairscale-fsdp": "fairscale",
     "deepspeed": "deepspeed", "deepspeed-zero1": "deepspeed", "deepspeed-zero2": "deepspeed",
     "deepspeed-zero3": "deepspeed", "deepspeed-zero3-offload": "deepspeed",

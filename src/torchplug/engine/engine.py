@@ -490,8 +490,7 @@ class Engine(RuntimeFacts):
         return call_callbacks(self.callbacks, hook_name, args, kwargs)
 
     def any(self, flag: bool | torch.Tensor) -> bool:
-        """True on every rank if ``flag`` is true on any rank: a stop trigger for your own loop
-        (``if engine.any(loss.isnan()): break`` leaves every rank together).
+        """True on every rank if ``flag`` is true on any rank (``if engine.any(stop): break``).
 
         Args:
             flag: This rank's flag (a bool or a one-element tensor).
@@ -587,10 +586,13 @@ class Engine(RuntimeFacts):
             builtins.print(*args, **kwargs)
 
     def profile(self, **settings: Any) -> contextlib.AbstractContextManager[Any]:
-        """``with engine.profile() as prof:`` torch's profiler over the block (Accelerate's
-        ``accelerator.profile()``): ``prof.key_averages()``; ``dir=...`` writes each rank's
-        Chrome trace there. Other keywords: ``torch.profiler.profile``'s (``schedule`` may be a
-        dict). ``Engine(profile=...)`` profiles chosen optimizer steps instead."""
+        """``with engine.profile() as prof:`` torch's profiler over the block, as Accelerate's
+        ``accelerator.profile()`` (``Engine(profile=...)`` profiles chosen steps instead).
+
+        Args:
+            **settings: ``dir`` (each rank's Chrome trace is written there), else
+                ``torch.profiler.profile``'s keywords (``schedule`` may be a dict).
+        """
         return profiling.block(settings, self.rank, self.device, self.barrier)
 
     @contextlib.contextmanager
@@ -705,10 +707,7 @@ class Engine(RuntimeFacts):
         model this Engine set up, under any strategy whose parameters are plain tensors or
         DTensors; no collective. Each rank reads only the block of its own shards, so a model
         built with ``init_module(empty=True)`` and set up sharded is never whole on a rank.
-
-        Returns ``{"loaded", "missing", "unexpected"}`` (tensor names); a model tensor the
-        files lack is an error unless ``strict=False``. Call it after
-        [`setup`][torchplug.Engine.setup].
+        Call it after [`setup`][torchplug.Engine.setup].
 
         Args:
             model: A model this Engine set up.

@@ -301,7 +301,23 @@ def shard(
     # raw FSDP2's step time in `python -m benchmarks`). torch keeps the root gathered by
     # default for that reason; so does torchplug.
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    model.register_forward_hook(_reshard_after_inference)
     return norms + units
+
+
+def _reshard_after_inference(model: torch.nn.Module, args: Any, output: Any) -> None:
+    """After a forward without gradients (evaluation), free what stayed gathered (the root,
+    or every unit with ``reshard_after_forward=False``): no backward comes to free it, and the
+    next forward would compute with those gathered copies as they were, missing any change
+    made to the shards in between (a schedule-free optimizer's ``train()``/``eval()``
+    switch, an EMA swap, ``engine.load``)."""
+    if torch.is_grad_enabled():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def compile_units(

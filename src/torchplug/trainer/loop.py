@@ -388,6 +388,7 @@ class Trainer:
         self, state: dict[str, Any], last_saved: int | None
     ) -> tuple[list[float], bool, int | None]:
         engine, model, optimizer = self.engine, self.model, self.optimizer
+        self._optimizer_mode("train")
         total = (  # the last batch of the epoch completes a short group (engine.accumulate)
             -(-len(self.train_loader) // self.grad_accum)
             if hasattr(self.train_loader, "__len__")
@@ -568,8 +569,18 @@ class Trainer:
         with self._pause():  # not training time: left out of the throughput
             return self._evaluate()
 
+    def _optimizer_mode(self, mode: str) -> None:
+        """A schedule-free optimizer (``schedulefree.AdamWScheduleFree``) keeps different weights
+        for training and for evaluation, switched by its ``train()``/``eval()``: called as
+        Accelerate's optimizer wrapper and Hugging Face's Trainer call them (eval for each
+        evaluation, train when training goes on). Other optimizers have neither method."""
+        switch = getattr(self.optimizer, mode, None)
+        if callable(switch):
+            switch()
+
     def _evaluate(self) -> dict[str, float]:
         engine = self.engine
+        self._optimizer_mode("eval")
         self.model.eval()
         outputs: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []

@@ -865,3 +865,25 @@ def test_estimate_memory_is_within_5_percent_of_the_live_bytes(ranks, strategy, 
     estimate = estimate_for(strategy, precision)
     assert_within(estimate, measured)
     assert estimate["masters"] > 0 and estimate["grads"] > 0
+
+
+def set_up_schedule_free(strategy: str) -> str:
+    import schedulefree
+
+    model = torch.nn.Linear(4, 2)
+    with tp.Engine(strategy) as engine:
+        try:
+            engine.setup(model, schedulefree.AdamWScheduleFree(model.parameters(), lr=0.1))
+        except tp.ConfigurationError as error:
+            return str(error)
+    return "set up"
+
+
+@needs_deepspeed
+def test_a_schedule_free_optimizer_is_refused_naming_why(ranks):
+    """Its train()/eval() switch would change DeepSpeed's flat partitions, not the weights the
+    model computes with: evaluations would silently use the training weights (issue 34)."""
+    pytest.importorskip("schedulefree")
+    for said in ranks.run(set_up_schedule_free, "deepspeed-zero2"):
+        assert "schedule-free optimizer (AdamWScheduleFree)" in said, said
+        assert "Use it with ddp, fsdp or tp" in said

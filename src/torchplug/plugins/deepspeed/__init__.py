@@ -371,6 +371,14 @@ class DeepSpeedStrategy(DistributedStrategy):
                 "model with DeepSpeed."
             )
         _refuse_set_up_before(model, optimizers)
+        if optimizers and "train_mode" in optimizers[0].param_groups[0]:
+            raise ConfigurationError(
+                f"DeepSpeed cannot drive a schedule-free optimizer "
+                f"({type(optimizers[0]).__name__}): its train()/eval() switch would change "
+                f"DeepSpeed's flat partitions, not the weights the model computes with, so "
+                f"evaluations would silently use the training weights. Use it with ddp, fsdp or "
+                f"tp, or a regular optimizer (AdamW) under DeepSpeed."
+            )
         untested = optimizers and type(optimizers[0]).__name__ not in _ZERO_TESTED
         if untested and self.config["zero_optimization"]["stage"] > 0:
             if self.config.get("zero_allow_untested_optimizer"):
