@@ -14,9 +14,10 @@ from support.paths import ROOT, TESTS
 #: Folders of tests/ named after a layer of src/torchplug; tests/plugins/<name> for each plugin
 #: of src/torchplug/plugins.
 LAYERS = ("checkpoint", "cli", "contract", "engine", "features", "testing", "trainer", "util")
-#: Folders that test no single layer: whole runs across the layers (e2e) and the repository
-#: itself (project: the docs and the built site, the import layering, the benchmark runner).
-ACROSS = ("e2e", "project")
+#: Folders that test no single layer: whole runs across the layers (e2e), the repository
+#: itself (project: the docs and the built site, the import layering, the benchmark runner) and
+#: the peers' own example scripts against their ports (peers: its own tox env, tox -e peers).
+ACROSS = ("e2e", "project", "peers")
 #: Test modules allowed directly in tests/ (conftest.py and support/ are not test modules).
 TOP_LEVEL: frozenset[str] = frozenset()
 

@@ -1,0 +1,88 @@
+"""The torchplug port of `accelerate_tracking` (Accelerate's
+``examples/by_feature/tracking.py``), made with docs/migration-accelerate.md alone."""
+
+import os
+
+import torch
+from offline import MrpcMetric, Record, argument, collate, mrpc_like, tiny_bert
+from torch.optim import AdamW
+from torch.utils.data import DataLoader
+from transformers import get_linear_schedule_with_warmup
+
+import torchplug as tp
+
+EVAL_BATCH_SIZE = 32
+
+
+def get_dataloaders(engine, batch_size=16):
+    with engine.main_process_first():
+        train, validation = mrpc_like(160, seed=0), mrpc_like(101, seed=1)
+    train_dataloader = DataLoader(train, shuffle=False, collate_fn=collate, batch_size=batch_size)
+    eval_dataloader = DataLoader(
+        validation, shuffle=False, collate_fn=collate, batch_size=EVAL_BATCH_SIZE
+    )
+    return train_dataloader, eval_dataloader
+
+
+def training_function(config, args):
+    os.chdir(args["project_dir"])  # the loggers write under the working directory
+    engine = tp.Engine(loggers=["tensorboard"])
+    lr, num_epochs = config["lr"], int(config["num_epochs"])
+    seed, batch_size = int(config["seed"]), int(config["batch_size"])
+    metric, record = MrpcMetric(), Record()
+    record.metrics["logged"] = []
+
+    tp.seed_everything(seed)
+    train_dataloader, eval_dataloader = get_dataloaders(engine, batch_size)
+    model = tiny_bert()
+    optimizer = AdamW(params=model.parameters(), lr=lr)
+    model, optimizer = engine.setup(model, optimizer)
+    train_dataloader = engine.setup_dataloader(train_dataloader)
+    eval_dataloader = engine.setup_dataloader(eval_dataloader)
+    lr_scheduler = get_linear_schedule_with_warmup(
+        optimizer=optimizer,
+        num_warmup_steps=8 // engine.world_size,
+        num_training_steps=len(train_dataloader) * num_epochs,
+    )
+
+    engine.log_hyperparams(config)
+
+    for epoch in range(num_epochs):
+        model.train()
+        total_loss = 0
+        for batch in train_dataloader:
+            outputs = model(**batch)
+            loss = outputs.loss
+            total_loss += loss.detach().float()
+            engine.backward(loss)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+            record.losses.append(engine.reduce(loss.detach(), "mean").item())
+
+        model.eval()
+        for batch in eval_dataloader:
+            with torch.no_grad():
+                outputs = model(**batch)
+            predictions = outputs.logits.argmax(dim=-1)
+            predictions, references = engine.gather_for_metrics((predictions, batch["labels"]))
+            metric.add_batch(predictions=predictions, references=references)
+        eval_metric = metric.compute()
+        engine.print(f"epoch {epoch}:", eval_metric)
+
+        logged = {
+            "accuracy": eval_metric["accuracy"],
+            "f1": eval_metric["f1"],
+            "train_loss": total_loss.item() / len(train_dataloader),
+            "epoch": epoch,
+        }
+        engine.log(logged, step=epoch)
+        record.metrics["logged"].append(logged)
+
+    record.write(engine.is_main)
+    engine.close()
+
+
+if __name__ == "__main__":
+    config = {"lr": 2e-3, "num_epochs": 2, "seed": 42, "batch_size": 16}
+    training_function(config, {"project_dir": argument("project_dir")})
