@@ -99,13 +99,15 @@ class LocalSGDStrategy(DistributedStrategy):
         """Rank 0's optimizer state on every rank (its moments differ between ranks)."""
         return _rank_zeros((yield))
 
-    @hookimpl(tryfirst=True)
+    @hookimpl
     def torchplug_teardown(self, engine: HookContext) -> None:
-        """The last average, so the run ends with one model (Accelerate's at the block's end);
-        skipped when the process is going down with an error (other ranks may be gone)."""
+        """The last average, so the run ends with one model (Accelerate's at the block's end;
+        skipped when the process is going down with an error: other ranks may be gone), then
+        the process group goes as `DistributedStrategy`'s teardown does."""
         if not engine.failing:
             self.average()
         self.models = []
+        super().torchplug_teardown(engine)
 
 
 def _rank_zeros(state: Any) -> Any:

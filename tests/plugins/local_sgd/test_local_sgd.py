@@ -108,3 +108,13 @@ def test_local_sgd_equals_a_plain_torch_distributed_loop(ranks, tmp_path):
 def test_sync_every_must_be_a_positive_number_of_steps():
     with pytest.raises(tp.ConfigurationError, match="sync_every.*1 or more"):
         tp.Engine("local-sgd", sync_every=0)
+
+
+def test_close_destroys_the_process_group_it_made():
+    """Its teardown averages, then releases the group as every DistributedStrategy does (a
+    group left behind broke later tests in the same process)."""
+    model = _model()
+    with tp.Engine("local-sgd") as engine:
+        engine.setup(model, _optimizer(model))
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
