@@ -144,12 +144,12 @@ class TestCheckpointing(Pair):
 #: rank computes from its own batch alone differs: here the train_loss rank 0 logs.
 RANK_LOCAL_BATCHES = (
     "torchplug's setup_dataloader gives a rank other samples than accelerator.prepare does "
-    "(indices r::N, features/data.py _with_distributed_sampler, vs Accelerate's whole batches "
+    "(indices r::N, features/data.py:52 _with_distributed_sampler, vs Accelerate's whole batches "
     "r::N): rank 0's own train_loss differs (epoch 1: 0.68814 Accelerate vs 0.69217 torchplug)"
 )
 
 
-@pytest.mark.xfail(strict=True, reason=RANK_LOCAL_BATCHES)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=RANK_LOCAL_BATCHES)
 class TestTracking(Pair):
     peer, port = "accelerate_tracking.py", "torchplug_tracking.py"
     runs = (("--project_dir", "{tmp}"),)
@@ -177,12 +177,12 @@ class TestImageClassifier(Pair):
 #: seed + epoch (features/data.py ShardedSampler._draw): another order, the global RNG untouched.
 SAMPLER_ORDER = (
     "a SubsetRandomSampler without a generator draws its order from torch's global RNG under "
-    "Fabric, from a generator seeded with seed + epoch under torchplug (features/data.py "
+    "Fabric, from a generator seeded with seed + epoch under torchplug (features/data.py:117 "
     "ShardedSampler._draw): the first step's loss is 2.27518 under Fabric, 2.28289 under torchplug"
 )
 
 
-@pytest.mark.xfail(strict=True, reason=SAMPLER_ORDER)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SAMPLER_ORDER)
 class TestKFold(Pair):
     peer, port = "fabric_kfold_cv.py", "torchplug_kfold_cv.py"
 
