@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
 
 import torchplug as tp
 
@@ -140,3 +146,101 @@ def test_an_own_sampler_or_a_stream_loses_no_sample_on_any_number_of_ranks(kind,
     assert len({r["steps"] for r in results}) == 1
     for r in results:
         assert sorted(r["gathered"]) == picked  # each index once: the repeats were padding
+
+
+def own_sampler_order(diverged: bool) -> dict:
+    """A generator-less ``SubsetRandomSampler`` after ``manual_seed(7)`` (``+ rank`` when
+    ``diverged``): the indices each rank sees, and a draw from torch's RNG after the pass."""
+    from torch.utils.data import SubsetRandomSampler
+
+    data = TensorDataset(torch.arange(100))
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        torch.manual_seed(7 + (engine.rank if diverged else 0))
+        sampler = SubsetRandomSampler(list(range(10, 60)))
+        loader = engine.setup_dataloader(DataLoader(data, batch_size=4, sampler=sampler))
+        rows, gathered = [], []
+        for (x,) in loader:
+            rows += x.tolist()
+            gathered += engine.gather_for_metrics(x).tolist()
+        return {"rows": rows, "gathered": gathered, "after": torch.rand(3).tolist()}
+
+
+def test_an_own_sampler_without_a_generator_draws_from_torchs_rng_as_in_one_process(ranks):
+    """Issue 34: as in one process (and under Fabric), the order is the sampler's draw from
+    torch's RNG, which advances by it; rank r takes positions r, r+N, ... of it."""
+    from torch.utils.data import SubsetRandomSampler
+
+    torch.manual_seed(7)  # one process: the loader's pass draws its order, then training goes on
+    sampler = SubsetRandomSampler(list(range(10, 60)))
+    one = DataLoader(TensorDataset(torch.arange(100)), batch_size=4, sampler=sampler)
+    order = [i for (x,) in one for i in x.tolist()]
+    after = torch.rand(3).tolist()
+    r0, r1 = ranks.run(own_sampler_order, False)
+    assert r0["rows"] == order[0::2] and r1["rows"] == order[1::2]
+    assert r0["after"] == after and r1["after"] == after
+    assert sorted(r0["gathered"]) == sorted(order)
+
+
+def test_ranks_whose_rng_differs_all_take_rank_0s_order(ranks):
+    """Seeded per rank, the ranks would draw other orders and see indices twice: every rank
+    takes rank 0's order instead, so each index is seen exactly once."""
+    from torch.utils.data import SubsetRandomSampler
+
+    torch.manual_seed(7)
+    sampler = SubsetRandomSampler(list(range(10, 60)))
+    one = DataLoader(TensorDataset(torch.arange(100)), batch_size=4, sampler=sampler)
+    order = [i for (x,) in one for i in x.tolist()]
+    r0, r1 = ranks.run(own_sampler_order, True)
+    assert r0["rows"] == order[0::2] and r1["rows"] == order[1::2]
+    assert sorted(r0["gathered"]) == sorted(order) == list(range(10, 60))
+
+
+def batches_dealt(n: int, batch: int, drop_last: bool, shuffle: bool) -> dict:
+    data = TensorDataset(torch.arange(n))
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        torch.manual_seed(3)
+        loader = DataLoader(data, batch_size=batch, shuffle=shuffle, drop_last=drop_last)
+        loader = engine.setup_dataloader(loader, shard_by="batch")
+        epochs, gathered = [], []
+        for _ in range(2):
+            epochs.append([])
+            gathered.append([])
+            for (x,) in loader:
+                epochs[-1].append(x.tolist())
+                gathered[-1].append(engine.gather_for_metrics(x).tolist())
+        return {"epochs": epochs, "gathered": gathered, "len": len(loader)}
+
+
+def test_shard_by_batch_deals_whole_batches_as_accelerate(ranks):
+    """``shard_by="batch"``: rank r takes batches r, r+N, ...; the short last round (batches
+    [6, 7, 8] and [9]) is filled from the start of the pass, [9, 0, 1], and
+    ``gather_for_metrics`` drops the filling (Accelerate's ``even_batches``)."""
+    r0, r1 = ranks.run(batches_dealt, 10, 3, False, False)
+    assert r0["epochs"][0] == [[0, 1, 2], [6, 7, 8]]
+    assert r1["epochs"][0] == [[3, 4, 5], [9, 0, 1]]
+    assert r0["len"] == r1["len"] == 2
+    assert [i for step in r0["gathered"][0] for i in step] == list(range(10))
+    dropped = ranks.run(batches_dealt, 10, 3, True, False)
+    assert [r["epochs"][0] for r in dropped] == [[[0, 1, 2]], [[3, 4, 5]]]  # the round of 6-8
+
+
+def test_shard_by_batch_shuffles_once_for_all_ranks_and_again_each_pass(ranks):
+    """A shuffled loader: the order is the loader's own (a generator seeded by a draw from
+    torch's RNG at setup, as Accelerate's prepare), the same on every rank, new each pass."""
+    r0, r1 = ranks.run(batches_dealt, 12, 3, False, True)
+    torch.manual_seed(3)
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    generator = torch.Generator().manual_seed(seed)
+    data = TensorDataset(torch.arange(12))
+    reference = DataLoader(data, batch_size=3, sampler=RandomSampler(data, generator=generator))
+    for epoch in range(2):
+        batches = [x.tolist() for (x,) in reference]
+        assert r0["epochs"][epoch] == batches[0::2] and r1["epochs"][epoch] == batches[1::2]
+    assert r0["epochs"][0] != r0["epochs"][1]
+
+
+def test_shard_by_must_be_sample_or_batch():
+    from torchplug.contract.errors import ConfigurationError
+
+    with tp.Engine("single") as engine, pytest.raises(ConfigurationError, match="'sample'"):
+        engine.setup_dataloader(DataLoader(TensorDataset(torch.arange(4))), shard_by="rank")

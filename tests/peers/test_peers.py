@@ -108,12 +108,13 @@ class Pair:
         return [arg.format(tmp=tmp) for arg in run]
 
     @pytest.fixture(scope="class")
-    def peer_records(self, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-        tmp = tmp_path_factory.mktemp(Path(self.peer).stem)
+    @classmethod
+    def peer_records(cls, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+        tmp = tmp_path_factory.mktemp(Path(cls.peer).stem)
         records = []
-        for i, run in enumerate(self.runs):
+        for i, run in enumerate(cls.runs):
             (tmp / str(i)).mkdir()
-            records.append(run_peer(self.peer, self._args(run, tmp), tmp / str(i)))
+            records.append(run_peer(cls.peer, cls._args(run, tmp), tmp / str(i)))
         return records
 
     @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -138,18 +139,6 @@ class TestCheckpointing(Pair):
     )
 
 
-#: Accelerate deals each rank whole batches (BatchSamplerShard: rank r takes global batches r,
-#: r+N, ...); setup_dataloader deals indices (DistributedSampler: rank r takes samples r, r+N, ...).
-#: The global step is the same samples either way, but a rank's own batch is not, so anything a
-#: rank computes from its own batch alone differs: here the train_loss rank 0 logs.
-RANK_LOCAL_BATCHES = (
-    "torchplug's setup_dataloader gives a rank other samples than accelerator.prepare does "
-    "(indices r::N, features/data.py:52 _with_distributed_sampler, vs Accelerate's whole batches "
-    "r::N): rank 0's own train_loss differs (epoch 1: 0.68814 Accelerate vs 0.69217 torchplug)"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=RANK_LOCAL_BATCHES)
 class TestTracking(Pair):
     peer, port = "accelerate_tracking.py", "torchplug_tracking.py"
     runs = (("--project_dir", "{tmp}"),)
@@ -171,18 +160,6 @@ class TestImageClassifier(Pair):
     peer, port = "fabric_image_classifier.py", "torchplug_image_classifier.py"
 
 
-#: Fabric's DistributedSamplerWrapper lists the SubsetRandomSampler on each rank as it is, so its
-#: order comes from torch's global RNG (the same on every rank after seed_everything, and
-#: advanced by the draw); torchplug's ShardedSampler lends the sampler a generator seeded with
-#: seed + epoch (features/data.py ShardedSampler._draw): another order, the global RNG untouched.
-SAMPLER_ORDER = (
-    "a SubsetRandomSampler without a generator draws its order from torch's global RNG under "
-    "Fabric, from a generator seeded with seed + epoch under torchplug (features/data.py:117 "
-    "ShardedSampler._draw): the first step's loss is 2.27518 under Fabric, 2.28289 under torchplug"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SAMPLER_ORDER)
 class TestKFold(Pair):
     peer, port = "fabric_kfold_cv.py", "torchplug_kfold_cv.py"
 
@@ -259,3 +236,26 @@ def test_the_row_parser_reads_a_guide_table(tmp_path: Path):
     assert rows(guide) == [(["accelerator.backward(loss)"], ["engine.backward(loss)"])]
     assert used("accelerate.utils.set_seed(", "set_seed(42)")
     assert not used("accelerate.utils.set_seed(", "tp.reset_seed(42)")
+
+
+# -- the sharding rules against the peers' own samplers -----------------------------------------
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shard_by_batch_deals_as_accelerates_batch_sampler_shard(world: int, drop_last: bool):
+    """``shard_by="batch"`` against Accelerate's own ``BatchSamplerShard`` (even_batches): the
+    same batches on every rank, for dataset sizes around every multiple of the round."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from torchplug.features.samplers import BatchShards
+
+    for size in range(1, 40):
+        for batch in (1, 3, 4):
+            batches = BatchSampler(SequentialSampler(range(size)), batch, drop_last)
+            for rank in range(world):
+                theirs = list(BatchSamplerShard(batches, world, rank, even_batches=True))
+                ours = BatchShards(batches, world, rank)
+                assert list(ours) == theirs, (size, batch, rank)
+                assert len(ours) == len(theirs), (size, batch, rank)

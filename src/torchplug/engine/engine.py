@@ -21,7 +21,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -284,19 +284,19 @@ class Engine(RuntimeFacts):
         use_distributed_sampler: bool = True,
         move_to_device: bool = True,
         split_batches: bool = False,
+        shard_by: Literal["sample", "batch"] = "sample",
     ) -> Any:
-        """Give each rank its own share of ``loader``'s batches, moved to
-        [`device`][torchplug.Engine.device].
+        """Give each rank its own share of ``loader``'s batches, moved to the device.
 
         Args:
             loader: a DataLoader (or any iterable of batches).
-            use_distributed_sampler: give a map-style loader with the default sampler a
-                DistributedSampler (shuffle kept, one seed on every rank); else shard by batch.
+            use_distributed_sampler: shard as ``shard_by`` says (``False``: shard by batch).
             move_to_device: put each batch on [`device`][torchplug.Engine.device] (``place_batch``).
-            split_batches: ``batch_size`` is the global batch: each rank takes
-                ``batch_size / data_parallel_size`` of it (must divide evenly), so the step sees
-                the same samples on any number of ranks; ``False`` (default): ``batch_size`` is
-                per rank, and the global batch grows with the ranks.
+            split_batches: ``batch_size`` is the global batch, each rank taking its share
+                (must divide evenly); ``False`` (default): ``batch_size`` is per rank.
+            shard_by: ``"sample"``: rank ``r`` takes samples ``r, r+N, ...`` (a
+                ``DistributedSampler``, as Fabric); ``"batch"``: whole batches ``r, r+N, ...``
+                of the loader as it is, as Accelerate's ``prepare``.
         """
         from torchplug.features.data import EngineDataLoader
 
@@ -310,6 +310,7 @@ class Engine(RuntimeFacts):
             gather=self.gather if self.world_size > 1 else None,
             on_batch=self._collectives.note_loader,
             split_batches=split_batches,
+            shard_by=shard_by,
         )
 
     def place_batch(self, batch: Any) -> Any:

@@ -8,15 +8,7 @@ resumed run shuffles as the uninterrupted one did. Starting a pass does not coun
 ``next(iter(loader))`` probe shifts nothing), and a sampler you built yourself is left to you
 (torchplug never calls its ``set_epoch`` unless you call ``loader.set_epoch``).
 
-A sampler of your own (``SubsetRandomSampler``, ``WeightedRandomSampler``, any ``Sampler``) is
-sharded by index, as Fabric's ``DistributedSamplerWrapper`` does: each pass's indices are drawn
-once (the same on every rank: a torch sampler without a generator gets one seeded from the
-seed and the epoch), padded by repeating from the start to a multiple of the ranks, and rank
-``r`` of ``N`` takes positions ``r, r+N, ...``: every index is seen, the repeats are padding that
-``gather_for_metrics`` drops. Batch samplers and iterable datasets are sharded by batch: rank
-``r`` takes batches ``r, r+N, ...``; a last incomplete round is completed by repeating its
-batches (marked as padding), so no sample is dropped and every rank runs the same number of
-steps (no collective waits forever).
+How a loader is dealt to ranks (by sample, by batch, with padding): `torchplug.features.samplers`.
 """
 
 from __future__ import annotations
@@ -29,10 +21,20 @@ from torch.utils.data import (
     DataLoader,
     DistributedSampler,
     IterableDataset,
-    RandomSampler,
-    SequentialSampler,
 )
 
+from torchplug.features.samplers import (
+    BatchShards,
+    ShardedSampler,
+    batch_size_of,
+    default_sampler,
+    padding_per_batch,
+    part_of,
+    per_rank_batch,
+    with_batch_shards,
+    with_distributed_sampler,
+    with_sharded_sampler,
+)
 from torchplug.util.nested import map_tensors
 
 #: The end of a pass (a batch may be ``None``).
@@ -47,186 +49,6 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
         device: Where to move them.
     """
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
-
-
-def _with_distributed_sampler(
-    loader: DataLoader, num_replicas: int, rank: int, seed: int, batch_size: int | None = None
-) -> DataLoader:
-    sampler = DistributedSampler(
-        loader.dataset,
-        num_replicas=num_replicas,
-        rank=rank,
-        shuffle=isinstance(loader.sampler, RandomSampler),
-        seed=seed,
-        drop_last=loader.drop_last,
-    )
-    return _rebuilt(loader, sampler, batch_size)
-
-
-def _rebuilt(loader: DataLoader, sampler: Any, batch_size: int | None = None) -> DataLoader:
-    """``loader`` with another sampler (and batch size), everything else kept."""
-    kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size if batch_size is None else batch_size,
-        "sampler": sampler,
-        "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
-        "drop_last": loader.drop_last,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn or _worker_seeding(loader),
-        "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
-        "persistent_workers": loader.persistent_workers,
-    }
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(loader.dataset, **kwargs)
-
-
-def _worker_seeding(loader: DataLoader) -> Callable[[int], None] | None:
-    """``seed_worker`` for a loader with workers after ``seed_everything(..., workers=True)``."""
-    from torchplug.features.seeding import seed_worker, seeding_workers
-
-    return seed_worker if loader.num_workers > 0 and seeding_workers() else None
-
-
-class ShardedSampler(torch.utils.data.Sampler):
-    """This rank's share of another sampler's indices: each pass's indices, padded by repeating
-    from the start to a multiple of ``num_replicas``, at positions ``rank, rank + N, ...``.
-
-    Args:
-        sampler: The loader's own sampler (anything that yields dataset indices).
-        num_replicas: The data-parallel ranks.
-        rank: This rank's data-parallel index.
-        seed: Seeds a torch sampler that has no generator of its own (with the epoch), so every
-            rank draws the same order.
-    """
-
-    def __init__(self, sampler: Any, num_replicas: int, rank: int, seed: int = 0) -> None:
-        self.sampler, self.num_replicas, self.rank, self.seed = sampler, num_replicas, rank, seed
-        self.epoch = 0
-        #: How many indices the last pass drew (the rest of this rank's share is padding).
-        self.drawn = len(sampler) if hasattr(sampler, "__len__") else 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        inner = getattr(self.sampler, "set_epoch", None)
-        if callable(inner):
-            inner(epoch)
-
-    def _draw(self) -> list[Any]:
-        if hasattr(self.sampler, "generator") and self.sampler.generator is None:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            self.sampler.generator = generator  # one order on every rank, this pass only
-            try:
-                return list(self.sampler)
-            finally:
-                self.sampler.generator = None
-        return list(self.sampler)
-
-    def __iter__(self) -> Iterator[Any]:
-        indices = self._draw()
-        self.drawn = len(indices)
-        if not indices:
-            return iter(())
-        total = -(-len(indices) // self.num_replicas) * self.num_replicas
-        while len(indices) < total:
-            indices += indices[: total - len(indices)]
-        return iter(indices[self.rank : total : self.num_replicas])
-
-    def __len__(self) -> int:
-        return -(-len(self.sampler) // self.num_replicas)
-
-    def real(self) -> int:
-        """How many of this rank's indices in the last pass were not padding."""
-        return len(range(self.rank, self.drawn, self.num_replicas))
-
-
-def _with_sharded_sampler(
-    loader: DataLoader, num_replicas: int, rank: int, seed: int
-) -> DataLoader:
-    """``loader`` with its own sampler replaced by this rank's `ShardedSampler` of it."""
-    return _rebuilt(loader, ShardedSampler(loader.sampler, num_replicas, rank, seed))
-
-
-def _batch_size_of(batch: Any) -> int:
-    """The number of samples in a batch: the first dimension of its first tensor."""
-    found: list[int] = []
-
-    def first(tensor: torch.Tensor) -> torch.Tensor:
-        if not found and tensor.dim() > 0:
-            found.append(tensor.shape[0])
-        return tensor
-
-    map_tensors(batch, first)
-    return found[0] if found else (len(batch) if hasattr(batch, "__len__") else 1)
-
-
-def padding_per_batch(
-    sampler: Any, batch_size: int | None, drop_last: bool
-) -> Callable[[int], int]:
-    """For batch ``i`` of this rank, how many of its samples are padding: ``DistributedSampler``
-    repeats samples so every rank gets as many; those repeats sit at the end of the ranks whose
-    share is short, one each, and must not be counted twice in metrics."""
-    if isinstance(sampler, ShardedSampler) and batch_size:
-
-        def sharded(i: int) -> int:
-            start, end = i * batch_size, min((i + 1) * batch_size, len(sampler))
-            if drop_last and end - start < batch_size:
-                return 0
-            return max(0, end - max(start, sampler.real()))
-
-        return sharded
-    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not batch_size:
-        return lambda i: 0
-    size = len(sampler.dataset)  # type: ignore[arg-type]
-    real = len(range(sampler.rank, size, sampler.num_replicas))
-    total = sampler.num_samples
-
-    def padding(i: int) -> int:
-        start = i * batch_size
-        end = min(start + batch_size, total)
-        if drop_last and end - start < batch_size:
-            return 0
-        return max(0, end - max(start, real))
-
-    return padding
-
-
-def _default_sampler(loader: DataLoader) -> bool:
-    sampler = loader.sampler
-    if isinstance(sampler, SequentialSampler):
-        return True
-    return (
-        isinstance(sampler, RandomSampler)
-        and not sampler.replacement
-        and sampler._num_samples is None  # noqa: SLF001 - only way to see num_samples was not set
-    )
-
-
-def _per_rank_batch(batch_size: int, num_replicas: int) -> int:
-    """``split_batches``: the per-rank batch that makes ``batch_size`` the global one."""
-    if batch_size % num_replicas:
-        from torchplug.contract.errors import ConfigurationError
-
-        raise ConfigurationError(
-            f"setup_dataloader(split_batches=True): batch_size={batch_size} is the global "
-            f"batch, which must divide evenly over the {num_replicas} data-parallel ranks. Use "
-            f"a multiple of {num_replicas}, or split_batches=False (batch_size per rank)."
-        )
-    return batch_size // num_replicas
-
-
-def _part_of(batch: Any, rank: int, parts: int) -> Any:
-    """Part ``rank`` of ``parts`` of every tensor in ``batch`` along dimension 0."""
-
-    def cut(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dim() == 0:
-            return tensor
-        size = _per_rank_batch(tensor.shape[0], parts)
-        return tensor[rank * size : (rank + 1) * size]
-
-    return map_tensors(batch, cut)
 
 
 class EngineDataLoader:
@@ -244,8 +66,20 @@ class EngineDataLoader:
         gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
         on_batch: Callable[[EngineDataLoader], None] | None = None,
         split_batches: bool = False,
+        shard_by: str = "sample",
     ) -> None:
+        if shard_by not in ("sample", "batch"):
+            from torchplug.contract.errors import ConfigurationError
+
+            raise ConfigurationError(
+                f"setup_dataloader(shard_by={shard_by!r}): expected 'sample' (each rank takes "
+                "samples r, r+N, ..., as DistributedSampler and Fabric) or 'batch' (each rank "
+                "takes whole batches r, r+N, ... of the loader, as Accelerate's prepare)."
+            )
         self._shard_batches = 1
+        #: ``shard_by="batch"``: the generator the loader's sampler shuffles with, set to rank
+        #: 0's state when a pass starts.
+        self._synced: torch.Generator | None = None
         #: ``split_batches``: each batch the loader makes is cut into ``num_replicas`` parts,
         #: this rank taking part ``rank`` (a loader whose order torchplug does not own).
         self._split = 1
@@ -256,19 +90,32 @@ class EngineDataLoader:
         self._gather = gather
         self._rank = rank
         self._own_sampler = False
-        if use_distributed_sampler:
+        if use_distributed_sampler and shard_by == "batch" and not split_batches:
+            if num_replicas == 1:
+                pass  # as Accelerate on one process: the loader as it is
+            elif (
+                isinstance(loader, DataLoader)
+                and loader.batch_size is not None
+                and not isinstance(loader.dataset, IterableDataset)
+                and hasattr(loader.sampler, "__len__")
+            ):
+                loader, self._synced = with_batch_shards(loader, num_replicas, rank)
+                self._own_sampler = True
+            else:
+                self._shard_batches = num_replicas
+        elif use_distributed_sampler:
             if (
                 isinstance(loader, DataLoader)
                 and loader.batch_size is not None
                 and not isinstance(loader.dataset, torch.utils.data.IterableDataset)
-                and _default_sampler(loader)
+                and default_sampler(loader)
             ):
                 # One process too: the shuffle then depends on (seed, epoch) only, so every world
                 # size sees the same global batches, step for step.
                 per_rank = None
                 if split_batches:
-                    per_rank = _per_rank_batch(loader.batch_size, num_replicas)
-                loader = _with_distributed_sampler(loader, num_replicas, rank, seed, per_rank)
+                    per_rank = per_rank_batch(loader.batch_size, num_replicas)
+                loader = with_distributed_sampler(loader, num_replicas, rank, seed, per_rank)
                 self._own_sampler = True
             elif num_replicas > 1 and not isinstance(
                 getattr(loader, "sampler", None), DistributedSampler
@@ -281,16 +128,21 @@ class EngineDataLoader:
                     and not isinstance(loader.dataset, IterableDataset)
                     and hasattr(loader.sampler, "__len__")
                 ):  # a sampler of the user's own: sharded by index, nothing dropped
-                    loader = _with_sharded_sampler(loader, num_replicas, rank, seed)
+                    loader = with_sharded_sampler(loader, num_replicas, rank, gather)
                     self._own_sampler = True
                 else:
                     self._shard_batches = num_replicas
         self.loader = loader
         self.place = place
-        self._padding = padding_per_batch(
-            getattr(loader, "sampler", None),
-            getattr(loader, "batch_size", None),
-            bool(getattr(loader, "drop_last", False)),
+        shards = getattr(loader, "batch_sampler", None)
+        self._padding = (
+            shards.padding
+            if isinstance(shards, BatchShards)
+            else padding_per_batch(
+                getattr(loader, "sampler", None),
+                getattr(loader, "batch_size", None),
+                bool(getattr(loader, "drop_last", False)),
+            )
         )
         self.epoch = 0
         #: Batches handed out in the pass in progress (``None``: no pass in progress).
@@ -327,7 +179,7 @@ class EngineDataLoader:
         self._consumed = None
         self._replay_rng = {
             key: state[key][self._rank % len(state[key])].clone()
-            for key in ("epoch_rng", "epoch_generator")
+            for key in ("epoch_rng", "epoch_generator", "epoch_sampler_generator")
             if key in state
         }
 
@@ -363,6 +215,13 @@ class EngineDataLoader:
             if generator is not None and "epoch_generator" in replay:
                 generator.set_state(replay["epoch_generator"])
         self._epoch_rng = {"epoch_rng": torch.get_rng_state()}
+        if self._synced is not None:  # every rank shuffles with rank 0's generator state
+            if "epoch_sampler_generator" in replay:
+                self._synced.set_state(replay["epoch_sampler_generator"])
+            elif self._gather is not None:
+                own = self._synced.get_state()
+                self._synced.set_state(self._gather(own)[0].to(own.device, own.dtype))
+            self._epoch_rng["epoch_sampler_generator"] = self._synced.get_state()
         if generator is not None:
             self._epoch_rng["epoch_generator"] = generator.get_state()
         self._consumed = 0
@@ -378,9 +237,7 @@ class EngineDataLoader:
         while pending is not _END:
             following = _END if total is not None else next(batches, _END)
             batch, repeated = pending
-            self.batch_padding = (
-                _batch_size_of(batch) if repeated else self._padding(self._consumed)
-            )
+            self.batch_padding = batch_size_of(batch) if repeated else self._padding(self._consumed)
             self._consumed += 1
             self.end_of_pass = self._consumed >= total if total is not None else following is _END
             if self._on_batch is not None:
@@ -404,7 +261,7 @@ class EngineDataLoader:
                     continue
                 batch, round_ = round_[rank], []
             if self._split > 1:
-                batch = _part_of(batch, rank, self._split)
+                batch = part_of(batch, rank, self._split)
             if skip:
                 skip -= 1
                 self._consumed = (self._consumed or 0) + 1

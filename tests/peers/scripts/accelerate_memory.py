@@ -1,11 +1,10 @@
 """Accelerate's ``examples/by_feature/memory.py`` (``find_executable_batch_size``), offline.
 
 Changes from upstream, all for running offline and comparing: the data, model and metric come from
-`offline`, the training loader is not shuffled (see `offline`), lr 2e-3 and a warmup of 8, 2
-epochs, a starting batch size of 64, and, since a CPU this size does not run out of memory on a
-tiny BERT, the first forward of a batch over 40 samples raises the CPU allocator's own
-out-of-memory error (what torch raises there). Each step's loss (the mean over ranks), the batch
-sizes tried and the final metrics are recorded.
+`offline`, lr 2e-3 and a warmup of 8, 2 epochs, a starting batch size of 64, and, since a CPU this
+size does not run out of memory on a tiny BERT, the first forward of a batch over 40 samples raises
+the CPU allocator's own out-of-memory error (what torch raises there). Each step's loss (the mean
+over ranks), the batch sizes tried and the final metrics are recorded.
 """
 
 import torch
@@ -31,7 +30,7 @@ def out_of_memory_past(batch_size):
 def get_dataloaders(accelerator, batch_size=16):
     with accelerator.main_process_first():
         train, validation = mrpc_like(160, seed=0), mrpc_like(101, seed=1)
-    train_dataloader = DataLoader(train, shuffle=False, collate_fn=collate, batch_size=batch_size)
+    train_dataloader = DataLoader(train, shuffle=True, collate_fn=collate, batch_size=batch_size)
     eval_dataloader = DataLoader(
         validation, shuffle=False, collate_fn=collate, batch_size=EVAL_BATCH_SIZE
     )

@@ -1,9 +1,9 @@
 """Accelerate's ``examples/by_feature/multi_process_metrics.py``, offline.
 
 Changes from upstream, all for running offline and comparing: the data, model and metric come from
-`offline` (101 validation pairs, so the last evaluation batch is short and padded), the training
-loader is not shuffled (see `offline`), lr 2e-3 and a warmup of 8, 2 epochs, and each step's loss
-(the mean over ranks) and the final metrics are recorded.
+`offline` (101 validation pairs, so the last evaluation batch is short and padded), lr 2e-3 and a
+warmup of 8, 2 epochs, and each step's loss (the mean over ranks) and the final metrics are
+recorded.
 """
 
 import torch
@@ -20,7 +20,7 @@ EVAL_BATCH_SIZE = 32
 def get_dataloaders(accelerator, batch_size=16):
     with accelerator.main_process_first():
         train, validation = mrpc_like(160, seed=0), mrpc_like(101, seed=1)
-    train_dataloader = DataLoader(train, shuffle=False, collate_fn=collate, batch_size=batch_size)
+    train_dataloader = DataLoader(train, shuffle=True, collate_fn=collate, batch_size=batch_size)
     eval_dataloader = DataLoader(
         validation, shuffle=False, collate_fn=collate, batch_size=EVAL_BATCH_SIZE
     )

@@ -17,7 +17,7 @@ EVAL_BATCH_SIZE = 32
 def get_dataloaders(engine, batch_size=16):
     with engine.main_process_first():
         train, validation = mrpc_like(160, seed=0), mrpc_like(101, seed=1)
-    train_dataloader = DataLoader(train, shuffle=False, collate_fn=collate, batch_size=batch_size)
+    train_dataloader = DataLoader(train, shuffle=True, collate_fn=collate, batch_size=batch_size)
     eval_dataloader = DataLoader(
         validation, shuffle=False, collate_fn=collate, batch_size=EVAL_BATCH_SIZE
     )
@@ -35,8 +35,8 @@ def training_function(config, args):
     model = tiny_bert()
     optimizer = AdamW(params=model.parameters(), lr=lr)
     model, optimizer = engine.setup(model, optimizer)
-    train_dataloader = engine.setup_dataloader(train_dataloader)
-    eval_dataloader = engine.setup_dataloader(eval_dataloader)
+    train_dataloader = engine.setup_dataloader(train_dataloader, shard_by="batch")
+    eval_dataloader = engine.setup_dataloader(eval_dataloader, shard_by="batch")
     lr_scheduler = get_linear_schedule_with_warmup(
         optimizer=optimizer,
         num_warmup_steps=8 // engine.world_size,
