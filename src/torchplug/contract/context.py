@@ -103,15 +103,10 @@ class RuntimeFacts:
 
 
 class HookContext(RuntimeFacts):
-    """What a hook may read and call: passed to every strategy hook as ``engine``.
-
-    Runtime facts (`rank`, `device`, `mesh`, ...; `cluster`, which ``torchplug_setup`` decides
-    from), the selection (`strategy`, `backend`, `precision`, `options`, `settings`, the
-    timeouts, `checkpoint_key`), `failing`, the collectives, `hooks` (the typed state protocol;
-    ``hook``, pluggy's raw relay, is deprecated since API 1.2), the user's objects set up so far
-    and the calls a backend makes on them (`restore_on_close`, `skipping_updates`, ...).
-    Built from the owners of the Engine's state, never the Engine itself (API 1.x's
-    fall-through to it goes through a weak reference).
+    """What a hook may read and call: passed to every strategy hook as ``engine``: runtime
+    facts, the selection, the collectives, the typed `hooks`, the user's objects set up so far
+    and the calls a backend makes on them. Built from the owners of the Engine's state, never
+    the Engine itself (API 1.x's fall-through to it goes through a weak reference).
 
     Args:
         selection: The Engine's selection and, after setup, its runtime.
@@ -183,9 +178,7 @@ class HookContext(RuntimeFacts):
 
     @property
     def hook(self) -> Any:
-        """Deprecated for plugins since API 1.2: pluggy's raw relay, whose answers nobody
-        checks; call the typed `hooks` instead (``engine.hooks.model_state(model)``). It keeps
-        working through API 1.x, with a DeprecationWarning."""
+        """Deprecated since API 1.2 (pluggy's raw relay, answers unchecked): use `hooks`."""
         warnings.warn(
             "engine.hook in a hook is pluggy's raw relay (answers unchecked); call the typed "
             "engine.hooks instead (e.g. engine.hooks.model_state(model)). engine.hook keeps "

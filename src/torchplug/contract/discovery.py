@@ -1,21 +1,11 @@
 """Finding plugins: torchplug's own, installed entry points, in-house modules.
 
 Every plugin is found the one way: its entry point in the ``torchplug`` group. torchplug's own
-are declared in its pyproject.toml exactly as a third party declares its own, and load first
-(they own their names), then third-party entry points, then pluggy's ``check_pending``, then the
-modules named in ``TORCHPLUG_PLUGIN_MODULES``. Environment controls, read when the registry is
-first built:
-
-``TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD=1``
-    load torchplug's own plugins only (entry points of other distributions are left out).
-``TORCHPLUG_PLUGINS=a,b``
-    allow-list: load only these plugins, torchplug's own included, besides `MINIMAL_PLUGINS`.
-``TORCHPLUG_BLOCK_PLUGINS=a,b``
-    never import these plugins (torchplug's own included), like pytest's ``-p no:name``.
-``TORCHPLUG_PLUGIN_MODULES=a,b``
-    in-house plugin modules to import and register (``torchplug launch --plugin`` sets it).
-
-A plugin that fails to import is recorded by name with its error, and the rest keep loading.
+(declared in its pyproject.toml as a third party declares its own) load first, then third-party
+entry points, then ``check_pending``, then the ``TORCHPLUG_PLUGIN_MODULES``. The environment
+controls (``TORCHPLUG_DISABLE_PLUGIN_AUTOLOAD``, ``TORCHPLUG_PLUGINS``, ``TORCHPLUG_BLOCK_PLUGINS``,
+``TORCHPLUG_PLUGIN_MODULES``) are in docs/plugins.md. A plugin that fails to import is recorded
+by name with its error, and the rest keep loading.
 """
 
 from __future__ import annotations

@@ -224,6 +224,11 @@ class Hooks:
         )
         return self.answer("torchplug_load", result)
 
+    def resume(self, state: dict[str, Any]) -> bool:
+        """``torchplug_resume``: whether a backend restored ``state`` from live peers."""
+        result = self._relay.torchplug_resume(engine=self._context, state=state)
+        return self.answer("torchplug_resume", result, optional=True) is True
+
     def checkpoint_state(self) -> list[dict[str, Any]]:
         """``torchplug_checkpoint_state``: each plugin's answer (a dict of stateful objects)."""
         answers = self._relay.torchplug_checkpoint_state(engine=self._context)

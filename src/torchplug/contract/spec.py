@@ -609,6 +609,25 @@ def torchplug_load(
     """
 
 
+@hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    answer="bool",
+    answer_text="True",
+    called=("On every rank, by `engine.resume`, before it looks for a checkpoint on disk."),
+)
+def torchplug_resume(engine: HookContext, state: dict[str, Any]) -> bool | None:
+    """Restore ``state`` from live peers, in place, instead of from disk; return ``True``.
+    Answered by a backend whose replicas outlive a failure (fault-tolerant data parallel): a
+    replica that (re)joins takes ``state`` from a healthy peer, and the backend keeps ``state``
+    to serve later ones. Unanswered: `engine.resume` loads from ``checkpoint_dir``.
+
+    Args:
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
+        state: The objects `engine.resume` was given, by name (plain values replaced in it).
+    """
+
+
 # -- the state protocol between the Engine, strategies and checkpoints ----------------------------
 
 

@@ -4,10 +4,6 @@ resolved settings (`Setting`, `Settings`).
 
 These records are plain data so that announcing a strategy imports nothing heavy; the ``factory``
 that builds the backend is called only once a user selects it.
-
-Why this module is over 500 lines: each record's fields are the plugin API, documented where they
-are declared (as `spec` documents each hook), and the records are kept in one module so that a
-plugin author reads every type they build on in one place.
 """
 
 from __future__ import annotations
@@ -24,14 +20,11 @@ from torchplug.util.text import did_you_mean, positive_number  # noqa: F401 - AP
 if TYPE_CHECKING:
     import torch
 
-#: The reduce ops ``engine.reduce`` and the ``torchplug_reduce`` hook take; ``mean`` is a sum
-#: divided by the world size.
+#: The reduce ops of ``engine.reduce`` and ``torchplug_reduce`` (``mean``: sum / world size).
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
-
 DEFAULT_TIMEOUT = 1800.0
-"""Seconds before a collective (or a checkpoint phase) gives up, unless the strategy's
-``timeout`` option says otherwise: the one default every backend and the checkpoint share."""
+"""Seconds a collective or a checkpoint phase waits, unless a strategy's ``timeout`` says."""
 
 
 @dataclass(frozen=True)

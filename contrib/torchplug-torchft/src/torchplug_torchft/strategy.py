@@ -1,0 +1,414 @@
+"""``ft-ddp``: data parallel over replica groups that train through each other's failures.
+
+The job is ``R`` replica groups, each its own ``torchrun`` (one or more ranks holding a full
+replica). Per optimizer step:
+
+1. **Quorum.** At the step's first gradient synchronisation (or at ``engine.resume``) the group's
+   torchft ``Manager`` asks the lighthouse which groups are alive; a group that (re)joins takes
+   the live state of a healthy peer there (model, optimizers, the loaders' positions, the plain
+   values of ``engine.resume``'s ``state``), served over HTTP and read as tensors and plain
+   values only (`transport`).
+2. **Gradients.** After ``backward`` (the last micro-batch of an accumulation group) the gradients
+   are averaged inside the group (torch.distributed) and then over the groups of the quorum
+   (torchft's managed process group): the mean over every rank alive at this step, as ``ddp``'s.
+3. **Commit.** ``optimizer.step()`` updates only when every group of the quorum agrees
+   (``should_commit``); otherwise no group updates and the step is given up (``step_was_skipped``).
+
+Data: rank ``r`` of group ``g`` is data-parallel rank ``g * group_size + r`` of ``R *
+group_size``: each group reads its own fixed share, as under ``ddp`` on ``R * group_size`` ranks.
+A group that is down for some steps does not read its share of them (those samples are not
+trained on in that epoch: the steps average the groups that were alive); a group that rejoins
+continues from the position its healthy peer had at the last committed step, in its own share,
+so no sample is read twice. Nothing else changes in the user's script.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Generator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchplug.plugin import (
+    ClusterInfo,
+    ConfigurationError,
+    DistributedStrategy,
+    HookContext,
+    Option,
+    Runtime,
+    StrategyInfo,
+    hookimpl,
+)
+
+TORCHPLUG_API = ">=1.0,<2"
+
+#: This replica group's index (0 to ``REPLICAS_ENV - 1``), set by the launcher.
+REPLICA_ENV = "TORCHPLUG_FT_REPLICA"
+#: How many replica groups the job has.
+REPLICAS_ENV = "TORCHPLUG_FT_REPLICAS"
+#: The lighthouse's address (torchft's own variable).
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+HOW_TO_START = (
+    "Start the job with `python -m torchplug_torchft launch --replicas R -n N SCRIPT` (it starts "
+    "the lighthouse and each replica group), or set TORCHPLUG_FT_REPLICA, TORCHPLUG_FT_REPLICAS "
+    "and TORCHFT_LIGHTHOUSE for each group's torchrun yourself (docs/fault-tolerance.md)."
+)
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else f"must be a positive number, got {value}"
+
+
+def _from_env(value: Any, name: str, what: str) -> int:
+    if value is not None:
+        return int(value)
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip().isdigit():
+        raise ConfigurationError(
+            f"ft-ddp needs {what} ({name}={raw!r} in the environment, or the option). "
+            + HOW_TO_START
+        )
+    return int(raw)
+
+
+class FaultTolerantDDP(DistributedStrategy):
+    """Data parallel over replica groups coordinated by a torchft ``Manager`` per group.
+
+    Args:
+        replicas: How many replica groups (``None``: ``TORCHPLUG_FT_REPLICAS``).
+        replica: This group's index (``None``: ``TORCHPLUG_FT_REPLICA``).
+        min_replicas: The fewest groups a step may commit with.
+        lighthouse: The lighthouse's address (``None``: ``TORCHFT_LIGHTHOUSE``).
+        replica_timeout: Seconds a quorum, an average over the groups, a commit or a recovery
+            waits before it fails with an error (a dead lighthouse, too few groups).
+        **kwargs: `DistributedStrategy`'s options (``timeout``, ``process_group_backend``).
+    """
+
+    def __init__(
+        self,
+        replicas: int | None = None,
+        replica: int | None = None,
+        min_replicas: int = 1,
+        lighthouse: str | None = None,
+        replica_timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.replicas, self.replica = replicas, replica
+        self.min_replicas, self.lighthouse = min_replicas, lighthouse
+        self.replica_timeout = replica_timeout
+        self.manager: Any = None
+        self.models: list[torch.nn.Module] = []
+        #: ``engine.resume``'s state: what a rejoining group takes from a peer.
+        self.state: dict[str, Any] | None = None
+        #: Each loader's position at the last committed step (a step in progress has already
+        #: read its batches: a group that joins now must read them again).
+        self.positions: dict[str, dict[str, Any]] = {}
+        self.quorum_open = False  # this step's quorum has formed
+        self.replica_count = 0
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    @hookimpl
+    def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
+        from torchft import Manager, ProcessGroupGloo
+
+        runtime = super().torchplug_setup(engine, cluster)
+        replicas = _from_env(self.replicas, REPLICAS_ENV, "the number of replica groups")
+        replica = _from_env(self.replica, REPLICA_ENV, "this replica group's index")
+        if not 0 <= replica < replicas or self.min_replicas > replicas:
+            raise ConfigurationError(
+                f"ft-ddp: replica group {replica} of {replicas} with min_replicas="
+                f"{self.min_replicas}: expected 0 <= replica < replicas and min_replicas <= "
+                f"replicas. " + HOW_TO_START
+            )
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ConfigurationError("ft-ddp needs the lighthouse's address. " + HOW_TO_START)
+        store_addr, store_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not store_addr or not store_port:
+            raise ConfigurationError(
+                "ft-ddp runs each replica group under torchrun (its store holds the group's "
+                "manager address): MASTER_ADDR/MASTER_PORT are not set. " + HOW_TO_START
+            )
+        self.replica_count = replicas
+        self.lighthouse = lighthouse
+        try:
+            self.manager = self._manager(Manager, ProcessGroupGloo, runtime, replica, lighthouse)
+        except Exception as error:  # torchft's own (RuntimeError, TimeoutError, OSError)
+            raise _unreachable(lighthouse, "starting the group's manager", error) from error
+        return Runtime(
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            local_rank=runtime.local_rank,
+            device=runtime.device,
+            node_rank=runtime.node_rank,
+            data_parallel_rank=replica * runtime.world_size + runtime.rank,
+            data_parallel_size=replicas * runtime.world_size,
+        )
+
+    def _manager(
+        self, manager: Any, process_group: Any, runtime: Runtime, replica: int, lighthouse: str
+    ) -> Any:
+        """The group's torchft ``Manager`` (its rank 0 serves the group's manager server)."""
+        from torchplug_torchft.transport import TensorsOnlyHTTPTransport
+
+        wait = timedelta(seconds=self.replica_timeout)
+        return manager(
+            pg=process_group(timeout=wait),
+            load_state_dict=self._take,
+            state_dict=self._serve,
+            min_replica_size=self.min_replicas,
+            use_async_quorum=False,  # a group that heals does so before its step starts
+            timeout=wait,
+            quorum_timeout=wait,
+            connect_timeout=wait,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=lighthouse,
+            replica_id=f"torchplug_ft_{replica}",
+            checkpoint_transport=TensorsOnlyHTTPTransport(timeout=wait, num_chunks=0),
+            init_sync=False,  # every group starts (or resumes from disk) the same way
+        )
+
+    @hookimpl
+    def torchplug_wrap(
+        self, engine: HookContext, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        """A full replica on this rank's device (the Engine broadcast rank 0's weights)."""
+        model = model.to(engine.device)
+        self.models.append(model)
+        return model, optimizers
+
+    # -- the live state ---------------------------------------------------------------------------
+
+    @hookimpl
+    def torchplug_resume(self, engine: HookContext, state: dict[str, Any]) -> bool | None:
+        """Join the quorum now; a group behind the others takes ``state`` from a peer (True).
+        A job's first quorum (every group at step 0) takes nothing: each resumes from disk."""
+        self.state = state
+        self.positions = {k: v.state_dict() for k, v in state.items() if _is_loader(v)}
+        before = self.manager.current_step()
+        self._quorum()
+        return True if self.manager.current_step() != before else None
+
+    def _serve(self) -> dict[str, Any]:
+        """What a joining group takes: tensors and plain values (see `transport`)."""
+        served: dict[str, Any] = {}
+        entries = self.state if self.state is not None else {}
+        for key, value in entries.items():
+            if key in self.positions:
+                served[key] = ("loader", _next_pass_if_done(self.positions[key], value))
+            elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+                served[key] = ("state_dict", value.state_dict())
+            else:
+                served[key] = ("value", value)
+        if self.state is None:  # no engine.resume: the models and optimizers set up
+            for i, model in enumerate(self.models):
+                served[f"model{i}"] = ("state_dict", model.state_dict())
+        return served
+
+    def _take(self, served: dict[str, Any]) -> None:
+        """Load what a peer served into this group's objects, in place."""
+        entries = self.state if self.state is not None else {}
+        for key, (kind, value) in served.items():
+            if kind == "value":
+                entries[key] = value
+            elif key in entries:
+                entries[key].load_state_dict(value)
+                if kind == "loader":
+                    self.positions[key] = value
+            elif key.startswith("model") and self.state is None:
+                self.models[int(key[5:])].load_state_dict(value)
+
+    # -- a step -----------------------------------------------------------------------------------
+
+    def _quorum(self) -> bool:
+        """This step's quorum (once per step); whether this group healed in it."""
+        if self.quorum_open:
+            return False
+        before = self.manager.current_step()
+        try:
+            self.manager.start_quorum()
+            if before == 0:  # the job's first step: every group starts it (or replica_timeout)
+                deadline = time.monotonic() + self.replica_timeout
+                while (
+                    self.manager.current_step() == 0
+                    and self.manager.num_participants() < self.replica_count
+                    and time.monotonic() < deadline
+                ):
+                    time.sleep(0.1)
+                    self.manager.start_quorum()
+        except Exception as error:  # the lighthouse is gone, or too few groups for too long
+            raise _unreachable(self.lighthouse, "forming the step's quorum", error) from error
+        self.quorum_open = True
+        _raise_if_errored(self.manager, "forming the quorum")
+        return self.manager.current_step() != before
+
+    @hookimpl
+    def torchplug_backward(
+        self, engine: HookContext, loss: torch.Tensor, model: torch.nn.Module | None
+    ) -> bool:
+        """``loss.backward()``; at the last micro-batch, the gradients averaged over every rank of
+        the quorum (before clipping, as DDP's are)."""
+        loss.backward()
+        accumulating = engine.accumulating
+        if accumulating is None or accumulating[1]:
+            self._average(engine)
+        return True
+
+    def _average(self, engine: HookContext) -> None:
+        healed = self._quorum()
+        params = [p for m in self.models for p in m.parameters() if p.grad is not None]
+        if healed:
+            # Joined inside a step, after computing gradients on the weights it had: the step
+            # is given up by every group (should_commit says no), never applied half-wrong.
+            self.manager.report_error(RuntimeError("a group healed in the middle of a step"))
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if engine.world_size > 1:
+            dist.all_reduce(flat)
+            flat.div_(engine.world_size)
+        self.manager.allreduce(flat).wait()
+        _raise_if_errored(self.manager, "averaging the gradients", allow_step_loss=True)
+        _unflatten(flat, grads)
+        self._share_buffers(engine.world_size > 1)
+
+    def _share_buffers(self, in_group: bool) -> None:
+        """Every rank takes the buffers (BatchNorm's running statistics) of the first group's
+        rank 0, as DDP hands every rank rank 0's at each forward."""
+        from torch.distributed import ReduceOp
+
+        buffers = [b for m in self.models for b in m.buffers()]
+        lead = self.manager.participating_rank() == 0
+        for dtype in sorted({b.dtype for b in buffers}, key=str):
+            same = [b for b in buffers if b.dtype == dtype]
+            flat = torch.cat([b.detach().reshape(-1) for b in same])
+            if in_group:
+                dist.broadcast(flat, 0)
+            if not lead:
+                flat.zero_()
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            with torch.no_grad():
+                _unflatten(flat, same)
+
+    @hookimpl(wrapper=True)
+    def torchplug_optimizer_step(
+        self,
+        engine: HookContext,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any] | None,
+    ) -> Generator[None, bool, bool]:
+        """Update only when the quorum commits the step; then the loaders' positions are
+        recorded as the committed ones."""
+        if not self.quorum_open:  # no backward this step (or it synced nothing): join anyway
+            self._average(engine)
+        commit = self.manager.should_commit()
+        self.quorum_open = False
+        if not commit:
+            with engine.skipping_updates(optimizer):
+                yield
+            return False
+        stepped = yield
+        if self.state is not None:
+            for key, loader in self.state.items():
+                if key in self.positions:
+                    self.positions[key] = loader.state_dict()
+        return stepped
+
+    @hookimpl
+    def torchplug_teardown(self, engine: HookContext) -> None:
+        """Leave the quorum (the lighthouse forms the next one without this group), then
+        release the group's process group."""
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+        super().torchplug_teardown(engine)
+
+
+def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive parts of ``flat`` back into ``tensors``."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+def _is_loader(value: Any) -> bool:
+    """A loader from ``engine.setup_dataloader`` (it knows where its pass stands)."""
+    return hasattr(value, "resumes_at") and hasattr(value, "state_dict")
+
+
+def _next_pass_if_done(position: dict[str, Any], loader: Any) -> dict[str, Any]:
+    """A position at the end of a pass, as the start of the next one (resuming there would run
+    an empty pass, and the script's epoch loop would count it)."""
+    try:
+        length = len(loader)
+    except TypeError:
+        return position
+    if position.get("batches", 0) >= length > 0:
+        return {"epoch": int(position["epoch"]) + 1, "batches": 0}
+    return position
+
+
+def _unreachable(lighthouse: Any, doing: str, error: BaseException) -> ConfigurationError:
+    return ConfigurationError(
+        f"ft-ddp: {doing} failed ({type(error).__name__}: {str(error)[:300]}). Expected the "
+        f"lighthouse at {lighthouse} to answer and at least min_replicas groups to join within "
+        f"replica_timeout seconds. Check that the lighthouse runs (python -m torchplug_torchft "
+        f"launch starts one) and that the groups can reach it."
+    )
+
+
+def _raise_if_errored(manager: Any, doing: str, allow_step_loss: bool = False) -> None:
+    """A failure torchft recorded: a lost peer only gives up this step (``should_commit`` says
+    no); a quorum that cannot form is an error naming the fix."""
+    error = manager.errored()
+    if error is None or allow_step_loss:
+        return
+    cause = getattr(error, "original_exception", error)
+    raise ConfigurationError(
+        f"ft-ddp: {doing} failed: {cause}. "
+        "Check that the lighthouse is running (TORCHFT_LIGHTHOUSE) and that at least "
+        "min_replicas groups are up; the wait is replica_timeout seconds."
+    )
+
+
+@hookimpl
+def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
+    register(
+        StrategyInfo(
+            name="ft-ddp",
+            factory=FaultTolerantDDP,
+            description="Fault-tolerant data parallel (torchft): replica groups train through "
+            "a dead group, which rejoins live.",
+            options=(
+                *DistributedStrategy.strategy_options(),
+                Option("replicas", (int, type(None)), None, "replica groups (env default)"),
+                Option("replica", (int, type(None)), None, "this group's index (env default)"),
+                Option("min_replicas", int, 1, "fewest groups a step commits with"),
+                Option("lighthouse", (str, type(None)), None, "lighthouse address (env)"),
+                Option(
+                    "replica_timeout",
+                    float,
+                    60.0,
+                    "seconds a quorum, average or recovery waits",
+                    validate=_positive,
+                ),
+            ),
+            requires=("torchft",),
+            install_hint="pip install torchplug-torchft (it installs torchft)",
+            # every group averages one flat buffer of the gradients it has: ranks that use
+            # different parameters would send buffers of different sizes
+            refuses=("rank_dependent",),
+        )
+    )

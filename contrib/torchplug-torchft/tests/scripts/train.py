@@ -1,0 +1,86 @@
+"""The same script for ``ddp`` and ``ft-ddp``: a small model with BatchNorm, AdamW and a
+scheduler, a shuffled loader, resumable state; writes each committed step's loss and the final
+parameters of this replica to ``--out``.
+
+``--die-at S --die-group G``: group G's rank 0 kills itself with SIGKILL before its step S, once
+(a marker file in ``--out`` says it already died, so the restarted group carries on).
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchplug as tp
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--die-at", type=int, default=-1)
+parser.add_argument("--die-group", type=int, default=1)
+parser.add_argument("--slow", type=float, default=0.0, help="seconds of sleep per step")
+args = parser.parse_args()
+out = Path(args.out)
+
+tp.seed_everything(0)
+model = torch.nn.Sequential(
+    torch.nn.Linear(6, 16, bias=False),
+    torch.nn.BatchNorm1d(16),
+    torch.nn.ReLU(),
+    torch.nn.Linear(16, 3),
+)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(
+    torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g), torch.arange(96)
+)
+
+with tp.Engine() as engine:
+    model, optimizer = engine.setup(model, optimizer)
+    loader = engine.setup_dataloader(DataLoader(data, batch_size=8, shuffle=True))
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "loader": loader,
+        "step": 0,
+    }
+    engine.resume(state)
+    group = int(os.environ.get("TORCHPLUG_FT_REPLICA", "0"))
+    me = f"group{group}_rank{engine.rank}"
+    log = out / f"{me}.jsonl"
+    died = out / f"died_{group}"
+    step = state["step"]
+    with log.open("a") as record:
+        record.write(json.dumps({"start": step}) + "\n")
+        while step < args.steps:
+            for x, y, idx in loader:
+                if step == args.die_at and group == args.die_group and not died.exists():
+                    died.write_text(str(step))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                engine.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                if optimizer.step_was_skipped:
+                    record.write(json.dumps({"skipped": step}) + "\n")
+                    record.flush()
+                    continue
+                scheduler.step()
+                entry = {"step": step, "loss": loss.item(), "idx": idx.tolist()}
+                record.write(json.dumps(entry) + "\n")
+                record.flush()
+                step += 1
+                state["step"] = step
+                time.sleep(args.slow)
+                if step == args.steps:
+                    break
+    params = {k: v.tolist() for k, v in engine.full_state(model)["model"].items()}
+    (out / f"{me}_final.json").write_text(json.dumps(params))
+    engine.save(out / f"checkpoint_group{group}", {"model": model, "optimizer": optimizer})

@@ -1,0 +1,254 @@
+"""ft-ddp on real replica groups (each its own ``torchplug launch``, gloo on loopback, a real
+torchft lighthouse), against ``ddp`` and against a plain-PyTorch reference of the committed
+steps. The script is `scripts/train.py`: the same one for ``ddp`` and ``ft-ddp``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+pytest.importorskip("torchplug_torchft")
+
+SCRIPT = Path(__file__).parent / "scripts" / "train.py"
+#: A hang guard for one run (each takes seconds to a minute); never a budget.
+TIMEOUT = 900
+TOLERANCE = 1e-6
+
+
+def run(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    merged = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    merged.pop("MASTER_PORT", None)
+    return subprocess.run(
+        command, env=merged, capture_output=True, text=True, timeout=TIMEOUT, check=False
+    )
+
+
+def ft(out: Path, replicas: int, per_group: int = 1, launcher: tuple = (), script: tuple = ()):
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torchplug_torchft", "launch", "--replicas", str(replicas)]
+    command += [*launcher, "-n", str(per_group), str(SCRIPT), "--out", str(out), *script]
+    done = run(command)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return done
+
+
+def ddp(out: Path, ranks: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torchplug", "launch", "-n", str(ranks), "--strategy"]
+    done = run([*command, "ddp", str(SCRIPT), "--out", str(out)])
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+
+
+def entries(out: Path, who: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / f"{who}.jsonl").read_text().splitlines()]
+
+
+def steps(out: Path, who: str) -> dict[int, dict[str, Any]]:
+    return {e["step"]: e for e in entries(out, who) if "step" in e}
+
+
+def final(out: Path, who: str) -> dict[str, torch.Tensor]:
+    found = json.loads((out / f"{who}_final.json").read_text())
+    return {name: torch.tensor(value) for name, value in found.items()}
+
+
+def largest_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize(("replicas", "per_group"), [(2, 1), (3, 1), (2, 2)])
+def test_without_a_failure_it_trains_as_ddp_on_the_same_global_batch(tmp_path, replicas, per_group):
+    """R groups of N ranks against ``ddp`` on R*N ranks: the same batches on the same data-
+    parallel ranks, every step's loss and the final parameters and buffers within 1e-6."""
+    ft(tmp_path / "ft", replicas, per_group)
+    ddp(tmp_path / "ddp", replicas * per_group)
+    for group in range(replicas):
+        for rank in range(per_group):
+            who = f"group{group}_rank{rank}"
+            ddp_rank = f"group0_rank{group * per_group + rank}"
+            ours, theirs = steps(tmp_path / "ft", who), steps(tmp_path / "ddp", ddp_rank)
+            assert sorted(ours) == sorted(theirs) == list(range(12))
+            for s in ours:
+                assert ours[s]["idx"] == theirs[s]["idx"]
+                assert abs(ours[s]["loss"] - theirs[s]["loss"]) <= TOLERANCE
+            # every group ends with the first group's weights; ddp's rank 0 holds them too
+            gap = largest_gap(final(tmp_path / "ft", who), final(tmp_path / "ddp", "group0_rank0"))
+            assert gap <= TOLERANCE, (who, gap)
+
+
+def reference(logs: dict[int, dict[int, dict[str, Any]]], last: int) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: the script's model, optimizer and scheduler, stepped once per committed
+    step with the mean of the gradients of the groups that took part in it (each on its own
+    logged batch, its BatchNorm on that batch), the buffers then those of the first of them."""
+    import torchplug as tp
+
+    tp.seed_everything(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16, bias=False),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 3),
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    x_all, y_all = torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
+    for step in range(last):
+        groups = sorted(group for group, log in logs.items() if step in log)
+        grads, buffers = [], None
+        for group in groups:
+            idx = torch.tensor(logs[group][step]["idx"])
+            replica = copy.deepcopy(model)
+            loss = torch.nn.functional.cross_entropy(replica(x_all[idx]), y_all[idx])
+            loss.backward()
+            grads.append([p.grad for p in replica.parameters()])
+            if buffers is None:
+                buffers = [b.clone() for b in replica.buffers()]
+        for param, *each in zip(model.parameters(), *grads, strict=True):
+            param.grad = torch.stack(each).mean(0)
+        with torch.no_grad():
+            for mine, lead in zip(model.buffers(), buffers, strict=True):
+                mine.copy_(lead)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_a_killed_group_rejoins_live_and_the_others_never_stop(tmp_path):
+    """Group 1 is SIGKILLed before its step 6; group 0 keeps stepping alone (no step given up,
+    no restart); group 1's launcher restarts it, it takes the live state of group 0 (the log
+    says "healing is required") and both end equal, and equal to the reference of the steps
+    committed, each with the gradients of the groups that took part in it."""
+    out = tmp_path / "ft"
+    done = ft(
+        out,
+        2,
+        launcher=("--heartbeat-timeout", "1", "--max-restarts", "2"),
+        script=("--steps", "40", "--slow", "0.3", "--die-at", "6", "--die-group", "1"),
+    )
+    healing = [line for line in done.stderr.splitlines() if "healing is required" in line]
+    print("\n".join(healing))  # the recorded recovery, in the test output
+    assert healing, done.stderr[-8000:]
+    zero, one = entries(out, "group0_rank0"), entries(out, "group1_rank0")
+    assert [e for e in zero if "start" in e] == [{"start": 0}]  # never restarted
+    assert not [e for e in zero if "skipped" in e]  # no step given up
+    assert sorted(steps(out, "group0_rank0")) == list(range(40))
+    starts = [e["start"] for e in one if "start" in e]
+    assert starts[0] == 0 and len(starts) == 2 and starts[1] > 6  # rejoined later, live
+    logs = {0: steps(out, "group0_rank0"), 1: steps(out, "group1_rank0")}
+    assert sorted(logs[1]) == [*range(6), *range(starts[1], 40)]
+    ours = final(out, "group0_rank0")
+    assert largest_gap(ours, final(out, "group1_rank0")) == 0.0
+    assert largest_gap(ours, reference(logs, 40)) <= 1e-5
+
+    # The data rule: a group reads its own share; after rejoining, the batches its share holds
+    # at those steps (as a run without the failure reads them), never a batch read twice.
+    ft(tmp_path / "plain", 2, script=("--steps", "40"))
+    plain = steps(tmp_path / "plain", "group1_rank0")
+    for s in logs[1]:
+        assert logs[1][s]["idx"] == plain[s]["idx"], s
+    per_epoch = 96 // (2 * 8)
+    for epoch in range(40 // per_epoch + 1):
+        read = [i for s, e in logs[1].items() if s // per_epoch == epoch for i in e["idx"]]
+        assert len(read) == len(set(read)), epoch
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_no_lighthouse_is_an_error_naming_it_not_a_wait(tmp_path):
+    """No lighthouse at the address: the group fails within replica_timeout, saying so."""
+    command = [sys.executable, "-m", "torchplug", "launch", "-n", "1", "--strategy", "ft-ddp"]
+    command += ["--option", "replica_timeout=3", str(SCRIPT), "--out", str(tmp_path)]
+    env = {
+        "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{free_port()}",
+        "TORCHPLUG_FT_REPLICA": "0",
+        "TORCHPLUG_FT_REPLICAS": "1",
+    }
+    done = run(command, env)
+    assert done.returncode != 0
+    assert "ft-ddp: starting the group's manager failed" in done.stderr
+    assert "Check that the lighthouse runs" in done.stderr
+
+
+def test_a_lighthouse_that_dies_mid_run_is_an_error_not_a_hang(tmp_path):
+    """The lighthouse goes away while the groups train: each group's next quorum fails within
+    replica_timeout with an error naming the lighthouse."""
+    import shutil
+
+    port = free_port()
+    binary = shutil.which("torchft_lighthouse") or str(
+        Path(sys.executable).parent / "torchft_lighthouse"
+    )
+    lighthouse = subprocess.Popen(
+        [binary, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "500"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    command = [sys.executable, "-m", "torchplug", "launch", "-n", "1", "--strategy", "ft-ddp"]
+    command += ["--option", "replica_timeout=5", str(SCRIPT), "--out", str(tmp_path)]
+    command += ["--steps", "400", "--slow", "0.05"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}",
+        "TORCHPLUG_FT_REPLICA": "0",
+        "TORCHPLUG_FT_REPLICAS": "1",
+    }
+    env.pop("MASTER_PORT", None)
+    group = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log = tmp_path / "group0_rank0.jsonl"
+    try:
+        while not (log.exists() and log.read_text().count('"step"') >= 3):
+            assert group.poll() is None, group.communicate()[1][-4000:]
+            subprocess.run(["sleep", "0.2"], check=True)
+        lighthouse.kill()  # SIGKILL: gone without a word
+        _, stderr = group.communicate(timeout=TIMEOUT)
+    finally:
+        for process in (group, lighthouse):
+            if process.poll() is None:
+                process.kill()
+        lighthouse.wait()
+    assert group.returncode != 0
+    text = stderr.decode(errors="replace")
+    assert "ft-ddp: forming the step's quorum failed" in text, text[-4000:]
+
+
+def test_an_ft_ddp_checkpoint_loads_into_single(tmp_path):
+    """Checkpoints from ft-ddp are the portable format: a group's loads into ``single``."""
+    import torchplug as tp
+
+    ft(tmp_path / "ft", 2)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16, bias=False),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 3),
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tp.Engine("single") as engine:
+        model, optimizer = engine.setup(model, optimizer)
+        engine.load(tmp_path / "ft" / "checkpoint_group1", {"model": model, "optimizer": optimizer})
+        loaded = {k: v.detach() for k, v in engine.full_state(model)["model"].items()}
+    assert largest_gap(loaded, final(tmp_path / "ft", "group0_rank0")) == 0.0
+
+
+def test_the_plugin_is_listed_and_usable():
+    done = run([sys.executable, "-m", "torchplug", "plugins"])
+    line = next(line for line in done.stdout.splitlines() if line.startswith("ft-ddp"))
+    assert "torchplug-torchft" in line and "usable" in line
