@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report, startup, validation
+from benchmarks import failure, report, startup, validation
 
 ROOT = Path(__file__).resolve().parent
 SECTIONS = (
     "step", "dispatch", "import", "cli", "launch", "memory", "checkpoint", "validation", "gpu",
+    "failure",
 )  # fmt: skip
 MEMORY_STRATEGIES = (
     "ddp",
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     section("checkpoint", checkpoint)
     section("validation", lambda: validation.run(3 if not smoke else 1, smoke))
     section("gpu", gpu)
+    section("failure", lambda: failure.run(3, smoke))
 
     records = (
         [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
@@ -223,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("(no chart: matplotlib is not installed)")
     print(f"written to {out}{os.sep}")
-    for failure in failures:
-        print(f"section failed: {failure[:2000]}", file=sys.stderr)
+    for broken in failures:
+        print(f"section failed: {broken[:2000]}", file=sys.stderr)
     failed_targets = [r for r in records if report.verdict(r) == "FAIL"]
     if failed_targets:
         print(f"{len(failed_targets)} target(s) missed (see the table)")

@@ -3,11 +3,12 @@
 The job is ``R`` replica groups, each its own ``torchrun`` (one or more ranks holding a full
 replica). Per optimizer step:
 
-1. **Quorum.** At the step's first gradient synchronisation (or at ``engine.resume``) the group's
-   torchft ``Manager`` asks the lighthouse which groups are alive; a group that (re)joins takes
-   the live state of a healthy peer there (model, optimizers, the loaders' positions, the plain
-   values of ``engine.resume``'s ``state``), served over HTTP and read as tensors and plain
-   values only (`transport`).
+1. **Quorum.** At the step's first training forward (or at ``engine.resume``) the group's torchft
+   ``Manager`` asks the lighthouse which groups are alive; a group that (re)joins takes the live
+   state of a healthy peer there, before computing anything (model, optimizers, the loaders'
+   positions, the plain values of ``engine.resume``'s ``state``), served over HTTP and read as
+   tensors and plain values only (`transport`). Every training forward then hands every rank the
+   first group's rank 0's buffers, as DDP hands rank 0's.
 2. **Gradients.** After ``backward`` (the last micro-batch of an accumulation group) the gradients
    are averaged inside the group (torch.distributed) and then over the groups of the quorum
    (torchft's managed process group): the mean over every rank alive at this step, as ``ddp``'s.
@@ -24,9 +25,10 @@ so no sample is read twice. Nothing else changes in the user's script.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -111,6 +113,9 @@ class FaultTolerantDDP(DistributedStrategy):
         self.positions: dict[str, dict[str, Any]] = {}
         self.quorum_open = False  # this step's quorum has formed
         self.replica_count = 0
+        self.store: Any = None
+        self.syncing = True  # False inside engine.no_sync
+        self.hooks: list[Any] = []
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -130,12 +135,6 @@ class FaultTolerantDDP(DistributedStrategy):
         lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
             raise ConfigurationError("ft-ddp needs the lighthouse's address. " + HOW_TO_START)
-        store_addr, store_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if not store_addr or not store_port:
-            raise ConfigurationError(
-                "ft-ddp runs each replica group under torchrun (its store holds the group's "
-                "manager address): MASTER_ADDR/MASTER_PORT are not set. " + HOW_TO_START
-            )
         self.replica_count = replicas
         self.lighthouse = lighthouse
         try:
@@ -159,6 +158,7 @@ class FaultTolerantDDP(DistributedStrategy):
         from torchplug_torchft.transport import TensorsOnlyHTTPTransport
 
         wait = timedelta(seconds=self.replica_timeout)
+        host, port = self._group_store(runtime)
         return manager(
             pg=process_group(timeout=wait),
             load_state_dict=self._take,
@@ -170,13 +170,28 @@ class FaultTolerantDDP(DistributedStrategy):
             connect_timeout=wait,
             rank=runtime.rank,
             world_size=runtime.world_size,
-            store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]),
+            store_addr=host,
+            store_port=port,
             lighthouse_addr=lighthouse,
             replica_id=f"torchplug_ft_{replica}",
             checkpoint_transport=TensorsOnlyHTTPTransport(timeout=wait, num_chunks=0),
             init_sync=False,  # every group starts (or resumes from disk) the same way
         )
+
+    def _group_store(self, runtime: Runtime) -> tuple[str, int]:
+        """A store of this Engine's own, on the group's rank 0, for its ``Manager``: torchft
+        writes fixed keys (the manager's address), so a store an earlier Engine of the same
+        processes used could hand rank 1 a stale address."""
+        from torch.distributed import TCPStore
+
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1") if runtime.world_size > 1 else "127.0.0.1"
+        port = [0]
+        if runtime.rank == 0:
+            self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port = [self.store.port]
+        if runtime.world_size > 1:
+            dist.broadcast_object_list(port, src=0)
+        return host, int(port[0])
 
     @hookimpl
     def torchplug_wrap(
@@ -185,7 +200,17 @@ class FaultTolerantDDP(DistributedStrategy):
         """A full replica on this rank's device (the Engine broadcast rank 0's weights)."""
         model = model.to(engine.device)
         self.models.append(model)
+        hook = model.register_forward_pre_hook(lambda m, args: self._before_forward(engine))
+        self.hooks.append(hook)  # removed at teardown: the model outlives this Engine
         return model, optimizers
+
+    def _before_forward(self, engine: HookContext) -> None:
+        """A training forward (gradients on): this step's quorum (a group behind the others
+        heals here, before computing anything), then every rank takes the first group's rank
+        0's buffers, as DDP hands every rank rank 0's at each forward."""
+        if torch.is_grad_enabled():
+            self._quorum()
+            self._share_buffers(engine.world_size > 1)
 
     # -- the live state ---------------------------------------------------------------------------
 
@@ -260,19 +285,37 @@ class FaultTolerantDDP(DistributedStrategy):
         the quorum (before clipping, as DDP's are)."""
         loss.backward()
         accumulating = engine.accumulating
-        if accumulating is None or accumulating[1]:
+        if self.syncing and (accumulating is None or accumulating[1]):
             self._average(engine)
         return True
 
+    @hookimpl
+    def torchplug_no_sync(
+        self, engine: HookContext, model: torch.nn.Module
+    ) -> contextlib.AbstractContextManager[None]:
+        """Inside, ``backward`` leaves the gradients local (accumulation micro-batches)."""
+        return self._local_gradients()
+
+    @contextlib.contextmanager
+    def _local_gradients(self) -> Iterator[None]:
+        before, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = before
+
     def _average(self, engine: HookContext) -> None:
-        healed = self._quorum()
-        params = [p for m in self.models for p in m.parameters() if p.grad is not None]
-        if healed:
-            # Joined inside a step, after computing gradients on the weights it had: the step
-            # is given up by every group (should_commit says no), never applied half-wrong.
+        if self._quorum():
+            # Joined after computing gradients on the weights it had (a forward without
+            # gradients, then backward): the step is given up by every group (should_commit
+            # says no), never applied half-wrong.
             self.manager.report_error(RuntimeError("a group healed in the middle of a step"))
+        params = [p for m in self.models for p in m.parameters() if p.requires_grad]
         if not params:
             return
+        for p in params:  # a parameter this rank did not use: its share of the mean is zero
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if engine.world_size > 1:
@@ -281,14 +324,15 @@ class FaultTolerantDDP(DistributedStrategy):
         self.manager.allreduce(flat).wait()
         _raise_if_errored(self.manager, "averaging the gradients", allow_step_loss=True)
         _unflatten(flat, grads)
-        self._share_buffers(engine.world_size > 1)
 
     def _share_buffers(self, in_group: bool) -> None:
         """Every rank takes the buffers (BatchNorm's running statistics) of the first group's
-        rank 0, as DDP hands every rank rank 0's at each forward."""
+        rank 0."""
         from torch.distributed import ReduceOp
 
         buffers = [b for m in self.models for b in m.buffers()]
+        if not buffers:
+            return
         lead = self.manager.participating_rank() == 0
         for dtype in sorted({b.dtype for b in buffers}, key=str):
             same = [b for b in buffers if b.dtype == dtype]
@@ -332,6 +376,10 @@ class FaultTolerantDDP(DistributedStrategy):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
+        self.store = None
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks, self.models = [], []
         super().torchplug_teardown(engine)
 
 
@@ -407,8 +455,5 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             ),
             requires=("torchft",),
             install_hint="pip install torchplug-torchft (it installs torchft)",
-            # every group averages one flat buffer of the gradients it has: ranks that use
-            # different parameters would send buffers of different sizes
-            refuses=("rank_dependent",),
         )
     )

@@ -2,8 +2,10 @@
 scheduler, a shuffled loader, resumable state; writes each committed step's loss and the final
 parameters of this replica to ``--out``.
 
-``--die-at S --die-group G``: group G's rank 0 kills itself with SIGKILL before its step S, once
-(a marker file in ``--out`` says it already died, so the restarted group carries on).
+``--die-at S --die-group G --die-rank R``: that rank kills itself with SIGKILL before its step S,
+once (a marker file in ``--out`` says it already died, so the restarted group carries on).
+``--checkpoint-every K``: ``save_checkpoint`` every K steps and ``resume="latest"`` (what a
+``--max-restarts`` job resumes from).
 """
 
 import argparse
@@ -23,6 +25,8 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--die-at", type=int, default=-1)
 parser.add_argument("--die-group", type=int, default=1)
+parser.add_argument("--die-rank", type=int, default=0)
+parser.add_argument("--checkpoint-every", type=int, default=0, help="save_checkpoint every K")
 parser.add_argument("--slow", type=float, default=0.0, help="seconds of sleep per step")
 args = parser.parse_args()
 out = Path(args.out)
@@ -41,7 +45,9 @@ data = TensorDataset(
     torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g), torch.arange(96)
 )
 
-with tp.Engine() as engine:
+group = int(os.environ.get("TORCHPLUG_FT_REPLICA", "0"))
+saving = {"checkpoint_dir": out / f"checkpoints{group}", "resume": "latest"}
+with tp.Engine(**(saving if args.checkpoint_every else {})) as engine:
     model, optimizer = engine.setup(model, optimizer)
     loader = engine.setup_dataloader(DataLoader(data, batch_size=8, shuffle=True))
     state = {
@@ -52,7 +58,6 @@ with tp.Engine() as engine:
         "step": 0,
     }
     engine.resume(state)
-    group = int(os.environ.get("TORCHPLUG_FT_REPLICA", "0"))
     me = f"group{group}_rank{engine.rank}"
     log = out / f"{me}.jsonl"
     died = out / f"died_{group}"
@@ -61,7 +66,8 @@ with tp.Engine() as engine:
         record.write(json.dumps({"start": step}) + "\n")
         while step < args.steps:
             for x, y, idx in loader:
-                if step == args.die_at and group == args.die_group and not died.exists():
+                dies = (group, engine.rank) == (args.die_group, args.die_rank)
+                if step == args.die_at and dies and not died.exists():
                     died.write_text(str(step))
                     os.kill(os.getpid(), signal.SIGKILL)
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -79,6 +85,8 @@ with tp.Engine() as engine:
                 step += 1
                 state["step"] = step
                 time.sleep(args.slow)
+                if args.checkpoint_every and step % args.checkpoint_every == 0:
+                    engine.save_checkpoint(state)
                 if step == args.steps:
                     break
     params = {k: v.tolist() for k, v in engine.full_state(model)["model"].items()}
