@@ -17,6 +17,7 @@ _EXPORTS = {
     "seed_everything": "torchplug.features.seeding",
     "seed_worker": "torchplug.features.seeding",
     "find_executable_batch_size": "torchplug.features.batchsize",
+    "LocalSGD": "torchplug.features.localsgd",
     "ThroughputMonitor": "torchplug.features.throughput",
     "measure_flops": "torchplug.features.throughput",
     "Logger": "torchplug.loggers",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
     from torchplug.engine.launcher import RankFailedError, launch
     from torchplug.engine.resume import RNGState
     from torchplug.features.batchsize import find_executable_batch_size
+    from torchplug.features.localsgd import LocalSGD
     from torchplug.features.seeding import seed_everything, seed_worker
     from torchplug.features.throughput import ThroughputMonitor, measure_flops
     from torchplug.loggers import Logger

@@ -812,3 +812,87 @@ def test_accumulate_over_micro_batches_of_a_batch_completes_at_the_last_one():
     assert stepped == [False, False, False, True, False, True]
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def gathers_after_a_padded_pass() -> list[int]:
+    """A pass over a loader whose last batch is padded on rank 1, then gathers of tensors that
+    come from no prepared loader (upstream cross_validation's test loader)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        loader = engine.setup_dataloader(DataLoader(TensorDataset(torch.arange(7)), batch_size=2))
+        for (index,) in loader:
+            engine.gather_for_metrics(index)
+        rows = [engine.gather_for_metrics(torch.full((3,), engine.rank)) for _ in range(2)]
+        return [len(r) for r in rows]
+
+
+def test_a_finished_pass_leaves_no_padding_for_later_gathers(ranks):
+    """Issue 34: the last padded batch's padding applied only to gathers during its pass, as
+    Accelerate trims only while a prepared loader is iterating; afterwards nothing is cut."""
+    assert ranks.run(gathers_after_a_padded_pass) == [[6, 6], [6, 6]]
+
+
+def folds_in_turn() -> bool:
+    """k-fold as upstream writes it: each fold's model set up, trained, evaluated under no_grad
+    and tested; the next fold's model then trains (the earlier one is not used again)."""
+    results = []
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        for fold in range(2):
+            torch.manual_seed(fold)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+            model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            for _ in range(2):
+                engine.backward(model(torch.randn(3, 4)).sum())
+                optimizer.step()
+                optimizer.zero_grad()
+            with torch.no_grad():
+                model(torch.randn(3, 4))  # evaluation: no backward follows
+                model(torch.randn(3, 4))
+            results.append(True)
+    return all(results)
+
+
+def test_a_model_evaluated_under_no_grad_is_not_checked_at_the_next_models_backward(ranks):
+    """Issue 34 (upstream cross_validation): DDP's unused-parameter check looks at models whose
+    forward can lead to this backward; fold 0's evaluation under no_grad is not one."""
+    assert ranks.run(folds_in_turn) == [True, True]
+
+
+def local_sgd_block() -> dict:
+    """Two ranks step on their own data inside a block (3 steps, averaging every 2)."""
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        seen = []
+        with tp.LocalSGD(engine, model, local_sgd_steps=2) as local_sgd:
+            for step in range(3):
+                torch.manual_seed(10 * engine.rank + step)
+                engine.backward(model(torch.randn(4, 3)).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+                local_sgd.step()
+                seen.append(engine.gather(next(model.parameters()).detach().clone()))
+        end = engine.gather(next(model.parameters()).detach().clone())
+        return {"seen": [s.tolist() for s in seen], "end": end.tolist()}
+
+
+def test_local_sgd_keeps_gradients_local_and_averages_every_k_steps_and_at_the_end(ranks):
+    """``tp.LocalSGD``: after step 1 the ranks differ (no gradient exchanged), after step 2
+    they are equal (averaged), after step 3 they differ again, and the block's end averages."""
+    result = ranks.run(local_sgd_block)[0]
+    first, second, third = (torch.tensor(s) for s in result["seen"])
+    assert not torch.equal(first[0], first[1])
+    assert torch.equal(second[0], second[1])
+    assert not torch.equal(third[0], third[1])
+    end = torch.tensor(result["end"])
+    assert torch.equal(end[0], end[1])
+    torch.testing.assert_close(end[0], third.mean(0))
+
+
+def test_local_sgd_needs_a_positive_step_count():
+    with tp.Engine("single") as engine:
+        model = engine.setup(torch.nn.Linear(2, 2))
+        with pytest.raises(tp.ConfigurationError, match="local_sgd_steps=0"):
+            tp.LocalSGD(engine, model, local_sgd_steps=0)

@@ -1,6 +1,6 @@
 """The peers themselves against their torchplug ports (issue 34 item 6).
 
-Eight example scripts of Accelerate and Lightning Fabric, each adapted only to run offline
+Twelve example scripts of Accelerate and Lightning Fabric, each adapted only to run offline
 (``scripts/``: the upstream file each follows is named in its docstring), run on 2 CPU processes
 under the peer (torchrun, as Accelerate and Fabric document for multi-CPU runs) and their ports
 under ``torchplug launch -n 2`` with ``ddp`` and ``fsdp``. Every step's loss (the mean over
@@ -154,6 +154,30 @@ class TestMultiProcessMetrics(Pair):
 
 class TestMemory(Pair):
     peer, port = "accelerate_memory.py", "torchplug_memory.py"
+
+
+class TestLocalSGD(Pair):
+    """Accelerate's ``LocalSGD`` block is ``tp.LocalSGD`` (the guide's row), on ``ddp`` only:
+    both average full replicas (Accelerate's refuses FSDP, torchplug's a sharded model)."""
+
+    peer, port = "accelerate_local_sgd.py", "torchplug_local_sgd.py"
+
+    @pytest.mark.parametrize("strategy", ["ddp"])
+    def test_port_matches_peer(self, strategy: str, peer_records: list[dict], tmp_path: Path):
+        super().test_port_matches_peer(strategy, peer_records, tmp_path)
+
+
+class TestScheduleFree(Pair):
+    peer, port = "accelerate_schedule_free.py", "torchplug_schedule_free.py"
+
+
+class TestAutomaticGradientAccumulation(Pair):
+    peer = "accelerate_automatic_gradient_accumulation.py"
+    port = "torchplug_automatic_gradient_accumulation.py"
+
+
+class TestCrossValidation(Pair):
+    peer, port = "accelerate_cross_validation.py", "torchplug_cross_validation.py"
 
 
 class TestImageClassifier(Pair):

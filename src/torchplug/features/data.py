@@ -246,6 +246,7 @@ class EngineDataLoader:
             pending = next(batches, _END) if total is not None else following
         self.end_of_pass = False
         self._consumed = None
+        self.batch_padding = 0  # a gather after the pass (another loader's batches) trims nothing
         self.epoch += 1  # a completed pass: the next one shuffles for the next epoch
 
     def _pass(self, skip: int, resume_rng: Any) -> Iterator[tuple[Any, bool]]:

@@ -81,9 +81,15 @@ class DDPStrategy(DistributedStrategy):
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
         finds = self.ddp_kwargs.get("find_unused_parameters") or self.ddp_kwargs.get("static_graph")
         if not finds:  # DDP itself does not look for unused parameters: torchplug does
-            wrapped.register_forward_pre_hook(lambda module, args: self.forwarded.add(id(module)))
+            wrapped.register_forward_pre_hook(self._note_forward)
             self.watched.append((wrapped, list(model.named_parameters())))
         return wrapped, optimizers
+
+    def _note_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward that can lead to a backward (gradients on): evaluation under ``no_grad``
+        is never one, and must not mark the model for the next backward's check."""
+        if torch.is_grad_enabled():
+            self.forwarded.add(id(module))
 
     @hookimpl
     def torchplug_backward(
@@ -106,6 +112,8 @@ class DDPStrategy(DistributedStrategy):
             if not wrapped.require_backward_grad_sync:
                 continue  # inside no_sync: nothing is reduced yet
             unused = [name for name, p in params if p.requires_grad and p.grad is None]
+            if len(unused) == sum(p.requires_grad for _, p in params):
+                continue  # none of its parameters took part: this loss is another model's
             if unused:
                 listing = ", ".join(unused[:5]) + (", ..." if len(unused) > 5 else "")
                 raise ConfigurationError(

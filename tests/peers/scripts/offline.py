@@ -35,11 +35,16 @@ VOCAB, CLS, SEP, PAD = 64, 1, 2, 0
 def _release_the_process_group() -> None:
     """The examples leave their process group to interpreter exit, where gloo's threads are
     torn down in no set order and a rank may abort ("terminate called without an active
-    exception") after its numbers are written; releasing it first keeps the exit clean."""
+    exception") after its numbers are written; releasing it first keeps the exit clean. The
+    group is only gone once what still holds it (a DDP model in a reference cycle) is collected:
+    else a gloo thread finishing a gather decrefs its tensors during finalization and aborts."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def mrpc_like(n: int, seed: int) -> list[dict[str, list[int] | int]]:
@@ -104,7 +109,8 @@ def tiny_bert() -> nn.Module:
 
 
 class MrpcMetric:
-    """``evaluate.load("glue", "mrpc")``: accuracy and F1 of the positive class."""
+    """``evaluate.load("glue", "mrpc")``: accuracy and F1 of the positive class (and how many
+    pairs were scored)."""
 
     def __init__(self) -> None:
         self.predictions: list[int] = []
@@ -114,7 +120,11 @@ class MrpcMetric:
         self.predictions += predictions.tolist()
         self.references += references.tolist()
 
-    def compute(self) -> dict[str, float]:
+    def compute(
+        self, predictions: torch.Tensor | None = None, references: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        if predictions is not None:  # ``evaluate``'s compute(predictions=..., references=...)
+            self.add_batch(predictions, references)
         pairs = list(zip(self.predictions, self.references, strict=True))
         self.predictions, self.references = [], []
         tp = sum(p == r == 1 for p, r in pairs)

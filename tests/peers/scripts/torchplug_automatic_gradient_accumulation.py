@@ -1,0 +1,108 @@
+"""The torchplug port of `accelerate_automatic_gradient_accumulation` (Accelerate's
+``examples/by_feature/automatic_gradient_accumulation.py``), made with
+docs/migration-accelerate.md alone."""
+
+import torch
+from offline import MrpcMetric, Record, collate, mrpc_like, tiny_bert
+from torch.optim import AdamW
+from torch.utils.data import DataLoader
+from transformers import get_linear_schedule_with_warmup
+
+import torchplug as tp
+
+EVAL_BATCH_SIZE = 32
+FITS = 16
+
+
+def out_of_memory_past(batch_size):
+    if batch_size > FITS:
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+            f"you tried to allocate {batch_size * 2**30} bytes."
+        )
+
+
+def get_dataloaders(engine, batch_size=16):
+    with engine.main_process_first():
+        train, validation = mrpc_like(160, seed=0), mrpc_like(101, seed=1)
+    train_dataloader = DataLoader(train, shuffle=True, collate_fn=collate, batch_size=batch_size)
+    eval_dataloader = DataLoader(
+        validation, shuffle=False, collate_fn=collate, batch_size=EVAL_BATCH_SIZE
+    )
+    return train_dataloader, eval_dataloader
+
+
+def training_function(config):
+    engine = tp.Engine()
+    lr, num_epochs = config["lr"], int(config["num_epochs"])
+    seed = int(config["seed"])
+    observed_batch_size = int(config["batch_size"])
+    metric, record = MrpcMetric(), Record()
+    record.metrics["tried"] = []
+
+    # New Code #
+    # We use the `find_executable_batch_size` decorator, passing in the desired observed batch size
+    # to train on. If a device OOM error occurs, it will retry this loop cutting the batch size
+    # each time. From this, we can calculate the number of gradient accumulation steps needed
+    @tp.find_executable_batch_size(starting_batch_size=int(observed_batch_size))
+    def inner_training_loop(batch_size):
+        record.metrics["tried"].append(batch_size)
+        record.losses.clear()
+
+        # We can calculate the number of gradient accumulation steps based on the current
+        # batch size vs the starting batch size (given to engine.accumulate below)
+        num_gradient_accumulation_steps = observed_batch_size // batch_size
+
+        # And set the seed so our results are reproducable each reset
+        tp.seed_everything(seed)
+
+        model = tiny_bert()
+        optimizer = AdamW(params=model.parameters(), lr=lr)
+        train_dataloader, eval_dataloader = get_dataloaders(engine, batch_size)
+        model, optimizer = engine.setup(model, optimizer)
+        train_dataloader = engine.setup_dataloader(train_dataloader, shard_by="batch")
+        eval_dataloader = engine.setup_dataloader(eval_dataloader, shard_by="batch")
+        # sized in optimizer steps: len() of the set-up loader is per rank, the warmup per process
+        lr_scheduler = get_linear_schedule_with_warmup(
+            optimizer=optimizer,
+            num_warmup_steps=8 // engine.world_size,
+            num_training_steps=len(train_dataloader) * num_epochs,
+        )
+
+        for epoch in range(num_epochs):
+            model.train()
+            for batch in train_dataloader:
+                # And perform gradient accumulation
+                with engine.accumulate(model, num_gradient_accumulation_steps):
+                    out_of_memory_past(batch_size)
+                    outputs = model(**batch)
+                    loss = outputs.loss
+                    engine.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                if not optimizer.step_was_skipped:
+                    lr_scheduler.step()
+                record.losses.append(engine.reduce(loss.detach(), "mean").item())
+
+            model.eval()
+            for batch in eval_dataloader:
+                with torch.no_grad():
+                    outputs = model(**batch)
+                predictions = outputs.logits.argmax(dim=-1)
+                predictions, references = engine.gather_for_metrics((predictions, batch["labels"]))
+                metric.add_batch(predictions=predictions, references=references)
+            eval_metric = metric.compute()
+            engine.print(f"epoch {epoch}:", eval_metric)
+            record.metrics[f"epoch_{epoch}"] = eval_metric
+        record.metrics["lr"] = lr_scheduler.get_last_lr()[0]
+
+    # New Code #
+    # And call it at the end with no arguments
+    # Note: You could also refactor this outside of your training loop function
+    inner_training_loop()
+    record.write(engine.is_main)
+    engine.close()
+
+
+if __name__ == "__main__":
+    training_function({"lr": 2e-3, "num_epochs": 2, "seed": 42, "batch_size": 64})

@@ -1,0 +1,89 @@
+"""The torchplug port of `accelerate_local_sgd` (Accelerate's ``examples/by_feature/local_sgd.py``),
+made with docs/migration-accelerate.md alone."""
+
+import torch
+from offline import MrpcMetric, Record, argument, collate, mrpc_like, tiny_bert
+from torch.optim import AdamW
+from torch.utils.data import DataLoader
+from transformers import get_linear_schedule_with_warmup
+
+import torchplug as tp
+
+EVAL_BATCH_SIZE = 32
+
+
+def get_dataloaders(engine, batch_size=16):
+    with engine.main_process_first():
+        train, validation = mrpc_like(160, seed=0), mrpc_like(101, seed=1)
+    train_dataloader = DataLoader(train, shuffle=True, collate_fn=collate, batch_size=batch_size)
+    eval_dataloader = DataLoader(
+        validation, shuffle=False, collate_fn=collate, batch_size=EVAL_BATCH_SIZE
+    )
+    return train_dataloader, eval_dataloader
+
+
+def training_function(config, args):
+    # New Code #
+    gradient_accumulation_steps = int(args["gradient_accumulation_steps"])
+    local_sgd_steps = int(args["local_sgd_steps"])
+    engine = tp.Engine()
+    lr, num_epochs = config["lr"], int(config["num_epochs"])
+    seed, batch_size = int(config["seed"]), int(config["batch_size"])
+    metric, record = MrpcMetric(), Record()
+
+    tp.seed_everything(seed)
+    train_dataloader, eval_dataloader = get_dataloaders(engine, batch_size)
+    model = tiny_bert()
+    optimizer = AdamW(params=model.parameters(), lr=lr)
+    model, optimizer = engine.setup(model, optimizer)
+    train_dataloader = engine.setup_dataloader(train_dataloader, shard_by="batch")
+    eval_dataloader = engine.setup_dataloader(eval_dataloader, shard_by="batch")
+    # sized in optimizer steps: len() of the set-up loader is per rank, the warmup per process
+    lr_scheduler = get_linear_schedule_with_warmup(
+        optimizer=optimizer,
+        num_warmup_steps=8 // engine.world_size,
+        num_training_steps=len(train_dataloader) * num_epochs,
+    )
+
+    for epoch in range(num_epochs):
+        model.train()
+        with tp.LocalSGD(
+            engine, model, local_sgd_steps=local_sgd_steps, enabled=local_sgd_steps is not None
+        ) as local_sgd:
+            for batch in train_dataloader:
+                # New code #
+                # We use the new `accumulate` context manager to perform gradient accumulation
+                with engine.accumulate(model, gradient_accumulation_steps):
+                    output = model(**batch)
+                    loss = output.loss
+                    engine.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                if not optimizer.step_was_skipped:
+                    lr_scheduler.step()
+                # LocalSGD-specific line
+                local_sgd.step()
+                record.losses.append(engine.reduce(loss.detach(), "mean").item())
+
+        model.eval()
+        for batch in eval_dataloader:
+            with torch.no_grad():
+                outputs = model(**batch)
+            predictions = outputs.logits.argmax(dim=-1)
+            predictions, references = engine.gather_for_metrics((predictions, batch["labels"]))
+            metric.add_batch(predictions=predictions, references=references)
+        eval_metric = metric.compute()
+        engine.print(f"epoch {epoch}:", eval_metric)
+        record.metrics[f"epoch_{epoch}"] = eval_metric
+    record.metrics["lr"] = lr_scheduler.get_last_lr()[0]
+    record.write(engine.is_main)
+    engine.close()
+
+
+if __name__ == "__main__":
+    config = {"lr": 2e-3, "num_epochs": 2, "seed": 42, "batch_size": 16}
+    args = {
+        "gradient_accumulation_steps": argument("gradient_accumulation_steps", "1"),
+        "local_sgd_steps": argument("local_sgd_steps", "8"),
+    }
+    training_function(config, args)
