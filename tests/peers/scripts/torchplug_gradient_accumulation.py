@@ -34,13 +34,14 @@ def training_function(config, args):
     model = tiny_bert()
     optimizer = AdamW(params=model.parameters(), lr=lr)
     model, optimizer = engine.setup(model, optimizer)
+    batches = len(train_dataloader)  # before setup: what upstream sizes its schedule with
     train_dataloader = engine.setup_dataloader(train_dataloader, shard_by="batch")
     eval_dataloader = engine.setup_dataloader(eval_dataloader, shard_by="batch")
-    # sized in optimizer steps: len() of the set-up loader is per rank, the warmup per process
+    # upstream's schedule divided by the processes (the guide's row)
     lr_scheduler = get_linear_schedule_with_warmup(
         optimizer=optimizer,
-        num_warmup_steps=8 // engine.world_size,
-        num_training_steps=len(train_dataloader) * num_epochs,
+        num_warmup_steps=8 / engine.world_size,
+        num_training_steps=batches * num_epochs / engine.world_size,
     )
 
     for epoch in range(num_epochs):
