@@ -321,8 +321,7 @@ class FaultTolerantDDP(DistributedStrategy):
         if engine.world_size > 1:
             dist.all_reduce(flat)
             flat.div_(engine.world_size)
-        self.manager.allreduce(flat).wait()
-        _raise_if_errored(self.manager, "averaging the gradients", allow_step_loss=True)
+        self.manager.allreduce(flat).wait()  # a lost peer: should_commit gives the step up
         _unflatten(flat, grads)
 
     def _share_buffers(self, in_group: bool) -> None:
@@ -417,11 +416,11 @@ def _unreachable(lighthouse: Any, doing: str, error: BaseException) -> Configura
     )
 
 
-def _raise_if_errored(manager: Any, doing: str, allow_step_loss: bool = False) -> None:
+def _raise_if_errored(manager: Any, doing: str) -> None:
     """A failure torchft recorded: a lost peer only gives up this step (``should_commit`` says
     no); a quorum that cannot form is an error naming the fix."""
     error = manager.errored()
-    if error is None or allow_step_loss:
+    if error is None:
         return
     cause = getattr(error, "original_exception", error)
     raise ConfigurationError(
