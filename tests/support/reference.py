@@ -63,3 +63,14 @@ def run(ranks, strategy: str, nprocs: int, **kwargs) -> dict:
         return train(strategy, **kwargs)
     results = ranks.run(train, strategy, **kwargs)
     return results[0]
+
+
+def setup_error(strategy: str, **options: Any) -> str:
+    """What ``Engine(strategy, **options)`` says when it refuses to start (``""``: it started)."""
+    import torchplug as tp
+
+    try:
+        tp.Engine(strategy, **options).close()
+    except tp.ConfigurationError as exc:
+        return str(exc)
+    return ""

@@ -231,14 +231,11 @@ class HookContext(RuntimeFacts):
         return list(self._backend.optimizers)
 
     def model_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Any:
-        """The (wrapped) model whose parameters ``optimizer`` updates.
+        """The (wrapped) model whose parameters ``optimizer`` updates (else CheckpointError).
 
         Args:
             optimizer: An optimizer returned by setup.
             state: A checkpoint state dict, searched for the model when needed.
-
-        Raises:
-            CheckpointError: No model is known for ``optimizer``.
         """
         return self._backend.model_of(optimizer, state)
 

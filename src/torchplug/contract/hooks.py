@@ -164,6 +164,14 @@ class Hooks:
         if done is not True:  # the answer expected, checked without a call
             self.answer("torchplug_backward", done)
 
+    def forward_backward(self, model: Any, inputs: Any, kwargs: Any, target: Any, fn: Any) -> Any:
+        """``torchplug_forward_backward``: the loss, or ``None`` when no backend answers."""
+        loss = self._relay.torchplug_forward_backward(
+            engine=self._context, model=model, inputs=inputs, kwargs=kwargs, target=target,
+            loss_fn=fn,
+        )  # fmt: skip
+        return self.answer("torchplug_forward_backward", loss, optional=True)
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> bool:
         """``torchplug_optimizer_step``: whether the update was made."""
         stepped = self._optimizer_step(self._context, optimizer, closure)

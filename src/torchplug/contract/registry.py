@@ -279,8 +279,6 @@ class Registry:
     def usable_names(self) -> list[str]:
         return sorted(n for n, i in self.strategies.items() if i.unusable_reason() is None)
 
-    _MAY_PROVIDE = "one of them may provide it."
-
     def unknown_strategy_message(self, name: str) -> str:
         """Why ``name`` selects no strategy: near names, what is installed, what failed or is
         hidden (it may provide it), what cannot run here, and how to find out more."""
@@ -288,7 +286,12 @@ class Registry:
         unusable = {n: r for n, i in sorted(self.strategies.items()) if (r := i.unusable_reason())}
         listed = [
             ("Plugins that failed to load: ", self.errors, " ({})", "."),
-            ("Installed plugins not loaded: ", self.hidden, " ({})", ": " + self._MAY_PROVIDE),
+            (
+                "Installed plugins not loaded: ",
+                self.hidden,
+                " ({})",
+                ": one of them may provide it.",
+            ),
             ("Installed but unusable here: ", unusable, ": {}", "."),
         ]
         lines = [
@@ -301,21 +304,14 @@ class Registry:
             ),
         ]
         if not self.strategies:
-            lines.append(
-                "No strategies are registered at all: are torchplug's own plugins blocked "
-                "(TORCHPLUG_BLOCK_PLUGINS, torchplug.block)? Unblock them."
-            )
-        lines.append(
-            "Run `torchplug plugins` for details, or pip install the plugin that provides it."
-        )
+            lines.append("No strategies are registered: are torchplug's own plugins blocked "
+                         "(TORCHPLUG_BLOCK_PLUGINS, torchplug.block)? Unblock them.")  # fmt: skip
+        lines.append("Run `torchplug plugins` for details, or pip install the plugin for it.")
         return " ".join(lines)
 
     def extensions(self) -> list[object]:
-        """Registered plugins that implement strategy hooks themselves: they join every Engine.
-
-        A plugin that announces strategies or precisions is a provider, not an extension: its
-        hooks run only through the objects its factories make, for the Engines that select them.
-        """
+        """Registered plugins with strategy hooks of their own, which join every Engine (a
+        provider's hooks run only through the objects its factories make)."""
         providers = {
             i.provider
             for i in (*self.strategies.values(), *self.precisions.values(), *self.loggers.values())

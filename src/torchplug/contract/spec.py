@@ -24,10 +24,8 @@ the Engine raises a clear error when no plugin in the active set answers a hook.
 Hook names carry the ``torchplug_`` prefix so that a plugin can also hold other code.
 """
 
-# Why this module is over 500 lines: it is the whole contract, one documented hook specification per
-# extension point (about 30) with its ``@contract`` declaration; docs/hooks.md is generated from it,
-# and keeping every hook in one module is the design (like pytest's ``hookspec.py``).
-# (A comment, not the docstring: docs/api.md renders this module's docstring.)
+# Why this module is over 500 lines: the whole contract, every hook's documented spec in one module,
+# as pytest's hookspec.py (a comment: docs/api.md renders the docstring; hooks.md is made from it).
 
 from __future__ import annotations
 
@@ -60,7 +58,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 """Marks a plugin function as a torchplug hook implementation: ``@hookimpl``, or with pluggy's
 options, e.g. ``@hookimpl(wrapper=True)``, ``@hookimpl(trylast=True)``."""
 
-API_VERSION = "1.2"
+API_VERSION = "1.3"
 """The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
 version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
 removes or changes them. A plugin declares the range it supports, e.g.
@@ -167,10 +165,7 @@ _ANNOUNCING = (
 
 
 @hookspec
-@contract(
-    kind="registration",
-    called=_ANNOUNCING,
-)
+@contract(kind="registration", called=_ANNOUNCING)
 def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
     """Announce the strategies (backends) this plugin provides.
 
@@ -187,10 +182,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
 
 
 @hookspec
-@contract(
-    kind="registration",
-    called=_ANNOUNCING,
-)
+@contract(kind="registration", called=_ANNOUNCING)
 def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> None:
     """Announce precision plugins (e.g. AMP) that compose with any backend not owning precision.
 
@@ -204,10 +196,7 @@ def torchplug_register_precisions(register: Callable[[PrecisionInfo], None]) -> 
 
 
 @hookspec
-@contract(
-    kind="registration",
-    called=_ANNOUNCING,
-)
+@contract(kind="registration", called=_ANNOUNCING)
 def torchplug_register_loggers(register: Callable[[LoggerInfo], None]) -> None:
     """Announce the metric loggers (experiment trackers) this plugin provides.
 
@@ -250,11 +239,7 @@ def torchplug_cluster_environment(env: Mapping[str, str]) -> ClusterInfo | None:
 
 
 @hookspec(firstresult=True)
-@contract(
-    kind="strategy",
-    required=True,
-    called=("On every rank, once, inside `Engine(...)`."),
-)
+@contract(kind="strategy", required=True, called="On every rank, once, inside `Engine(...)`.")
 def torchplug_setup(engine: HookContext, cluster: ClusterInfo) -> Runtime | None:
     """Start the backend: create the process group if needed and choose this process's device.
 
@@ -371,6 +356,34 @@ def torchplug_backward(
         engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         loss: The loss to run backward from (scaled by ``1/steps`` inside ``engine.accumulate``).
         model: The model the user named in ``engine.backward(loss, model)``, else ``None``.
+    """
+
+
+@hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    answer="torch.Tensor",
+    answer_text="the loss (detached)",
+    called=("On every rank, by `engine.forward_backward(model, *inputs, target=, loss_fn=)`."),
+)
+def torchplug_forward_backward(
+    engine: HookContext,
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    target: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+) -> torch.Tensor | None:
+    """Run forward, ``loss_fn(output, target)`` and backward as one schedule (a pipeline's);
+    return the batch's mean loss on every rank. Unanswered: the Engine's forward and backward.
+
+    Args:
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
+        model: What `engine.setup` returned.
+        inputs: The model's positional inputs (a whole batch).
+        kwargs: Its keyword inputs.
+        target: What ``loss_fn`` compares the output with.
+        loss_fn: ``loss_fn(output, target)``, a mean (divided by ``engine.accumulate``'s steps).
     """
 
 
@@ -657,11 +670,7 @@ def torchplug_model_state(engine: HookContext, model: torch.nn.Module) -> dict[s
 
 
 @hookspec(firstresult=True)
-@contract(
-    kind="strategy",
-    required=True,
-    called=("On every rank, by the default load."),
-)
+@contract(kind="strategy", required=True, called="On every rank, by the default load.")
 def torchplug_load_model_state(
     engine: HookContext, model: torch.nn.Module, state: dict[str, Any], strict: bool
 ) -> bool | None:
@@ -695,11 +704,7 @@ def torchplug_optimizer_state(
 
 
 @hookspec(firstresult=True)
-@contract(
-    kind="strategy",
-    required=True,
-    called=("On every rank, by the default load."),
-)
+@contract(kind="strategy", required=True, called="On every rank, by the default load.")
 def torchplug_load_optimizer_state(
     engine: HookContext,
     model: torch.nn.Module,

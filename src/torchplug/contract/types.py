@@ -1,9 +1,7 @@
 """The contract's records: what plugins announce (strategies, precision plugins, loggers, their
 options and capabilities), who a process is (`ClusterInfo`), where it runs (`Runtime`) and the
-resolved settings (`Setting`, `Settings`).
-
-These records are plain data so that announcing a strategy imports nothing heavy; the ``factory``
-that builds the backend is called only once a user selects it.
+resolved settings (`Setting`, `Settings`). Plain data, so that announcing a strategy imports
+nothing heavy: the ``factory`` that builds the backend is called once a user selects it.
 """
 
 from __future__ import annotations
@@ -431,11 +429,8 @@ class Runtime:
             (tensor parallelism: the ranks of a tensor-parallel group share their batches);
             ``None``: ``rank``.
         data_parallel_size: The number of data-parallel replicas; ``None``: ``world_size``.
-        mesh: The job's ``torch.distributed.device_mesh.DeviceMesh``, for backends that shard
-            on one (``fsdp``: 1-D, dim ``"dp"``; ``tp``, ``fsdp-tp``: 2-D, dims ``("dp",
-            "tp")``). Built once, here, after the process group exists, so that every
-            ``engine.setup`` of the job shards over the same mesh instead of building its own;
-            ``None``: the backend uses no mesh.
+        mesh: The job's ``DeviceMesh`` (``fsdp``: dim ``"dp"``; ``fsdp-tp``: ``("dp", "tp")``;
+            ``pp``: ``("pp", "dp")``), built once here so every ``engine.setup`` uses it.
     """
 
     rank: int

@@ -1,10 +1,8 @@
-"""Checking a plugin against the hook specification before pluggy sees it.
-
-Unknown ``torchplug_*`` names and marked functions under no hook's name (with a did-you-mean),
-arguments the hook does not pass (showing `hook_signature`, the specification's signature),
-wrappers that do not yield: `hook_problems` finds them on a module, an object or a class
-without making an instance, and `register_checked` refuses such a plugin naming plugin, hook
-and signature. Plugins are named ``module:qualname`` (`qualified_name`, `plugin_label`).
+"""Checking a plugin against the hook specification before pluggy sees it: unknown
+``torchplug_*`` names and marked functions under no hook's name (with a did-you-mean),
+arguments the hook does not pass (shown with `hook_signature`), wrappers that do not yield.
+`hook_problems` finds them on a module, object or class without making an instance;
+`register_checked` refuses such a plugin naming plugin, hook and signature.
 """
 
 from __future__ import annotations

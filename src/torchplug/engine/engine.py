@@ -8,9 +8,8 @@ changes on the user's objects is `torchplug.engine.backend.BackendState` (``setu
 hook call goes through the typed façade `torchplug.contract.hooks` with a `HookContext` built
 from those owners. What remains here is the public surface and the delegation.
 
-Why this module is over 500 lines: it is the public API. Each of the Engine's ~50 public
-members keeps its Google-style docstring here (docs/api.md renders them; mkdocstrings shows no
-delegated members), about 450 lines of documentation around one-line delegations.
+Why this module is over 500 lines: it is the public API, ~50 members' docstrings (docs/api.md
+renders them) around one-line delegations.
 """
 
 from __future__ import annotations
@@ -57,10 +56,8 @@ class Engine(RuntimeFacts):
         precision_options: Options of the precision plugin (AMP's, e.g. the fp16 loss scaler's),
             or of a strategy that owns precision; checked by name and type (``torchplug plugins
             --verbose`` lists them). Refused when the run is in full precision.
-        seed: The seed every rank shares for the data order: a shuffling loader from
-            [`setup_dataloader`][torchplug.Engine.setup_dataloader] gives each rank its share of the
-            same permutation (0 to 2**64 - 1). Seed the model's initialisation with
-            [`torchplug.seed_everything`][torchplug.seed_everything].
+        seed: The seed every rank shares for the data order (0 to 2**64 - 1): each rank's share
+            of the same permutation. Seed the model: `seed_everything`.
         checkpoint_key: A secret of at least 16 bytes (else ``TORCHPLUG_CHECKPOINT_KEY``):
             checkpoints are signed on save and must carry a valid signature on load.
         checkpoint_timeout: Seconds a save or load waits for every rank to arrive before
@@ -74,23 +71,18 @@ class Engine(RuntimeFacts):
             complete one is never deleted); ``None``: keep all.
         compile: ``True`` (torch's defaults) or a dict of ``torch.compile`` arguments (``mode``,
             ``backend``, ``fullgraph``, ``dynamic``, ``options``, ``disable``): the model is
-            compiled after the backend's wrap in [`setup`][torchplug.Engine.setup];
-            ``None``/``False``: not compiled.
+            compiled after the backend's wrap in `setup`; ``None``/``False``: not compiled.
         activation_checkpointing: Module classes or class names whose activations are
-            recomputed in backward instead of stored (applied in [`setup`][torchplug.Engine.setup],
-            before the wrap).
+            recomputed in backward instead of stored (applied in `setup`, before the wrap).
         sync_batchnorm: ``True`` (``torchplug launch --sync-batchnorm``): BatchNorm statistics
-            over the global batch (`torchplug.features.syncbn`; CPU included); ``None``: the
-            environment's setting.
-        loggers: The metric loggers [`log`][torchplug.Engine.log] writes to, by name (``"csv"``,
-            ``"jsonl"``, ``"tensorboard"``, or any a plugin registers) or as logger objects; rank 0
-            only.
+            over the global batch (CPU included); ``None``: the environment's setting.
+        loggers: The metric loggers [`log`][torchplug.Engine.log] writes to on rank 0, by name
+            (``"csv"``, ``"jsonl"``, ``"tensorboard"``, a plugin's) or as logger objects.
         log_dir: The directory the loggers (and the profiler's traces) write under.
         callbacks: Objects whose methods [`call`][torchplug.Engine.call] runs by name (your own
             loop's events, Fabric's ``callbacks``).
         profile: ``True``, or a dict (``wait``, ``warmup``, ``active`` optimizer steps, ``dir``,
-            ``record_shapes``, ``profile_memory``, ``with_stack``): runs torch.profiler over
-            those steps and writes one trace per rank (`torchplug.features.profiling`).
+            ``record_shapes``, ``profile_memory``, ``with_stack``): torch.profiler over them.
         **strategy_options: The strategy's options, e.g. ``Engine("ddp", timeout=600)``
             (``torchplug plugins --verbose`` lists them).
 
@@ -110,8 +102,7 @@ class Engine(RuntimeFacts):
         cluster: Who this process is in its job ([`ClusterInfo`][torchplug.ClusterInfo]).
         checkpoint_key: The key checkpoints are signed and verified with (``None``: no signatures).
         checkpoints: ``checkpoint_dir``, ``resume`` and ``keep_last``, checked.
-        seed, compile_options, activation_checkpointing, sync_batchnorm, loggers, callbacks:
-            The arguments of those names, checked (``sync_batchnorm`` else the environment's).
+        seed, compile_options, activation_checkpointing, sync_batchnorm, loggers, callbacks: given.
     """
 
     def __init__(
@@ -338,6 +329,22 @@ class Engine(RuntimeFacts):
             loss = loss / self._backend.accumulating[0]
         self._hooks.backward(loss, model)
 
+    def forward_backward(
+        self, model: torch.nn.Module, *inputs: Any, target: Any, loss_fn: Callable, **kwargs: Any
+    ) -> torch.Tensor:
+        """``loss_fn(model(*inputs, **kwargs), target)`` and its backward; returns the loss,
+        detached: the one training step every strategy runs (``pp``'s schedule interleaves the
+        micro-batches' forwards and backwards; elsewhere it is the forward and `backward`).
+
+        Args:
+            model: What [`setup`][torchplug.Engine.setup] returned.
+            *inputs: The model's inputs (the whole batch).
+            target: ``loss_fn``'s second argument.
+            loss_fn: ``loss_fn(output, target)``, a mean over the batch.
+            **kwargs: The model's keyword inputs.
+        """
+        return wrappers.forward_backward(self, model, inputs, kwargs, target, loss_fn)
+
     def clip_grad_norm_(
         self,
         model: torch.nn.Module,
@@ -551,12 +558,10 @@ class Engine(RuntimeFacts):
     def preempted(self) -> bool:
         """``True`` on every rank once any rank has been sent SIGTERM or SIGUSR1 (a scheduler's
         notice: preemption, ``scancel``, ``srun --signal=USR1@90``, ``torchplug launch`` passing
-        on its own SIGTERM): time to save a checkpoint and leave the loop.
-
-        Armed when the Engine is made (chained to a handler the script set; removed at close);
-        a SIGTERM never asked about keeps its default effect, two steps or 10 s late
-        (`torchplug.features.preemption`). A collective: read it at the same point on every
-        rank (e.g. once per step)."""
+        on its own SIGTERM): time to save a checkpoint and leave the loop. Armed when the
+        Engine is made (chained to a handler the script set; removed at close); a SIGTERM never
+        asked about keeps its default effect, two steps or 10 s late. A collective: read it at
+        the same point on every rank (e.g. once per step)."""
         return self._preemption.seen(self.any if self.world_size > 1 else None)
 
     def barrier(self) -> None:
@@ -565,15 +570,13 @@ class Engine(RuntimeFacts):
 
     @property
     def collective_timeout(self) -> float:
-        """Seconds a collective, or a checkpoint's agreement between ranks, waits before it
-        gives up: the strategy's ``timeout`` option, else `DEFAULT_TIMEOUT` (one setting,
-        read here by everything that waits on the other ranks)."""
+        """Seconds anything waiting on the other ranks waits: the ``timeout`` option, else
+        `DEFAULT_TIMEOUT`."""
         return self._selection.collective_timeout
 
     @property
     def accumulating(self) -> tuple[int, bool] | None:
-        """Inside ``engine.accumulate(model, steps)``: ``(steps, whether this micro-batch
-        synchronizes)``; ``None`` outside it. For backends whose step depends on it."""
+        """``(steps, whether this micro-batch synchronizes)`` inside `accumulate`, else None."""
         return self._backend.accumulating
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -599,11 +602,9 @@ class Engine(RuntimeFacts):
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
         """Run the block on rank 0 first, then on the others (downloads, cache building)."""
-        if not self.is_main:
-            self.barrier()
+        self.barrier() if not self.is_main else None
         yield
-        if self.is_main:
-            self.barrier()
+        self.barrier() if self.is_main else None
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -613,9 +614,8 @@ class Engine(RuntimeFacts):
         """Unsharded model (and optimizer) state by parameter name, on every rank, on the CPU:
         ``{"model": {name: tensor}, "optimizer": {"state": {name: {"exp_avg": ..., "step": ...}},
         "param_groups": [{..., "params": [names]}]}}`` (``"optimizer"`` only when given). The
-        same under every strategy, so two runs compare with ``torch.equal`` key by key.
-
-        A collective under sharding strategies: call it on every rank.
+        same under every strategy, so two runs compare with ``torch.equal`` key by key. A
+        collective under sharding strategies: call it on every rank.
 
         Args:
             model: The model [`setup`][torchplug.Engine.setup] returned.

@@ -107,6 +107,23 @@ def setup(
     return (wrapped, *wrapped_optimizers) if optimizers else wrapped
 
 
+def forward_backward(
+    engine: Engine, model: Any, inputs: Any, kwargs: Any, target: Any, loss_fn: Callable
+) -> torch.Tensor:
+    """`Engine.forward_backward`: the backend's schedule (``torchplug_forward_backward``) with
+    ``loss_fn`` divided inside ``engine.accumulate`` (the loss returned is the undivided one),
+    else the forward and the loss (under the precision's autocast) and `Engine.backward`."""
+    steps = engine.accumulating[0] if engine.accumulating is not None else 1
+    fn = loss_fn if steps == 1 else (lambda output, t: loss_fn(output, t) / steps)
+    loss = engine._hooks.forward_backward(model, inputs, kwargs, target, fn)
+    if loss is not None:
+        return loss.detach() * steps
+    with engine.autocast():  # the loss too, as the Trainer computes it; backward outside
+        loss = loss_fn(model(*inputs, **kwargs), target)
+    engine.backward(loss, model)
+    return loss.detach()
+
+
 def materialize(
     engine: Engine,
     model: torch.nn.Module,

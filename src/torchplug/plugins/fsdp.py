@@ -24,6 +24,7 @@ from torchplug.plugin import (
     DEFAULT_TIMEOUT,
     NORM_TYPES,
     ClusterInfo,
+    ConfigurationError,
     DistributedStrategy,
     HookContext,
     MemoryEstimate,
@@ -71,8 +72,10 @@ class FSDPStrategy(DistributedStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         reduce_scatter_unused_params: bool = False,
+        dp_replicate: int = 1,
     ) -> None:
         super().__init__(process_group_backend, timeout)
+        self.dp_replicate = dp_replicate
         self.shard_classes = tuple(shard_classes)
         self.min_params = min_params
         self.reshard_after_forward = reshard_after_forward
@@ -81,9 +84,22 @@ class FSDPStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
-        """The process group, then the job's 1-D mesh over every rank (dim ``"dp"``)."""
+        """The process group, then the job's mesh: 1-D over every rank (dim ``"dp"``), or for
+        HSDP (``dp_replicate=R``) 2-D ``("dp_replicate", "dp_shard")``: each parameter sharded
+        over ``world_size / R`` consecutive ranks (a node's, where the all-gathers are cheap)
+        and replicated over the ``R`` groups (FSDP2's own HSDP: the gradients' reduce-scatter
+        inside a group, an all-reduce across groups)."""
         runtime = super().torchplug_setup(engine, cluster)
-        return with_mesh(runtime, (runtime.world_size,), ("dp",))
+        r, world = self.dp_replicate, runtime.world_size
+        if r < 1 or world % r:
+            raise ConfigurationError(
+                f"fsdp's dp_replicate={r} does not divide the {world} ranks into equal shard "
+                f"groups. Give a divisor of the world size (e.g. dp_replicate=2 on 4 ranks: 2 "
+                f"groups of 2 shards), or 1 for plain FSDP."
+            )
+        if r == 1:
+            return with_mesh(runtime, (world,), ("dp",))
+        return with_mesh(runtime, (r, world // r), ("dp_replicate", "dp_shard"))
 
     @hookimpl
     def torchplug_wrap(
@@ -158,7 +174,7 @@ def fsdp2_memory(query: MemoryQuery) -> MemoryEstimate:
     and gradients stored padded, optimizer state the size of the rank's unpadded rows. Sharded
     weights and gradients stay in the parameters' dtype under bf16 (FSDP computes in bf16 and
     reduces in fp32); the gathered bf16 copies exist only around each unit's forward/backward."""
-    w = query.world_size
+    w = query.world_size // max(1, int(query.options.get("dp_replicate", 1) or 1))
     params = grads = state = 0
     for p in query.params:
         padded, rank0 = fsdp2_shard_numel(p.shape, w)
@@ -192,6 +208,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 Option("reshard_after_forward", bool, True, "free gathered params after forward"),
                 Option("cpu_offload", bool, False, "keep sharded params and grads on the CPU"),
                 UnusedParameters.OPTION,
+                Option("dp_replicate", int, 1, "HSDP: replicas of the sharded model (1: FSDP)"),
             ),
             precisions=("32", "bf16"),
             owns_precision=True,

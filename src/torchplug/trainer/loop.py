@@ -283,6 +283,20 @@ class Trainer:
         assert self.loss_fn is not None
         return self.loss_fn(self.model(inputs), targets)
 
+    def _forward_backward(self, batch: Any) -> torch.Tensor:
+        """The default step through ``engine.forward_backward`` (what a pipeline needs: its
+        schedule runs forward and backward together); an overridden `training_step` returns a
+        loss, run backward here."""
+        engine = self.engine
+        if type(self).training_step is Trainer.training_step:
+            inputs, targets = self._split(batch)
+            model = self.model
+            return engine.forward_backward(model, inputs, target=targets, loss_fn=self.loss_fn)
+        with engine.autocast():  # the forward and loss; backward runs outside
+            loss = self.training_step(batch)
+        engine.backward(loss)
+        return loss
+
     def batch_tokens(self, batch: Any) -> int | None:
         """Tokens in one batch, for tokens/s; ``None`` when it cannot tell. Counts a mapping's
         ``attention_mask`` (else ``input_ids``), or integer inputs of 2 or more dimensions
@@ -410,9 +424,7 @@ class Trainer:
                     getattr(self.train_loader, "end_of_pass", False)
                 )
                 with engine.accumulate(model, self.grad_accum):
-                    with engine.autocast():  # the forward and loss; backward runs outside
-                        loss = self.training_step(batch)
-                    engine.backward(loss)
+                    loss = self._forward_backward(batch)
                     if sync and self.clip_grad_norm is not None:
                         self._clip()
                     optimizer.step()

@@ -31,8 +31,23 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
         word: What the user wrote.
         candidates: The names that exist.
     """
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
-    return f" Did you mean '{close[0]}'?" if close else ""
+    close = difflib.get_close_matches(word, list(candidates), n=3, cutoff=0.5)
+    if not close:
+        return ""
+    # fewest edits first, then a name of the same length (a mistyped letter is the commonest
+    # slip: 'dpp' is 'ddp' before 'pp'), then difflib's own order
+    best = min(close, key=lambda c: (_edits(word, c), len(c) != len(word), close.index(c)))
+    return f" Did you mean '{best}'?"
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance: insertions, deletions and substitutions turning ``a`` into ``b``."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        previous, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (x != y))
+    return row[-1]
 
 
 def positive_number(unit: str, maximum: float) -> Callable[[Any], str | None]:

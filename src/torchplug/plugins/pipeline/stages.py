@@ -1,0 +1,276 @@
+"""A model cut into pipeline stages: traced once per input shape, each trace pointed at the
+user's own parameters, and the rank's share of the model kept (the rest freed).
+
+Why tracing (torch's ``pipeline()`` tracer, torch.export) and not a model-specific split: it
+cuts any exportable forward at module names (``layers.4``) with the code between modules (an
+embedding sum, a rotary table, a mask) on the stage that runs it, and it keeps each parameter's
+original name, so a stage's state is the model's own and a checkpoint moves to any strategy.
+A traced graph is specialised to its input shapes, so a batch of another shape (an epoch's short
+last batch, evaluation) is traced again; the other stages' parameters are materialised empty for
+that trace only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchplug.plugin import ConfigurationError
+
+#: ``Stages.owner``'s answer for a name no rank holds (not traced yet: every rank has it all).
+EVERYWHERE = -1
+
+
+def stage_indices(pp_rank: int, pp: int, per_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` runs, looping: ``r, r + pp, ...``."""
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def even_split_points(model: torch.nn.Module, stages: int) -> list[str]:
+    """Split points cutting the longest ``ModuleList``/``Sequential`` of blocks into ``stages``
+    runs of (nearly) equal length, e.g. ``["layers.4"]`` for 8 layers and 2 stages."""
+    best, blocks = "", 0
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) > blocks:
+            best, blocks = name, len(module)
+    if blocks < stages:
+        raise ConfigurationError(
+            f"pp needs {stages} stages, but the model's longest ModuleList/Sequential has "
+            f"{blocks} blocks. Give split_points (module names to cut before, e.g. "
+            f"split_points=['layers.4']) or fewer stages (pp_size, stages_per_rank)."
+        )
+    prefix = f"{best}." if best else ""
+    return [f"{prefix}{(i * blocks) // stages}" for i in range(1, stages)]
+
+
+def checked_points(model: torch.nn.Module, points: list[str], stages: int, why: str) -> list[str]:
+    """``points`` (or an even split when empty), each a submodule of ``model``, one fewer than
+    ``stages``; else an error naming the fix."""
+    points = points or even_split_points(model, stages)
+    if len(points) != stages - 1:
+        raise ConfigurationError(
+            f"pp with {why} needs {stages - 1} split points; split_points gives "
+            f"{len(points)}: {points}. Give {stages - 1} module names, or leave split_points "
+            f"out for an even split of the model's blocks."
+        )
+    for name in points:
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ConfigurationError(
+                f"split point {name!r} is not a submodule of {type(model).__name__}. Give "
+                f"module names as model.named_modules() lists them, e.g. 'layers.4'."
+            ) from None
+    return points
+
+
+def shapes(value: Any) -> Any:
+    """A hashable description of the tensors' shapes and dtypes in nested inputs."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(shapes(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, shapes(v)) for k, v in sorted(value.items()))
+    return repr(value)
+
+
+def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The first dimension of the first tensor input (what torch splits into micro-batches)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return None
+
+
+def allow_skips(stage: Any) -> None:
+    """Let ``stage`` hand values to stages further on than the next, or take them from stages
+    further back, when those values need no gradient (a rotary table, a mask: what the code
+    before the first block computes once for every block). torch's traced stages assume every
+    floating value needs one and refuse such skips ("Backward of skip connections not supported
+    yet"); here they are marked gradient-free on both sides, and a skipped value that does need
+    a gradient is refused when it is produced, never dropped silently."""
+    index, skipped = stage.stage_index, []
+    receive, send = stage._create_act_recv_info, stage._create_act_send_info  # noqa: SLF001
+
+    def users(node: Any) -> set[int]:
+        calls = [user for user in node.users if user.op == "call_module"]
+        return {stage.submod_to_stage_index[user.name] for user in calls}
+
+    def act_recv_info() -> Any:
+        infos = receive()
+        for info, node in zip(infos, stage.node.args, strict=True):  # 1:1, as torch makes them
+            skip = not info.is_root_arg and users(node) != {info.source + 1}
+            if skip and info.tensor_meta is not None:
+                info.tensor_meta = dataclasses.replace(info.tensor_meta, requires_grad=False)
+        return infos
+
+    def act_send_info() -> Any:
+        sends = send()
+        metas = list(stage._stage_meta.outputs)  # noqa: SLF001
+        for out, destinations in sends.items():
+            if any(d != index + 1 for d in destinations) and metas[out] is not None:
+                metas[out] = dataclasses.replace(metas[out], requires_grad=False)
+                skipped.append(out)
+        stage._stage_meta.outputs = tuple(metas)  # noqa: SLF001
+        return sends
+
+    def check(module: torch.nn.Module, args: Any, output: Any) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for out in skipped:
+            if torch.is_grad_enabled() and getattr(outputs[out], "requires_grad", False):
+                raise ConfigurationError(
+                    f"pp: stage {index} hands output {out}, which needs a gradient, to a stage "
+                    f"other than the next; torch's pipelining sends gradients between adjacent "
+                    f"stages only. Move the split points so that the value is used within one "
+                    f"stage or the next (split_points), or use fewer stages."
+                )
+
+    stage._create_act_recv_info, stage._create_act_send_info = act_recv_info, act_send_info  # noqa: SLF001
+    stage.submod.register_forward_hook(check)
+
+
+class Stages:
+    """One model's stages on this rank, and which pipeline rank holds each state name.
+
+    Args:
+        model: The user's model (split points annotated).
+        pp_rank: This rank's place in its pipeline.
+        pp: The pipeline's length (ranks).
+        per_rank: Stages each rank runs.
+        group: The pipeline's process group.
+        device: Where this rank computes.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pp_rank: int,
+        pp: int,
+        per_rank: int,
+        group: Any,
+        device: torch.device,
+    ) -> None:
+        self.model, self.pp_rank, self.pp, self.per_rank = model, pp_rank, pp, per_rank
+        self.group, self.device = group, device
+        self.layout = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+        # every tensor's, non-persistent buffers too (a rotary table): what a trace rebuilds
+        self.shapes = {n: (t.shape, t.dtype) for n, t in self.tensors()}
+        self.owned: dict[int, torch.Tensor] = {}  # id -> a parameter or buffer this rank keeps
+        self.holders: dict[str, list[int]] = {}  # state name -> pipeline ranks holding it
+        self.traced: dict[Any, list[Any]] = {}
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every (name, tensor) of the user's model, tied names included."""
+        return [
+            *self.model.named_parameters(remove_duplicate=False),
+            *self.model.named_buffers(remove_duplicate=False),
+        ]
+
+    def owner(self, name: str) -> int:
+        """The lowest pipeline rank holding ``name`` (`EVERYWHERE` before the first trace)."""
+        held = self.holders.get(name)
+        return held[0] if held else EVERYWHERE
+
+    def held_here(self, tensor: torch.Tensor) -> bool:
+        """Whether this rank keeps ``tensor`` (every tensor, before the first trace)."""
+        return not self.owned or id(tensor) in self.owned
+
+    def params(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, one per tensor."""
+        return [p for p in self.model.parameters() if self.held_here(p)]
+
+    def shared(self) -> list[str]:
+        """Parameters (one name each) held on several pipeline ranks: tied across stages."""
+        ranks: dict[int, set[int]] = {}
+        for name, tensor in self.tensors():
+            ranks.setdefault(id(tensor), set()).update(self.holders.get(name, ()))
+        return [n for n, p in self.model.named_parameters() if len(ranks.get(id(p), ())) > 1]
+
+    def get(self, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool, n: int) -> list[Any]:
+        """This rank's stages for batches shaped like ``args``/``kwargs`` in ``n`` micro-batches
+        (traced once per shape and mode)."""
+        key = (train, self.model.training, shapes(args), shapes(kwargs), n)
+        if key not in self.traced:
+            self.traced[key] = self._trace(args, kwargs, n)
+        return self.traced[key]
+
+    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[Any]:
+        from torch.distributed.pipelining import microbatch
+        from torch.distributed.pipelining._IR import Pipe
+
+        chunks_args, chunks_kwargs = microbatch.split_args_kwargs_into_chunks(args, kwargs, n)
+        first = not self.owned
+        with self._everything_present():
+            try:
+                pipe = Pipe.from_tracing(self.model, tuple(chunks_args[0]), chunks_kwargs[0])
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"pp could not trace {type(self.model).__name__} into stages with "
+                    f"torch.export: {str(exc).splitlines()[0]} A Hugging Face model traces "
+                    f"with config.use_cache=False; otherwise make the forward exportable "
+                    f"(no data-dependent control flow), or use another strategy."
+                ) from exc
+            indices = stage_indices(self.pp_rank, self.pp, self.per_rank)
+            stages = [pipe.build_stage(i, self.device, self.group) for i in indices]
+            del pipe
+        for stage in stages:
+            self._adopt(stage.submod)
+            allow_skips(stage)
+        if first:
+            self._own(stages)
+        return stages
+
+    @contextlib.contextmanager
+    def _everything_present(self) -> Iterator[None]:
+        """Other stages' tensors as empty tensors of their shapes, for a trace only."""
+        freed = [(n, t, t.data) for n, t in self.tensors() if not self.held_here(t)]
+        for name, tensor, _ in freed:
+            shape, dtype = self.shapes[name]
+            tensor.data = torch.empty(shape, dtype=dtype, device=tensor.device)
+        try:
+            yield
+        finally:
+            for _, tensor, data in freed:
+                tensor.data = data
+
+    def _adopt(self, stage_module: torch.nn.Module) -> None:
+        """Point a traced stage at the user's own parameters and buffers by name (the tracer
+        copies tied ones), so there is one tensor per name whatever the trace."""
+        for kind, getter in (("_parameters", "get_parameter"), ("_buffers", "get_buffer")):
+            for module_name, module in stage_module.named_modules():
+                slots = getattr(module, kind)
+                for leaf in list(slots):
+                    name = f"{module_name}.{leaf}" if module_name else leaf
+                    with contextlib.suppress(AttributeError):  # a constant the tracer made
+                        slots[leaf] = getattr(self.model, getter)(name)
+
+    def _own(self, stages: list[Any]) -> None:
+        """After the first trace: what this rank keeps and who holds each name; every other
+        tensor of the user's model freed (emptied in place, so its slot stays)."""
+        ids = {id(t) for _, t in self.tensors()}
+        for stage in stages:
+            for tensor in (*stage.submod.parameters(), *stage.submod.buffers()):
+                if id(tensor) in ids:
+                    self.owned[id(tensor)] = tensor
+        kept = sorted({n for n, t in self.tensors() if id(t) in self.owned})
+        everyone: list[Any] = [None] * self.pp
+        dist.all_gather_object(everyone, kept, group=self.group)
+        for pp_rank, held in enumerate(everyone):
+            for name in held:
+                self.holders.setdefault(name, []).append(pp_rank)
+        for _, tensor in self.tensors():
+            if id(tensor) not in self.owned:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+    def prune(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` (made on the whole model) left with this rank's parameters."""
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if self.held_here(p)]
+        for p in [p for p in optimizer.state if not self.held_here(p)]:
+            del optimizer.state[p]
