@@ -30,7 +30,7 @@ from benchmarks import failure, report, startup, validation
 ROOT = Path(__file__).resolve().parent
 SECTIONS = (
     "step", "dispatch", "import", "cli", "launch", "memory", "checkpoint", "validation", "gpu",
-    "failure",
+    "failure", "pipeline",
 )  # fmt: skip
 MEMORY_STRATEGIES = (
     "ddp",
@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             return
         _torchrun(1, "benchmarks.gpu", ["--out", str(jsonl)], timeout=600)
 
+    def pipeline() -> None:
+        shape = ["--width", "64", "--depth", "4", "--rounds", "1"] if smoke else []
+        _torchrun(2, "benchmarks.pipeline", ["--out", str(jsonl)] + shape, timeout=900)
+
     section("step", steps)
     section("dispatch", dispatch)
     section("import", lambda: startup.imports(max(rounds, 5) if not smoke else 2, have))
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     section("validation", lambda: validation.run(3 if not smoke else 1, smoke))
     section("gpu", gpu)
     section("failure", lambda: failure.run(3, smoke))
+    section("pipeline", pipeline)
 
     records = (
         [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []

@@ -18,14 +18,14 @@ from support.paths import ROOT
 
 @pytest.mark.slow
 def test_smoke_run_writes_the_table(tmp_path):
-    sections = "step,dispatch,import,cli,memory,checkpoint,validation,gpu"
+    sections = "step,dispatch,import,cli,memory,checkpoint,validation,gpu,pipeline"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--smoke", "--only", sections, "--no-chart"]
         + ["--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # a hang guard, far above the ~3 minutes it takes
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = (tmp_path / "results.md").read_text()
@@ -44,6 +44,8 @@ def test_smoke_run_writes_the_table(tmp_path):
         "torchplug --help",
         "fsdp: params+grads+optimizer state",
         "torchplug load (verified)",
+        "pp, 2 stages",
+        "interleaved-1f1b",
     ):
         assert expected in names, (expected, sorted(names))
     assert "| torchplug ddp |" in table or "| tiny MLP | torchplug ddp |" in table
