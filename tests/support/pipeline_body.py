@@ -158,6 +158,7 @@ def train(
         full = engine.full_state(model, optimizer)
         return {
             "losses": losses, "norms": norms, "eval": evaluated, "share": share,
+            "gathered": engine.gather_for_metrics(evaluated),
             "params": full["model"], "optimizer": full["optimizer"],
         }  # fmt: skip
 
@@ -206,3 +207,60 @@ def measured_bytes(options: dict[str, Any]) -> dict[str, Any]:
                 optimizer.step()
                 optimizer.zero_grad()
         return memory.count_live(model, optimizer, before)
+
+
+class Scaled(nn.Module):
+    """Blocks in an ``nn.Sequential`` and a forward with keyword inputs that a later stage
+    reads: a per-sample tensor ``scale`` and a plain number ``temperature``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Linear(12, 12), nn.Tanh()) for _ in range(4))
+        )
+        self.head = nn.Linear(12, 5)
+
+    def forward(
+        self, x: torch.Tensor, scale: torch.Tensor | None = None, temperature: float = 1.0
+    ) -> torch.Tensor:
+        h = self.blocks(x)
+        if scale is not None:
+            h = h * scale
+        return self.head(h) / temperature
+
+
+def keyword_inputs(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Three SGD steps and an evaluation of `Scaled` with keyword inputs (a different
+    ``temperature`` each step), under ``strategy`` (``"plain"``: no torchplug)."""
+    import torchplug as tp
+
+    torch.manual_seed(0)
+    model = Scaled()
+    g = torch.Generator().manual_seed(5)
+    x, y, scale = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g), None
+    scale = torch.rand(8, 1, generator=g) + 0.5
+    ce = nn.functional.cross_entropy
+    losses = []
+    if strategy == "plain":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step, t in enumerate((2.0, 4.0, 0.5)):
+            loss = ce(model(x + step, scale=scale, temperature=t), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        with torch.no_grad():
+            return {"losses": losses, "eval": model.eval()(x, scale=scale, temperature=3.0)}
+    with tp.Engine(strategy, **options) as engine:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, optimizer = engine.setup(model, optimizer)
+        for step, t in enumerate((2.0, 4.0, 0.5)):
+            loss = engine.forward_backward(
+                model, x + step, target=y, loss_fn=ce, scale=scale, temperature=t
+            )
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        model.eval()
+        with torch.no_grad():
+            return {"losses": losses, "eval": model(x, scale=scale, temperature=3.0)}

@@ -37,6 +37,8 @@ def _matches(results: list[dict], expected: dict, tol: float = 1e-5) -> None:
             _close(result["params"][name], value, f"rank {rank} {name}", tol)
         index, size = result["share"]
         _close(result["eval"], expected["eval"].chunk(size)[index], f"rank {rank} eval", tol)
+        # gather_for_metrics: each data-parallel share once, whatever the pipeline's length
+        _close(result["gathered"], expected["eval"], f"rank {rank} gathered", tol)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -133,3 +135,13 @@ def test_estimate_memory_is_the_fullest_stage(ranks, options):
         assert estimate[field] == pytest.approx(fullest, rel=0.05), (field, estimate, measured)
     # each rank holds about half of the model: what pipelining is for
     assert estimate["params"] < 0.6 * whole["params"]
+
+
+def test_keyword_inputs_reach_the_stage_that_reads_them(ranks):
+    """A tensor keyword input the last stage reads and a plain-number one, changed each step
+    (an outsider's model failed on both)."""
+    expected = body.keyword_inputs("plain", {})
+    for schedule in ("gpipe", "interleaved-1f1b"):
+        for result in ranks.run(body.keyword_inputs, "pp", {"schedule": schedule}, timeout=300):
+            _close(result["losses"], expected["losses"], f"{schedule} losses")
+            _close(result["eval"], expected["eval"], f"{schedule} eval")

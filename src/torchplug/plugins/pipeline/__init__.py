@@ -39,7 +39,7 @@ from torchplug.plugin import (
 )
 from torchplug.plugins.pipeline import state as states
 from torchplug.plugins.pipeline.memory import pipeline_memory
-from torchplug.plugins.pipeline.stages import Stages, batch_size, checked_points
+from torchplug.plugins.pipeline.stages import Stages, batch_size, by_name, checked_points
 
 #: Schedules by name: (torch's class, stages per rank by default).
 SCHEDULES = {
@@ -202,8 +202,9 @@ class PipelineStrategy(DistributedStrategy):
         self.loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         last = any(s.is_last for s in stages)
+        kwargs = by_name(self.stages.model, inputs, kwargs)  # every stage may read them
         if not any(s.is_first for s in stages):
-            inputs, kwargs = (), {}
+            inputs = ()
         with engine.hooks.autocast():
             schedule.step(*inputs, target=target if last else None, losses=losses, **kwargs)
         self.dirty = True
@@ -216,8 +217,10 @@ class PipelineStrategy(DistributedStrategy):
     def evaluate(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A forward-only schedule; the last stage's output on every rank of the pipeline."""
         schedule, stages = self._run(args, kwargs, train=False)
+        assert self.stages is not None
+        kwargs = by_name(self.stages.model, args, kwargs)
         if not any(s.is_first for s in stages):
-            args, kwargs = (), {}
+            args = ()
         with torch.no_grad(), self.engine.hooks.autocast():
             output = schedule.eval(*args, **kwargs)
         held = [output if any(s.is_last for s in stages) else None]

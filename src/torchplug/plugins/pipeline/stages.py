@@ -108,6 +108,8 @@ def allow_skips(stage: Any) -> None:
             skip = not info.is_root_arg and users(node) != {info.source + 1}
             if skip and info.tensor_meta is not None:
                 info.tensor_meta = dataclasses.replace(info.tensor_meta, requires_grad=False)
+        if not stage.is_first:  # the model's own inputs come by name (`take_own_inputs`)
+            infos = tuple(info for info in infos if not info.is_root_arg)
         return infos
 
     def act_send_info() -> Any:
@@ -133,6 +135,39 @@ def allow_skips(stage: Any) -> None:
 
     stage._create_act_recv_info, stage._create_act_send_info = act_recv_info, act_send_info  # noqa: SLF001
     stage.submod.register_forward_hook(check)
+
+
+def take_own_inputs(stage: Any) -> None:
+    """Let every stage take the model's inputs it reads, by name: the schedule hands every
+    stage the batch's inputs by name (each rank of a pipeline has the batch), while torch gives
+    only the first stage the model's inputs (a mask the last block applies would never reach the
+    last stage) and a stage's code takes only what it reads; a non-tensor input
+    (``temperature=2.0``) is a constant of the trace. The stage is then called positionally:
+    each of its inputs by name when the model's, else the next activation received."""
+    names = [n.target for n in stage.submod.graph.nodes if n.op == "placeholder"]
+
+    def own(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        received = iter(args)
+        return tuple(kwargs[n] if n in kwargs else next(received) for n in names), {}
+
+    stage.submod.register_forward_pre_hook(own, with_kwargs=True)
+
+
+def by_name(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The model's inputs by its forward's parameter names (what the trace names them), for the
+    stages after the first; ``kwargs`` alone when the forward takes ``*args``."""
+    import inspect
+
+    signature = inspect.signature(model.forward)
+    if any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
+        return dict(kwargs)
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    if extra is not None and extra in bound:
+        bound = {**{k: v for k, v in bound.items() if k != extra}, **bound[extra]}
+    return dict(bound)
 
 
 class Stages:
@@ -222,6 +257,7 @@ class Stages:
         for stage in stages:
             self._adopt(stage.submod)
             allow_skips(stage)
+            take_own_inputs(stage)
         if first:
             self._own(stages)
         return stages
