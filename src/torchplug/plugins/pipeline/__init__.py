@@ -39,7 +39,13 @@ from torchplug.plugin import (
 )
 from torchplug.plugins.pipeline import state as states
 from torchplug.plugins.pipeline.memory import pipeline_memory
-from torchplug.plugins.pipeline.stages import Stages, batch_size, by_name, checked_points
+from torchplug.plugins.pipeline.stages import (
+    EVERYWHERE,
+    Stages,
+    batch_size,
+    by_name,
+    checked_points,
+)
 
 #: Schedules by name: (torch's class, stages per rank by default).
 SCHEDULES = {
@@ -278,7 +284,7 @@ class PipelineStrategy(DistributedStrategy):
         grads = [
             p.grad
             for p in mine
-            if p.grad is not None and self.stages.owner(names[id(p)]) in (self.pp_rank, -1)
+            if p.grad is not None and self.stages.owner(names[id(p)]) in (self.pp_rank, EVERYWHERE)
         ]
         local = torch.zeros((), device=engine.device)
         if grads:

@@ -14,16 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchplug.plugin import ConfigurationError
+from torchplug.plugin import ConfigurationError, map_tensors
 from torchplug.plugins.pipeline.stages import Stages
 
 
 def _cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.detach().cpu())
 
 
 def _everyone(stages: Stages, local: Any) -> list[Any]:
