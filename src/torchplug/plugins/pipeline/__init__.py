@@ -33,18 +33,21 @@ from torchplug.plugin import (
     Option,
     Runtime,
     StrategyInfo,
+    clip_largest,
     gpu_check,
     hookimpl,
     with_mesh,
 )
 from torchplug.plugins.pipeline import state as states
 from torchplug.plugins.pipeline.memory import pipeline_memory
+from torchplug.plugins.pipeline.parallel import StageModule, place, plan_styles
 from torchplug.plugins.pipeline.stages import (
     EVERYWHERE,
     Stages,
     batch_size,
     by_name,
     checked_points,
+    like,
 )
 
 #: Schedules by name: (torch's class, stages per rank by default).
@@ -88,6 +91,9 @@ class PipelineStrategy(DistributedStrategy):
         schedule: str = "1f1b",
         n_microbatches: int = 0,
         stages_per_rank: int = 0,
+        dp_shard: int = 1,
+        tp_size: int = 1,
+        tp_plan: dict[str, str] | None = None,
     ) -> None:
         super().__init__(process_group_backend, timeout)
         if schedule not in SCHEDULES:
@@ -105,6 +111,12 @@ class PipelineStrategy(DistributedStrategy):
                 f"schedule={schedule!r} runs one stage per rank; stages_per_rank="
                 f"{self.per_rank} needs interleaved-1f1b, looped-bfs or zero-bubble."
             )
+        self.dp_shard, self.tp, self.tp_plan = dp_shard, tp_size, tp_plan
+        if dp_shard < 1 or tp_size < 1:
+            raise ConfigurationError(
+                f"pp's dp_shard={dp_shard} and tp_size={tp_size} are rank counts: give each "
+                f"as 1 (not used) or more."
+            )
         self.stages: Stages | None = None
         self.schedules: dict[int, Any] = {}
         self.loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
@@ -112,23 +124,31 @@ class PipelineStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
-        """The process group, then the job's mesh ``("pp", "dp")``."""
+        """The process group, then the job's mesh ``("pp", "dp_replicate", "dp_shard", "tp")``
+        (torchtitan's order: a tensor-parallel group is consecutive ranks, a pipeline's ranks
+        the farthest apart)."""
         runtime = super().torchplug_setup(engine, cluster)
-        pp = self.pp_size or runtime.world_size
-        if pp < 2 or runtime.world_size % pp:
+        world, inner = runtime.world_size, self.dp_shard * self.tp
+        pp = self.pp_size or world // inner
+        if pp < 2 or world % (pp * inner):
             raise ConfigurationError(
-                f"pp_size={pp} does not divide the {runtime.world_size} ranks into pipelines "
-                f"of at least 2 stages. Launch a multiple of pp_size ranks (e.g. "
-                f"`torchplug launch -n 4 --strategy pp --option pp_size=2 train.py`)."
+                f"pp_size={pp} x dp_shard={self.dp_shard} x tp_size={self.tp} does not divide "
+                f"the {world} ranks into pipelines of at least 2 stages. Launch a multiple of "
+                f"their product (e.g. `torchplug launch -n 4 --strategy pp --option pp_size=2 "
+                f"train.py`)."
             )
-        self.pp, self.dp = pp, runtime.world_size // pp
-        self.pp_rank, dp_rank = runtime.rank // self.dp, runtime.rank % self.dp
+        replicate = world // (pp * inner)
+        self.pp, self.dp = pp, replicate * self.dp_shard
+        self.pp_rank = runtime.rank // (replicate * inner)
+        dp_rank = (runtime.rank // self.tp) % self.dp
         runtime = with_mesh(
-            runtime, (pp, self.dp), ("pp", "dp"), data_parallel_rank=dp_rank,
-            data_parallel_size=self.dp,
+            runtime, (pp, replicate, self.dp_shard, self.tp),
+            ("pp", "dp_replicate", "dp_shard", "tp"),
+            data_parallel_rank=dp_rank, data_parallel_size=self.dp,
         )  # fmt: skip
+        self.mesh = runtime.mesh
         self.pp_group = runtime.mesh.get_group("pp")
-        self.dp_group = runtime.mesh.get_group("dp")
+        self.dp_group = runtime.mesh.get_group("dp_replicate")
         return runtime
 
     @hookimpl
@@ -149,11 +169,38 @@ class PipelineStrategy(DistributedStrategy):
         points = checked_points(model, self.split_points, total, why)
         model = model.to(engine.device)
         annotate_split_points(model, {name: SplitPoint.BEGINNING for name in points})
+        split = self.tp > 1 or self.dp_shard > 1
+        if self.tp > 1:
+            plan = self.tp_plan or getattr(model, "tp_plan", None)
+            plan = plan or getattr(model, "_tp_plan", None)
+            if not isinstance(plan, dict):
+                raise ConfigurationError(
+                    f"pp with tp_size={self.tp} needs a tensor-parallel plan: which layers to "
+                    f"split. Pass Engine('pp', tp_size={self.tp}, tp_plan={{'layers.*.fc': "
+                    f"'colwise', 'layers.*.out': 'rowwise'}}), or give the model a tp_plan."
+                )
+            self.styles = plan_styles(model, plan)
         self.stages = Stages(
-            model, self.pp_rank, self.pp, self.per_rank, self.pp_group, engine.device
-        )
+            model, self.pp_rank, self.pp, self.per_rank, self.pp_group, engine.device,
+            parallel=self._parallel if split else None,
+            tp_mesh=self.mesh["tp"] if self.tp > 1 else None,
+        )  # fmt: skip
         self.optimizers, self.engine = list(optimizers), engine
         return PipelineModel(model, self), optimizers
+
+    def _parallel(self, module: StageModule) -> None:
+        """A stage's tensor parallel (its planned layers split over ``tp``), then FSDP2 over
+        ``dp_shard`` (times ``dp_replicate``: HSDP). The gathered parameters stay gathered
+        through a step's micro-batches (torch's schedules reshard after the last backward),
+        as torchtitan runs FSDP under a pipeline."""
+        if self.tp > 1:
+            place(module, self.mesh["tp"], self.styles)
+        if self.dp_shard > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            replicate = self.dp // self.dp_shard
+            mesh = self.mesh["dp_replicate", "dp_shard"] if replicate > 1 else self.mesh["dp_shard"]
+            fully_shard(module, mesh=mesh, reshard_after_forward=False)
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -173,6 +220,8 @@ class PipelineStrategy(DistributedStrategy):
         if first:
             for optimizer in self.optimizers:
                 self.stages.prune(optimizer)
+            self.stages.replaced.clear()
+        self.stages.activate(stages)
         key = id(stages[0])
         if key not in self.schedules:
             from torch.distributed import pipelining
@@ -189,6 +238,15 @@ class PipelineStrategy(DistributedStrategy):
         """A micro-batch's loss over the number of micro-batches: their sum is the batch's."""
         assert self.loss_fn is not None
         return self.loss_fn(output, target) / self.micro
+
+    def _replicating(self) -> contextlib.AbstractContextManager[Any]:
+        """Under tensor parallel, plain tensors meeting DTensors count as replicated, in the
+        backward too (a position index the forward made, saved for the embedding's backward)."""
+        if self.tp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
 
     def _last_pp_rank(self) -> int:
         return (self.pp * self.per_rank - 1) % self.pp
@@ -211,7 +269,7 @@ class PipelineStrategy(DistributedStrategy):
         kwargs = by_name(self.stages.model, inputs, kwargs)  # every stage may read them
         if not any(s.is_first for s in stages):
             inputs = ()
-        with engine.hooks.autocast():
+        with engine.hooks.autocast(), self._replicating():
             schedule.step(*inputs, target=target if last else None, losses=losses, **kwargs)
         self.dirty = True
         loss = torch.zeros((), device=engine.device)
@@ -227,8 +285,11 @@ class PipelineStrategy(DistributedStrategy):
         kwargs = by_name(self.stages.model, args, kwargs)
         if not any(s.is_first for s in stages):
             args = ()
-        with torch.no_grad(), self.engine.hooks.autocast():
+        with torch.no_grad(), self.engine.hooks.autocast(), self._replicating():
             output = schedule.eval(*args, **kwargs)
+        for stage in stages:  # no backward comes to free what the forward gathered
+            if hasattr(stage.submod, "reshard"):
+                stage.submod.reshard()
         held = [output if any(s.is_last for s in stages) else None]
         dist.broadcast_object_list(held, group=self.pp_group, group_src=self._last_pp_rank())
         return held[0]
@@ -242,22 +303,27 @@ class PipelineStrategy(DistributedStrategy):
         if not self.dirty or self.stages is None:
             return
         self.dirty = False
+        from torch.distributed.tensor import DTensor
+
         params = dict(self.stages.model.named_parameters())
         for name in self.stages.shared():
             p = params[name]
             held = self.stages.held_here(p)
             grad = p.grad if held and p.grad is not None else None
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
             if grad is None:
                 shape, dtype = self.stages.shapes[name]
                 grad = torch.zeros(shape, dtype=dtype, device=self.stages.device)
             dist.all_reduce(grad, group=self.pp_group)
             if held:
-                p.grad = grad
-        if self.dp > 1:
+                p.grad = like(grad, p)
+        if self.dp > 1 and self.dp_shard == 1:  # FSDP2 reduces over dp_replicate too (HSDP)
             for p in self.stages.params():
                 if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.dp_group)
-                    p.grad.div_(self.dp)
+                    local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(local, group=self.dp_group)
+                    local.div_(self.dp)
 
     @hookimpl
     def torchplug_optimizer_step(
@@ -286,17 +352,22 @@ class PipelineStrategy(DistributedStrategy):
             for p in mine
             if p.grad is not None and self.stages.owner(names[id(p)]) in (self.pp_rank, EVERYWHERE)
         ]
+        if math.isinf(norm_type):  # the largest value, whatever its copies (every rank's max)
+            return clip_largest(grads, max_norm, engine.reduce)
+        from torch.distributed.tensor import DTensor
+
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
         local = torch.zeros((), device=engine.device)
-        if grads:
-            local = torch.nn.utils.get_total_norm(grads, norm_type).float()
-        if math.isinf(norm_type):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
-            total = local
-        else:
-            powered = local**norm_type
-            dist.all_reduce(powered, group=self.pp_group)
-            total = powered ** (1.0 / norm_type)
-        torch.nn.utils.clip_grads_with_norm_(mine, max_norm, total)
+        if norms:
+            local = torch.linalg.vector_norm(torch.stack(norms).float(), norm_type)
+        powered = local**norm_type
+        dist.all_reduce(powered, group=self.pp_group)
+        total = powered ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in mine:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
         return total
 
     @hookimpl
@@ -367,6 +438,14 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 Option("schedule", str, "1f1b", f"one of {', '.join(SCHEDULES)}"),
                 Option("n_microbatches", int, 0, "micro-batches per batch (0: the stage count)"),
                 Option("stages_per_rank", int, 0, "stages each rank runs (0: the schedule's)"),
+                Option("dp_shard", int, 1, "ranks sharding each stage with FSDP2 (1: none)"),
+                Option("tp_size", int, 1, "tensor-parallel ranks per stage (1: none)"),
+                Option(
+                    "tp_plan",
+                    (dict, type(None)),
+                    None,
+                    "with tp_size: layer name pattern -> 'colwise'/'rowwise' (else the model's)",
+                ),
             ),
             precisions=("32", "bf16"),
             precision_check=gpu_check,

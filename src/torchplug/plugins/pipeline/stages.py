@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torchplug.plugin import ConfigurationError
+from torchplug.plugins.pipeline.parallel import StageModule
 
 #: ``Stages.owner``'s answer for a name no rank holds (not traced yet: every rank has it all).
 EVERYWHERE = -1
@@ -180,6 +181,9 @@ class Stages:
         per_rank: Stages each rank runs.
         group: The pipeline's process group.
         device: Where this rank computes.
+        parallel: Applied to each of this rank's stages as a `StageModule` (tensor parallel,
+            FSDP2) after the first trace; ``None``: the stages run the user's tensors as they are.
+        tp_mesh: The tensor-parallel mesh a `StageModule` computes over, if any.
     """
 
     def __init__(
@@ -190,9 +194,14 @@ class Stages:
         per_rank: int,
         group: Any,
         device: torch.device,
+        parallel: Callable[[StageModule], None] | None = None,
+        tp_mesh: Any = None,
     ) -> None:
         self.model, self.pp_rank, self.pp, self.per_rank = model, pp_rank, pp, per_rank
         self.group, self.device = group, device
+        self.parallel, self.tp_mesh = parallel, tp_mesh
+        self.modules: dict[int, StageModule] = {}  # stage index -> its parameters' holder
+        self.replaced: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}  # id -> old, new
         self.layout = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
         # every tensor's, non-persistent buffers too (a rotary table): what a trace rebuilds
         self.shapes = {n: (t.shape, t.dtype) for n, t in self.tensors()}
@@ -260,20 +269,96 @@ class Stages:
             take_own_inputs(stage)
         if first:
             self._own(stages)
+        if self.parallel is not None:
+            self._hold(stages, first)
         return stages
+
+    def activate(self, stages: list[Any]) -> None:
+        """Make ``stages`` (one trace) the ones their `StageModule` runs."""
+        for stage in stages:
+            if isinstance(stage.submod, StageModule):
+                stage.submod.use(stage.torchplug_trace)
+
+    def _hold(self, stages: list[Any], first: bool) -> None:
+        """Each stage's tensors in a `StageModule` (made at the first trace, ``parallel``
+        applied to it, its new parameters put in the user's model under their names), which
+        the stage then calls with the trace's graph."""
+        for stage in stages:
+            graph = stage.submod
+            if first:
+                self._make_module(stage.stage_index, graph)
+            module = self.modules[stage.stage_index]
+            names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+            for name in names:  # the trace's own references to parameters, freed
+                prefix, _, leaf = name.rpartition(".")
+                owner = graph.get_submodule(prefix) if prefix else graph
+                if leaf in dict(owner.named_parameters(recurse=False, remove_duplicate=False)):
+                    owner.register_parameter(leaf, torch.nn.Parameter(torch.empty(0), False))
+            stage.torchplug_trace, stage.submod = graph, module
+            module.use(graph)
+
+    def _make_module(self, index: int, graph: torch.nn.Module) -> None:
+        named = [
+            *graph.named_parameters(remove_duplicate=False),
+            *graph.named_buffers(remove_duplicate=False),
+        ]
+        ids = {id(t) for _, t in named}
+        names = {n for n, _ in named}
+        mine = [(n, t) for n, t in self.tensors() if n in names and id(t) in ids]
+        twice = [n for n, t in mine if any(id(t) in m.ids for m in self.modules.values())]
+        if twice:
+            raise ConfigurationError(
+                f"pp: {twice[0]} is used by two stages this rank runs, and sharding a stage "
+                f"(dp_shard, tp_size) holds each stage's parameters apart. Choose split points "
+                f"that keep tied parameters within one stage or on different ranks, or use "
+                f"stages_per_rank=1."
+            )
+        module = StageModule(mine, self.tp_mesh)
+        module.ids = ids  # type: ignore[assignment]
+        olds = {n: t for n, t in mine if isinstance(t, torch.nn.Parameter)}
+        assert self.parallel is not None
+        self.parallel(module)
+        for name, new in module.named_parameters(remove_duplicate=False):
+            old = olds[name]
+            self.replaced[id(old)] = (old, new)
+            self.owned.pop(id(old), None)
+            self.owned[id(new)] = new
+        for name, param in list(self.model.named_parameters(remove_duplicate=False)):
+            if id(param) in self.replaced:  # every name of it (a tie the stage names once)
+                prefix, _, leaf = name.rpartition(".")
+                self.model.get_submodule(prefix).register_parameter(
+                    leaf, self.replaced[id(param)][1]
+                )
+        self.modules[index] = module
 
     @contextlib.contextmanager
     def _everything_present(self) -> Iterator[None]:
-        """Other stages' tensors as empty tensors of their shapes, for a trace only."""
-        freed = [(n, t, t.data) for n, t in self.tensors() if not self.held_here(t)]
-        for name, tensor, _ in freed:
-            shape, dtype = self.shapes[name]
-            tensor.data = torch.empty(shape, dtype=dtype, device=tensor.device)
+        """Stand-ins of their shapes for the tensors the trace cannot use as they are (other
+        stages' freed tensors, this rank's sharded DTensors), for a trace only."""
+        from torch.distributed.tensor import DTensor
+
+        stand_ins: dict[int, torch.Tensor] = {}
+        swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        for prefix, module in self.model.named_modules(remove_duplicate=False):
+            for slots in (getattr(module, kind) for kind in ("_parameters", "_buffers")):
+                for leaf, tensor in list(slots.items()):
+                    if tensor is None or (
+                        self.held_here(tensor) and not isinstance(tensor, DTensor)
+                    ):
+                        continue
+                    if id(tensor) not in stand_ins:
+                        shape, dtype = self.shapes[f"{prefix}.{leaf}" if prefix else leaf]
+                        empty = torch.empty(shape, dtype=dtype, device=self.device)
+                        if isinstance(tensor, torch.nn.Parameter):
+                            empty = torch.nn.Parameter(empty, tensor.requires_grad)
+                        stand_ins[id(tensor)] = empty
+                    swapped.append((slots, leaf, tensor))
+                    slots[leaf] = stand_ins[id(tensor)]
         try:
             yield
         finally:
-            for _, tensor, data in freed:
-                tensor.data = data
+            for slots, leaf, tensor in reversed(swapped):
+                slots[leaf] = tensor
 
     def _adopt(self, stage_module: torch.nn.Module) -> None:
         """Point a traced stage at the user's own parameters and buffers by name (the tracer
@@ -305,8 +390,35 @@ class Stages:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
     def prune(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer`` (made on the whole model) left with this rank's parameters."""
+        """``optimizer`` (made on the whole model) left with this rank's parameters, those a
+        `StageModule` replaced swapped for their replacements (state sharded alike)."""
         for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if self.held_here(p)]
-        for p in [p for p in optimizer.state if not self.held_here(p)]:
-            del optimizer.state[p]
+            group["params"] = [
+                self.replaced[id(p)][1] if id(p) in self.replaced else p
+                for p in group["params"]
+                if id(p) in self.replaced or self.held_here(p)
+            ]
+        for p in list(optimizer.state):
+            state = optimizer.state.pop(p)
+            if id(p) in self.replaced:
+                new = self.replaced[id(p)][1]
+                optimizer.state[new] = {k: like(v, new) for k, v in state.items()}
+            elif self.held_here(p):
+                optimizer.state[p] = state
+
+
+def like(value: Any, param: torch.Tensor) -> Any:
+    """``value`` (optimizer state of a whole parameter) cut as ``param`` is sharded, if it is
+    a DTensor and ``value`` has its whole shape; else ``value``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if (
+        isinstance(param, DTensor)
+        and isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.shape == param.shape
+    ):
+        return distribute_tensor(
+            value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        )
+    return value

@@ -15,11 +15,20 @@ import torch
 import torch.distributed as dist
 
 from torchplug.plugin import ConfigurationError, map_tensors
-from torchplug.plugins.pipeline.stages import Stages
+from torchplug.plugins.pipeline.stages import Stages, like
 
 
 def _cpu(value: Any) -> Any:
-    return map_tensors(value, lambda t: t.detach().cpu())
+    """Whole tensors on the CPU (a stage sharded over dp_shard/tp gathered: every rank of the
+    stage calls this on the same names)."""
+    from torch.distributed.tensor import DTensor
+
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return tensor.detach().cpu()
+
+    return map_tensors(value, whole)
 
 
 def _everyone(stages: Stages, local: Any) -> list[Any]:
@@ -52,10 +61,16 @@ def load_model_state(stages: Stages, state: dict[str, Any], strict: bool) -> Non
                 f"unexpected {unexpected[:5]}. Load a checkpoint of this model, or pass "
                 f"strict=False."
             )
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
         for name, tensor in stages.tensors():
             if name in state and stages.held_here(tensor):
-                tensor.copy_(state[name])
+                value = like(state[name], tensor)
+                if isinstance(tensor, DTensor):
+                    tensor.to_local().copy_(value.to_local())
+                else:
+                    tensor.copy_(value)
 
 
 def optimizer_state(stages: Stages, local: dict[str, Any]) -> dict[str, Any]:
@@ -83,10 +98,15 @@ def optimizer_subset(
     """The part of a whole model's optimizer ``state`` that this rank's ``optimizer`` holds."""
     if not stages.owned:
         return state
-    names = {id(p): n for n, p in stages.model.named_parameters()}
+    params = dict(stages.model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
     mine = {names[id(p)] for g in optimizer.param_groups for p in g["params"]}
     return {
-        "state": {k: v for k, v in state["state"].items() if k in mine},
+        "state": {
+            k: {key: like(value, params[k]) for key, value in v.items()}
+            for k, v in state["state"].items()
+            if k in mine
+        },
         "param_groups": [
             dict(g, params=[n for n in g["params"] if n in mine]) for g in state["param_groups"]
         ],
