@@ -24,6 +24,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    #: What ``tp_size`` splits when no ``tp_plan`` is given: each block's MLP (Megatron's split)
+    tp_plan = {"layers.*.fc": "colwise", "layers.*.out": "rowwise"}
+
     def __init__(self, blocks: int = 8) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, WIDTH)
@@ -123,6 +126,7 @@ def train(
     save_to: str | None = None,
     load_from: str | None = None,
     first_step: int = 0,
+    reload_from: str | None = None,
 ) -> dict[str, Any]:
     """The reference's loop with ``engine.forward_backward``, unchanged for every strategy:
     each data-parallel rank takes its share of every batch."""
@@ -152,11 +156,17 @@ def train(
             losses.append(total)
         if save_to is not None:
             engine.save(save_to, state)
+        if reload_from is not None:  # into a model already split (and sharded) by its steps
+            engine.load(reload_from, state)
         model.eval()
         with torch.no_grad():
             evaluated = model(batch(99)[0].chunk(share[1])[share[0]])
         full = engine.full_state(model, optimizer)
+        held = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
+        )
         return {
+            "held": held,
             "losses": losses, "norms": norms, "eval": evaluated, "share": share,
             "gathered": engine.gather_for_metrics(evaluated),
             "params": full["model"], "optimizer": full["optimizer"],

@@ -83,7 +83,9 @@ class RankPool:
         if self._process is not None:
             return
         authkey = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        # a backlog for every rank: they connect at once, and with multiprocessing's default
+        # of 1 the ones that overflow it wait out TCP's SYN retries (over 2 minutes at 8 ranks)
+        listener = Listener(("127.0.0.1", 0), backlog=max(16, self.nprocs), authkey=authkey)
         host, port = listener.address
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the pool
         env = {

@@ -64,6 +64,69 @@ def test_hugging_face_llama_in_two_and_four_stages(ranks, four):
         ranks.run(body.train, "pp", {"schedule": "gpipe"}, kind="llama", timeout=300), expected
     )
     _matches(four.run(body.train, "pp", {"schedule": "1f1b"}, kind="llama", timeout=300), expected)
+    fsdp = {"pp_size": 2, "dp_shard": 2, "schedule": "gpipe", "n_microbatches": 2}
+    _matches(four.run(body.train, "pp", fsdp, kind="llama", timeout=300), expected)
+
+
+FSDP = {"pp_size": 2, "dp_shard": 2, "n_microbatches": 2}
+TP = {"pp_size": 2, "tp_size": 2, "n_microbatches": 2}
+
+
+def test_stages_sharded_by_fsdp_or_split_by_tp_equal_plain_pytorch(four):
+    """pp x fsdp (FSDP2 over dp_shard in each stage) and pp x tp (the model's tp_plan), with
+    accumulation, clipping and a scheduler; each rank holds a fraction of its stage."""
+    expected = body.reference(accumulate=2)
+    total = sum(p.numel() for p in body.make().parameters())
+    for options in (FSDP, TP):
+        results = four.run(body.train, "pp", options, accumulate=2, timeout=300)
+        _matches(results, expected)
+        # a whole stage is about half of the model; sharded or split, well under that
+        assert all(r["held"] < 0.35 * total for r in results), (options, total, results[0]["held"])
+
+
+def test_checkpoints_move_out_of_and_into_sharded_stages_bit_exact(four, tmp_path):
+    first = str(tmp_path / "pp-fsdp")
+    saved = four.run(body.train, "pp", FSDP, steps=2, save_to=first, timeout=300)[0]
+    loaded = body.train("single", {}, steps=0, load_from=first)
+    for name, value in saved["params"].items():
+        assert torch.equal(loaded["params"][name], value), name
+    for name, value in saved["optimizer"]["state"].items():
+        for key, tensor in value.items():
+            assert torch.equal(loaded["optimizer"]["state"][name][key], tensor), (name, key)
+    # going on from it under pp x tp (loaded before the stages exist) is single going on
+    alone = body.train("single", {}, steps=2, load_from=first, first_step=2)
+    for result in four.run(body.train, "pp", TP, steps=2, load_from=first, first_step=2):
+        for name, value in alone["params"].items():
+            _close(result["params"][name], value, name)
+    # loaded into stages already sharded (after steps): exactly the checkpoint
+    for options in (FSDP, TP):
+        for result in four.run(body.train, "pp", options, steps=1, reload_from=first):
+            for name, value in saved["params"].items():
+                assert torch.equal(result["params"][name], value), (options, name)
+            for name, value in saved["optimizer"]["state"].items():
+                for key, tensor in value.items():
+                    got = result["optimizer"]["state"][name][key]
+                    assert torch.equal(got, tensor), (options, name, key)
+
+
+@pytest.mark.slow
+def test_three_d_and_hsdp_on_eight_ranks_equal_plain_pytorch(tmp_path):
+    """pp x fsdp x tp (2 x 2 x 2) and pp x HSDP (2 stages, 2 replicas x 2 shards, interleaved),
+    against plain PyTorch; the 3-D run's checkpoint loads into single bit-exact."""
+    pool = RankPool(8, sys_path=default_sys_path())
+    try:
+        expected = body.reference()
+        where = str(tmp_path / "3d")
+        three_d = {**FSDP, "tp_size": 2}
+        results = pool.run(body.train, "pp", three_d, save_to=where, timeout=600)
+        _matches(results, expected)
+        loaded = body.train("single", {}, steps=0, load_from=where)
+        for name, value in results[0]["params"].items():
+            assert torch.equal(loaded["params"][name], value), name
+        hsdp = {**FSDP, "schedule": "interleaved-1f1b"}
+        _matches(pool.run(body.train, "pp", hsdp, timeout=600), expected)
+    finally:
+        pool.stop()
 
 
 def test_accumulation_and_explicit_split_points(ranks):

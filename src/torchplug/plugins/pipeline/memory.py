@@ -43,7 +43,8 @@ def stage_of_params(names: list[str], points: list[str]) -> list[int]:
 def pipeline_memory(query: MemoryQuery) -> MemoryEstimate:
     """The fullest pipeline rank's parameters, gradients and optimizer state."""
     options = query.options
-    pp = int(options.get("pp_size") or 0) or query.world_size
+    inner = max(int(options.get("dp_shard") or 1), 1) * max(int(options.get("tp_size") or 1), 1)
+    pp = int(options.get("pp_size") or 0) or max(query.world_size // inner, 1)
     per_rank = int(options.get("stages_per_rank") or 0) or (
         1 if options.get("schedule", "1f1b") in ("gpipe", "1f1b") else 2
     )
@@ -57,6 +58,8 @@ def pipeline_memory(query: MemoryQuery) -> MemoryEstimate:
     for spec, stage in zip(query.params, stages, strict=True):
         held[stage % pp] += spec.numel * spec.itemsize
         numel[stage % pp] += spec.numel
+    shard = max(int(options.get("dp_shard") or 1), 1)  # FSDP2 over dp_shard: a 1/shard share
+    held, numel = [-(-h // shard) for h in held], [-(-n // shard) for n in numel]
     fullest = max(range(pp), key=lambda r: held[r])
     itemsize = held[fullest] // max(numel[fullest], 1)
     optimizer = query.states * numel[fullest] * itemsize
@@ -65,6 +68,7 @@ def pipeline_memory(query: MemoryQuery) -> MemoryEstimate:
     notes = (
         f"pipeline rank {fullest} of {pp} holds the most: its stages' parameters, gradients "
         f"and optimizer state; the other stages' tensors are freed",
+        "tp_size's split layers are not modelled (each stage counted whole over tp)",
         "plus the activations of the micro-batches in flight (up to the stage count under "
         "1f1b, every micro-batch under gpipe), and a parameter tied across stages (an "
         "embedding and its head) once on each stage holding it",
