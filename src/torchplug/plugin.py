@@ -92,6 +92,8 @@ _EXPORTS = {
     "shard_norms_in_fp32": "torchplug.plugins.sharding",
     "make_contiguous": "torchplug.plugins.sharding",
     "NORM_TYPES": "torchplug.plugins.sharding",
+    "plan_matches": "torchplug.plugins.sharding",
+    "plan_split": "torchplug.plugins.sharding",
     # memory rules (StrategyInfo(memory=...)): what a rule is asked and answers
     "MemoryQuery": "torchplug.features.memory",
     "MemoryEstimate": "torchplug.features.memory",

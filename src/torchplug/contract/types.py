@@ -154,9 +154,9 @@ class StrategyInfo(Announced):
             themselves; the others get them from a precision plugin (AMP).
         owns_precision: The backend implements the precisions itself (e.g. DeepSpeed) instead of
             composing with a precision plugin.
-        shards_parameters: Informational (``torchplug plugins -v``) and checked by the conformance
-            kit's ``memory`` property: each rank holds at most 3/4 of the whole parameters
-            (optimizer state).
+        shards_parameters: Informational (``torchplug plugins -v``) and checked by the kit's
+            ``sharding``: no rank holds every parameter, and the ranks hold at most 3/4 of a
+            copy each (pipeline stages count: they split the model unevenly).
         shards_optimizer: Each rank holds only its shard of the optimizer state (informational and
             checked as ``shards_parameters`` is).
         takes_meta_modules: The backend's ``torchplug_wrap`` takes a model still on the meta device
@@ -175,9 +175,9 @@ class StrategyInfo(Announced):
             keeps state checkpoints do not carry (PowerSGD's); or a function, as ``tolerance``.
         refuses: What the strategy refuses by design with a ConfigurationError, by the conformance
             kit's names: ``"compile"`` (Engine(compile=True)), ``"clipping"``, ``"accumulation"``,
-            ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate),
-            ``"clip_norm_type"`` (a clipping norm other than L2). The kit passes
-            a declared refusal as such and fails one that is not declared.
+            ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate), ``"backward"``
+            (``model(x)``, ``engine.backward``: the kit steps by ``forward_backward``), ``"reuse"``.
+            The kit passes a declared refusal as such and fails one that is not declared.
         deviations: Conformance-kit properties the strategy fails by design, each with the reason,
             e.g. ``{"clipping": "local SGD clips each rank's gradients"}``: the kit still runs them
             and reports each as ``DEVIATES`` with the reason and what it measured, not as a PASS or

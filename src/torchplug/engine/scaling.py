@@ -123,18 +123,41 @@ def checkpoint_activations(
 Broadcast = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def replicate_from_rank_zero(model: torch.nn.Module, broadcast: Broadcast, world_size: int) -> None:
+def replicate_from_rank_zero(
+    model: torch.nn.Module,
+    broadcast: Broadcast,
+    world_size: int,
+    reduce: Callable[[torch.Tensor, str], torch.Tensor],
+) -> None:
     """Give every rank rank 0's parameters and buffers before the backend wraps the model, as
     DDP does for itself: a script whose ranks built the model from different seeds (no seed,
     or one per rank) would otherwise shard a mix of differently initialised models under fsdp
     or tp. Each tensor goes through the backend's ``torchplug_broadcast``, which leaves alone
     what it has partitioned already (DeepSpeed's ``zero.Init``); DTensors are distributed
-    already and are skipped."""
+    already and are skipped.
+
+    The ranks first agree that their tensors have the same shapes (one ``reduce``): a
+    broadcast of tensors of different sizes aborts the process in gloo's native code. Ranks
+    that built different models, or a model an earlier pipeline Engine left holding only each
+    rank's stages, are refused on every rank instead."""
     if world_size <= 1:
         return
+    import zlib
+
     from torch.distributed.tensor import DTensor
 
     tensors = [t for t in (*model.parameters(), *model.buffers()) if not isinstance(t, DTensor)]
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in dict.fromkeys(tensors)]
+    signature = zlib.crc32(repr(shapes).encode())
+    seen = reduce(torch.tensor([signature, -signature], dtype=torch.int64), "max")
+    if int(seen[0]) != -int(seen[1]):
+        raise ConfigurationError(
+            f"Engine.setup: the ranks' models differ in their tensors' shapes or dtypes "
+            f"({len(shapes)} tensors here), so rank 0's cannot be given to every rank. Expected "
+            f"the same model on every rank. Build it from the same code and configuration on "
+            f"each; a model an earlier Engine split into pipeline stages holds only each rank's "
+            f"stages: build it anew and load what that Engine saved."
+        )
     with torch.no_grad():
         for tensor in dict.fromkeys(tensors):  # a tied tensor once
             broadcast(tensor, 0)

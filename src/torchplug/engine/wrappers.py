@@ -85,7 +85,9 @@ def setup(
         )
     meta = scaling.is_meta(model)
     if not meta:
-        scaling.replicate_from_rank_zero(model, engine._hooks.broadcast, engine.world_size)
+        scaling.replicate_from_rank_zero(
+            model, engine._hooks.broadcast, engine.world_size, engine._collectives.reduce
+        )
     if meta and not engine.info.takes_meta_modules:
         # replicated: the whole model, on the CPU as an eager build; the wrap moves it
         materialize(engine, model, optimizers, torch.device("cpu"))

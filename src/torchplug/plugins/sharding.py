@@ -445,3 +445,33 @@ def clip_largest(
     for tensor in local:
         tensor.detach().mul_(coef.to(tensor.device, tensor.dtype))
     return total
+
+
+def plan_matches(name: str, pattern: str) -> bool:
+    """Whether submodule ``name`` matches a tensor-parallel plan's ``pattern``: ``*`` stands
+    for one name, as torch's ``parallelize_module`` and Hugging Face's plans read it."""
+    import fnmatch
+
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(
+        fnmatch.fnmatchcase(a, b) for a, b in zip(parts, wanted, strict=True)
+    )
+
+
+def plan_split(style: Any) -> str | None:
+    """How a plan entry splits a layer's weight: ``"col"`` (by output features), ``"row"`` (by
+    input features) or ``None`` (left whole: replicate, sequence, or a string it does not know),
+    for torch's and Hugging Face's strings and torch's Colwise/RowwiseParallel styles."""
+    if isinstance(style, str):
+        if style in ("colwise", "colwise_gather_output", "colwise_rep", "embedding_colwise"):
+            return "col"
+        if style in ("rowwise", "rowwise_split_input", "rowwise_rep", "embedding_rowwise"):
+            return "row"
+        return None
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        return "col"
+    if isinstance(style, RowwiseParallel):
+        return "row"
+    return None

@@ -50,6 +50,8 @@ from torchplug.plugin import (
     hookimpl,
     job_mesh,
     not_estimable,
+    plan_matches,
+    plan_split,
     refuse_sharded_twice,
     shard,
     with_mesh,
@@ -348,47 +350,9 @@ def _divisor(world: int) -> int:
 
 
 def _check_plan(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, list[str]]:
-    """The submodule names each pattern of the plan matches (``*`` is one name, as in torch)."""
-    import fnmatch
-
+    """The submodule names each pattern of the plan matches (`plan_matches`)."""
     names = [n for n, _ in model.named_modules() if n]
-    matched = {}
-    for pattern in plan:
-        parts = pattern.split(".")
-        matched[pattern] = [
-            n
-            for n in names
-            if len(n.split(".")) == len(parts)
-            and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), parts, strict=True))
-        ]
-    return matched
-
-
-def _split(style: Any) -> str | None:
-    """``"col"``, ``"row"`` or ``None`` (left whole) for a plan entry."""
-    if isinstance(style, str):
-        if style in ("colwise", "colwise_gather_output", "colwise_rep", "embedding_colwise"):
-            return "col"
-        if style in ("rowwise", "rowwise_split_input", "rowwise_rep", "embedding_rowwise"):
-            return "row"
-        return None  # sequence, replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if isinstance(style, ColwiseParallel):
-        return "col"
-    if isinstance(style, RowwiseParallel):
-        return "row"
-    return None
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """A submodule name against a plan pattern (``*`` is one name), as `_check_plan`."""
-    import fnmatch
-
-    parts, wanted = name.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(
-        fnmatch.fnmatchcase(a, b) for a, b in zip(parts, wanted, strict=True)
-    )
+    return {pattern: [n for n in names if plan_matches(n, pattern)] for pattern in plan}
 
 
 def tp_memory(query: MemoryQuery) -> MemoryEstimate:
@@ -408,8 +372,8 @@ def tp_memory(query: MemoryQuery) -> MemoryEstimate:
     params = state = 0
     for p in query.params:
         owner, _, leaf = p.name.rpartition(".")
-        style = next((v for pattern, v in plan.items() if _matches(owner, pattern)), None)
-        split = _split(style)
+        style = next((v for pattern, v in plan.items() if plan_matches(owner, pattern)), None)
+        split = plan_split(style)
         dim = None
         if split is not None and p.module == "Embedding" and leaf == "weight":
             dim = 1 if split == "col" else 0

@@ -128,6 +128,47 @@ def frozen_groups(model: torch.nn.Module, lr: float) -> list[dict[str, Any]]:
     ]
 
 
+#: The two training steps users write: ``model(x)`` then `engine.backward` (``"backward"``), or
+#: `engine.forward_backward` (``"forward_backward"``). The kit runs the first unless the
+#: strategy refuses it (``StrategyInfo(refuses=("backward",))``: pp, whose schedule runs both).
+LOOPS = ("backward", "forward_backward")
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def user_step(
+    engine: tp.Engine,
+    model: torch.nn.Module,
+    x: torch.Tensor | tuple[Any, ...],
+    y: torch.Tensor,
+    loop: str = "backward",
+    loss_fn: Any = mse,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """``loss_fn(model(x), y) * scale``, forward and backward as ``loop`` writes them; the
+    loss, detached (``scale``: a micro-batch's share, an injected inf or nan; a tuple ``x``:
+    the model's positional inputs)."""
+    inputs = x if isinstance(x, tuple) else (x,)
+    if loop == "forward_backward":
+        return engine.forward_backward(
+            model, *inputs, target=y, loss_fn=lambda out, target: loss_fn(out, target) * scale
+        )
+    if loop != "backward":
+        raise ValueError(f"loop {loop!r}: expected one of {LOOPS}")
+    loss = loss_fn(model(*inputs), y) * scale
+    engine.backward(loss)
+    return loss.detach()
+
+
+def _injects(engine: tp.Engine, loop: str) -> bool:
+    """Whether this rank's loss takes an injected inf or nan: rank 0's under ``model(x)``;
+    under `engine.forward_backward` the first replica's, wherever its loss is computed (the
+    last pipeline stage)."""
+    return (engine.rank if loop == "backward" else engine.data_parallel_rank) == 0
+
+
 def _batches(world_size: int, global_batch: int = GLOBAL_BATCH) -> DataLoader:
     return DataLoader(make_dataset(MAX_STEPS * global_batch), batch_size=global_batch // world_size)
 
@@ -225,6 +266,7 @@ def train(
     frozen: bool = False,
     checkpoint_dir: str | None = None,
     error_if_nonfinite: bool = False,
+    loop: str = "backward",
 ) -> dict[str, Any]:
     """``steps`` steps on the global batch split over the ranks, as a user writes them.
 
@@ -240,6 +282,7 @@ def train(
     ``first_step``) and ``engine.save_checkpoint`` after the last step.
     ``precision_options`` default (None): fp16 starts at `FP16_SCALE`; ``{}``: the
     precision plugin's own defaults. ``engine_args``: more Engine arguments (``compile``, ...).
+    ``loop``: one of `LOOPS`, the step as the user writes it (`user_step`).
     """
     register(plugins)
     extra: dict[str, Any] = dict(engine_args or {})  # Engine arguments: compile=, ...
@@ -272,19 +315,18 @@ def train(
             assert resumed == (first_step or None), f"resumed at {resumed}, not {first_step}"
         losses, norms, skipped, lrs, synced, scales, checksums = [], [], [], [], [], [], []
         batches = _batches(engine.data_parallel_size, global_batch)
-        for step, (x, y) in enumerate(engine.setup_dataloader(batches)):
-            if step < first_step:
+        for at, (x, y) in enumerate(engine.setup_dataloader(batches)):
+            if at < first_step:
                 continue
-            if step >= first_step + steps:
+            if at >= first_step + steps:
                 break
             micro = list(zip(x.chunk(accumulate), y.chunk(accumulate), strict=True))
             parts = []
             if with_accumulate:
                 for i, (xs, ys) in enumerate(micro):
                     with engine.accumulate(model, steps=len(micro)):
-                        part = torch.nn.functional.mse_loss(model(xs), ys)
-                        engine.backward(part)  # divided by the steps inside accumulate
-                        if probe_sync and i == 0 and step == first_step:
+                        part = user_step(engine, model, xs, ys, loop)  # divided inside accumulate
+                        if probe_sync and i == 0 and at == first_step:
                             synced.append(_grads_agree(engine, model))
                         opt.step()
                         opt.zero_grad()
@@ -295,16 +337,14 @@ def train(
                 continue
             for i, (xs, ys) in enumerate(micro):
                 last = i == len(micro) - 1
+                scale = 1.0 / len(micro)
+                if _injects(engine, loop) and at in (inf_at_step, nan_at_step):
+                    scale *= float("inf") if at == inf_at_step else float("nan")
                 with engine.no_sync(model, enabled=not last):
-                    part = torch.nn.functional.mse_loss(model(xs), ys) / len(micro)
-                    if inf_at_step == step and engine.rank == 0:
-                        part = part * float("inf")
-                    if nan_at_step == step and engine.rank == 0:
-                        part = part * float("nan")
-                    engine.backward(part)
-                if probe_sync and not last and step == first_step:
+                    part = user_step(engine, model, xs, ys, loop, scale=scale)
+                if probe_sync and not last and at == first_step:
                     synced.append(_grads_agree(engine, model))
-                parts.append(part.detach())
+                parts.append(part)
             if clip is not None:
                 norm = engine.clip_grad_norm_(
                     model, clip, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
@@ -347,20 +387,34 @@ def train(
         }
 
 
+class Routed(torch.nn.Module):
+    """`TwoExperts`' experts, called as one layer (where a pipeline cuts the model)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(width, 1) for _ in range(2)])
+
+    def forward(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.experts[expert](h)
+
+
 class TwoExperts(torch.nn.Module):
     """A trunk and two experts; each forward uses one, as a mixture-of-experts block skips the
     experts no local token was routed to (Mixtral and Qwen-MoE in transformers 4.x, many in-house
     MoE layers): ranks then use different parameters in one step."""
 
+    #: Where a pipeline cuts it (the kit's ``split_points`` name the MLP's layers).
+    split_points = ("moe",)
+
     def __init__(self, width: int = 16) -> None:
         super().__init__()
         self.trunk = torch.nn.Linear(FEATURES, width)
-        self.experts = torch.nn.ModuleList([torch.nn.Linear(width, 1) for _ in range(2)])
+        self.moe = Routed(width)
         #: Its own tensor-parallel plan (the kit's MLP plan names other layers).
-        self.tp_plan = {"trunk": "colwise", "experts.*": "rowwise"}
+        self.tp_plan = {"trunk": "colwise", "moe.experts.*": "rowwise"}
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        return self.experts[expert](torch.tanh(self.trunk(x)))
+        return self.moe(torch.tanh(self.trunk(x)), expert)
 
 
 def _expert_share(x: torch.Tensor, y: torch.Tensor, rank: int, ranks: int) -> tuple[Any, ...]:
@@ -400,12 +454,15 @@ def train_experts(
     options: dict[str, Any] | None = None,
     precision: str | None = None,
     steps: int = 6,
+    loop: str = "backward",
 ) -> dict[str, Any]:
     """Data parallel over `TwoExperts` where data-parallel rank r routes its whole share to
     expert r % 2: a parameter one rank used and another did not must still be averaged over
     every rank (as a zero where unused), or the step refused naming them."""
     register(plugins)
     options = {k: v for k, v in (options or {}).items() if k != "tp_plan"}  # the model's own
+    if "split_points" in options:
+        options["split_points"] = list(TwoExperts.split_points)
     with tp.Engine(
         strategy, precision=precision, **kit_scale(strategy, precision), **options
     ) as engine:
@@ -420,11 +477,10 @@ def train_experts(
                 x, y, engine.data_parallel_rank, engine.data_parallel_size
             )
             xs, ys = engine.place_batch((xs, ys))  # the backend's device (and sharding)
-            loss = torch.nn.functional.mse_loss(model(xs, expert), ys)
-            engine.backward(loss)
+            loss = user_step(engine, model, (xs, expert), ys, loop)
             opt.step()
             opt.zero_grad()
-            losses.append(engine.reduce(loss.detach(), "mean").item())
+            losses.append(engine.reduce(loss, "mean").item())
         dp = engine.data_parallel_size
         return {"losses": losses, "data_parallel_size": dp, **full_state(engine, model, opt)}
 
@@ -458,6 +514,7 @@ def train_again(
     options: dict[str, Any] | None = None,
     precision: str | None = None,
     steps: int = 5,
+    loop: str = "backward",
 ) -> dict[str, Any]:
     """`train`'s first ``steps`` steps under one Engine, ``close()``, then the next ``steps``
     under a second Engine given the *same* model and optimizer objects (a notebook, a test
@@ -481,11 +538,10 @@ def train_again(
                     continue
                 if step >= first + steps:
                     break
-                loss = torch.nn.functional.mse_loss(wrapped(x), y)
-                engine.backward(loss)
+                loss = user_step(engine, wrapped, x, y, loop)
                 wrapped_opt.step()
                 wrapped_opt.zero_grad()
-                losses.append(engine.reduce(loss.detach(), "mean").item())
+                losses.append(engine.reduce(loss, "mean").item())
             if first:
                 state = full_state(engine, wrapped, wrapped_opt)
         left.append(sorted(hooks_on(model) - before))
@@ -525,6 +581,7 @@ def hyperparameters_saved(
     plugins: Sequence[str] = (),
     options: dict[str, Any] | None = None,
     precision: str | None = None,
+    loop: str = "backward",
 ) -> dict[str, Any]:
     """Save (``load=False``): two SGD steps under a StepLR scheduler, then the learning rate set
     by hand to `SET_LR`, saved with the scheduler. Load: fresh objects loaded from it.
@@ -540,7 +597,7 @@ def hyperparameters_saved(
             engine.load(path, state)
         else:
             for x, y in list(engine.setup_dataloader(_batches(engine.data_parallel_size)))[:2]:
-                engine.backward(torch.nn.functional.mse_loss(model(x), y))
+                user_step(engine, model, x, y, loop)
                 optimizer.step()
                 optimizer.zero_grad()
                 scheduler.step()
@@ -574,6 +631,7 @@ def held_elements(
     plugins: Sequence[str] = (),
     options: dict[str, Any] | None = None,
     precision: str | None = None,
+    loop: str = "backward",
 ) -> dict[str, int]:
     """Elements of parameters and of optimizer state (AdamW, after one step) this rank holds,
     beside the model's full parameter count: what ``shards_parameters`` / ``shards_optimizer``
@@ -585,7 +643,7 @@ def held_elements(
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer = engine.setup(model, optimizer)
         x, y = next(iter(_batches(engine.data_parallel_size)))
-        engine.backward(torch.nn.functional.mse_loss(model(x), y))
+        user_step(engine, model, x, y, loop)
         optimizer.step()
         optimizer.zero_grad()
         params = sum(_elements(p) for p in model.parameters())

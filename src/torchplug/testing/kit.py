@@ -56,6 +56,16 @@ PROPERTIES = (
     "frozen",
     "rank_dependent",
 )
+#: The bodies that train, each as the user writes a step (``loop``: `Kit.loop`); the first two
+#: and `real_model.train` in the kit's precision.
+STEPPING = (
+    bodies.train,
+    bodies.train_again,
+    real_model.train,
+    bodies.hyperparameters_saved,
+    bodies.held_elements,
+    bodies.train_experts,
+)
 #: Checked only when asked for (``torchplug check NAME --only compile``): compiling takes seconds.
 OPTIONAL_PROPERTIES = ("compile",)
 
@@ -164,18 +174,20 @@ class Kit:
     def run(self, body: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``body`` on every rank of the strategy (or in this process if it runs one)."""
         kwargs.update(plugins=self.plugins, options=self.options)
-        trains = (
-            bodies.train,
-            bodies.train_again,
-            bodies.load,
-            bodies.data_order,
-            real_model.train,
-        )
-        if body in trains:
+        if body in (*STEPPING[:3], bodies.load, bodies.data_order):
             kwargs.setdefault("precision", self.precision)
+        if body in STEPPING:
+            kwargs.setdefault("loop", self.loop)
         if self.nprocs == 1:
             return [body(self.strategy, *args, **kwargs)]
         return self.pool.run(body, self.strategy, *args, **kwargs)
+
+    @property
+    def loop(self) -> str:
+        """The training step the kit's bodies write (`bodies.LOOPS`): ``model(x)`` and
+        ``engine.backward``, or ``engine.forward_backward`` where the strategy refuses the first
+        (``refuses=("backward",)``: a pipeline schedule runs forward and backward together)."""
+        return "forward_backward" if "backward" in self.info.refuses else "backward"
 
     def cached(self, key: str, make: Callable[[], Any]) -> Any:
         if key not in self._cache:
@@ -284,8 +296,16 @@ class Kit:
     # -- properties -------------------------------------------------------------------------------
 
     def parity(self) -> Outcome:
+        """The kit's run equals plain PyTorch; where the kit's step is ``model(x)`` and
+        ``engine.backward``, the same run written with ``engine.forward_backward`` too (the
+        step that runs on every strategy)."""
         results = self.cached("train10", lambda: self.run(bodies.train))
-        return self.compare("parity", results, self.reference(), "AdamW")
+        outcome = self.compare("parity", results, self.reference(), "AdamW")
+        if self.loop == "forward_backward" or not outcome.passed:
+            return outcome
+        other = self.run(bodies.train, loop="forward_backward")
+        written = self.compare("parity", other, self.reference(), "engine.forward_backward")
+        return Outcome("parity", written.passed, f"{outcome.detail}; {written.detail}")
 
     def sgd(self) -> Outcome:
         """SGD is scale-sensitive: summing gradients instead of averaging them shows at once."""
@@ -741,8 +761,15 @@ class Kit:
         )
 
     def single_process(self) -> Outcome:
+        return self.refused("single_process", self._single_process)
+
+    def _single_process(self) -> Outcome:
         result = bodies.train(
-            self.strategy, plugins=self.plugins, options=self.options, precision=self.precision
+            self.strategy,
+            plugins=self.plugins,
+            options=self.options,
+            precision=self.precision,
+            loop=self.loop,
         )
         reference = self.reference()
         if self.tolerance is None:
@@ -833,8 +860,9 @@ class Kit:
 
     def sharding(self) -> Outcome:
         """Each rank's parameter and optimizer-state elements match what the registration
-        declares: ``shards_parameters`` / ``shards_optimizer`` hold at most 3/4 of the whole on
-        a rank (2 ranks hold about half), the others the whole."""
+        declares: under ``shards_parameters`` / ``shards_optimizer`` no rank holds the whole and
+        the ranks together hold at most 3/4 of a copy each (2 FSDP ranks hold about half each;
+        2 pipeline stages split it unevenly), the others the whole on every rank."""
         if self.nprocs == 1:
             return Outcome("sharding", False, "one process: nothing to shard", skipped=True)
         held = self.run(bodies.held_elements)
@@ -845,10 +873,11 @@ class Kit:
                 ("optimizer state", "optimizer", "shards_optimizer", 2 * h["full"]),
             ):
                 mine, declared = h[key], getattr(self.info, flag)
-                if declared and mine > 0.75 * whole:
+                together = sum(other[key] for other in held)
+                if declared and (mine >= whole or together > 0.75 * whole * len(held)):
                     problems.append(
-                        f"rank {rank} holds {mine} of {whole} {what} elements, but the strategy "
-                        f"declares {flag}"
+                        f"rank {rank} holds {mine} of {whole} {what} elements ({together} on "
+                        f"{len(held)} ranks together), but the strategy declares {flag}"
                     )
                 if not declared and mine < whole:
                     problems.append(
@@ -932,9 +961,14 @@ class Kit:
                         f"rank {rank}: parameters differ from plain PyTorch by {worst:.2e}, losses "
                         f"by {worst_loss:.2e} (tolerance {tolerance:.0e})"
                     )
+        if not any(result["stats"] for result in results):
+            problems.append("no rank holds the BatchNorm statistics after training")
         for rank, result in enumerate(results):
             dp = result["dp_rank"]
             mine = result["stats"]
+            if not mine:  # a pipeline rank whose stages hold no BatchNorm layer
+                rules.append("none held")
+                continue
             fits = [
                 rule
                 for rule in ("own", "ddp")

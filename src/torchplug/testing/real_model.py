@@ -171,6 +171,7 @@ def train(
     options: dict[str, Any] | None = None,
     precision: str | None = None,
     save_to: str | None = None,
+    loop: str = "backward",
 ) -> dict[str, Any]:
     """`reference`'s run as a user writes it, every rank building the model from its own
     seed: this rank's losses, its full state after training (parameters and rank 0's
@@ -187,11 +188,10 @@ def train(
         )
         losses = []
         for x, y in loader:
-            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-            engine.backward(loss)
+            loss = bodies.user_step(engine, model, x, y, loop, loss_fn=_cross_entropy)
             opt.step()
             opt.zero_grad()
-            losses.append(engine.reduce(loss.detach(), "mean").item())
+            losses.append(engine.reduce(loss, "mean").item())
         own = {n: b.detach().cpu().clone() for n, b in _named_stats(model)}
         if save_to is not None:
             engine.save(save_to, {"model": model, "optimizer": opt})
@@ -204,12 +204,21 @@ def train(
         }
 
 
+def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output.float(), target)
+
+
 def _named_stats(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """This rank's own BatchNorm buffers by their name in `KitNet` (wrapper prefixes
-    such as DDP's ``module.`` left out)."""
+    such as DDP's ``module.`` left out; none where this rank's pipeline stages hold no
+    BatchNorm, whose buffers are then empty placeholders)."""
     from torchplug.checkpoint.io import unwrapped
 
-    return [(unwrapped(n), b) for n, b in model.named_buffers() if n.split(".")[-2] == "norm"]
+    return [
+        (unwrapped(n), b)
+        for n, b in model.named_buffers()
+        if n.split(".")[-2] == "norm" and b.numel() > 0
+    ]
 
 
 def load(path: str) -> dict[str, torch.Tensor]:

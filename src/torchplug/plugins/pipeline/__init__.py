@@ -231,7 +231,15 @@ class PipelineStrategy(DistributedStrategy):
             chosen = stages[0] if self.per_rank == 1 else stages
             # the loss divided here, not the gradients afterwards (scale_grads): torch would divide
             # gradients accumulated over earlier steps too (engine.accumulate, no_sync)
-            self.schedules[key] = (cls(chosen, n, loss_fn=fn, scale_grads=False), stages)
+            try:
+                schedule = cls(chosen, n, loss_fn=fn, scale_grads=False)
+            except ValueError as exc:  # torch's own limits: micro-batches per stage count
+                raise ConfigurationError(
+                    f"pp's schedule {self.schedule_name!r} refuses n_microbatches={n} with "
+                    f"{self.pp * self.per_rank} stages: {exc} Set n_microbatches to a multiple "
+                    f"of the stage count, or schedule='gpipe', which takes any number."
+                ) from exc
+            self.schedules[key] = (schedule, stages)
         return self.schedules[key]
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -449,7 +457,15 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             ),
             precisions=("32", "bf16"),
             precision_check=gpu_check,
-            refuses=("reuse",),
+            # a schedule runs the step: model(x) + engine.backward is refused (forward_backward);
+            # a pipeline needs 2 ranks at least; a model is cut into stages once
+            refuses=("backward", "single_process", "reuse"),
+            deviations={
+                "real_model": "BatchNorm normalises each micro-batch apart and updates its "
+                "running statistics once per micro-batch (n_microbatches=1 matches exactly)",
+            },
+            shards_parameters=True,
+            shards_optimizer=True,
             memory=pipeline_memory,
         )
     )

@@ -18,17 +18,14 @@ tensors, which is what the schedule sends to the next stage.
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 import torch
 
-from torchplug.plugin import ConfigurationError
+from torchplug.plugin import ConfigurationError, plan_matches, plan_split
 
-#: Plan values read as "split the weight by output features" / "by input features" (torch's
-#: names and Hugging Face's); "replicate" and "sequence" leave a layer whole.
-COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise")
-ROWWISE = ("rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise")
+#: Plan values that leave a layer whole (the others split its weight, `plan_split`).
+WHOLE = ("replicate", "sequence", "sequence_parallel")
 
 
 class StageModule(torch.nn.Module):
@@ -69,6 +66,8 @@ class StageModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.func import functional_call
 
+        # read at every call, not kept: FSDP2 registers the gathered parameters before each
+        # forward and the shards after it
         tensors = {
             **dict(self.named_parameters(remove_duplicate=False)),
             **dict(self.named_buffers(remove_duplicate=False)),
@@ -101,26 +100,14 @@ def plan_styles(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, str]:
     modules = dict(model.named_modules())
     styles: dict[str, str] = {}
     for pattern, value in plan.items():
-        if value in COLWISE:
-            split = "col"
-        elif value in ROWWISE:
-            split = "row"
-        elif value in ("replicate", "sequence", "sequence_parallel"):
-            split = ""
-        else:
+        split = plan_split(value) if isinstance(value, str) else None
+        if split is None and value not in WHOLE:
             raise ConfigurationError(
                 f"pp's tp_plan[{pattern!r}] is {value!r}; under pp a plan entry is 'colwise' or "
                 f"'rowwise' (Hugging Face's colwise_*/rowwise_* too) or 'replicate'. Use those "
                 f"strings (layouts between layers follow from the split weights)."
             )
-        wanted = pattern.split(".")
-        hits = [
-            name
-            for name in modules
-            if name
-            and len(name.split(".")) == len(wanted)
-            and all(fnmatch.fnmatchcase(a, b) for a, b in zip(name.split("."), wanted, strict=True))
-        ]
+        hits = [name for name in modules if name and plan_matches(name, pattern)]
         if not hits:
             raise ConfigurationError(
                 f"pp's tp_plan entry {pattern!r} matches no submodule of "

@@ -89,6 +89,30 @@ def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     return None
 
 
+def keep_traced_dtypes(stage: Any) -> None:
+    """Send each of ``stage``'s outputs in the dtype the trace recorded. The trace runs outside
+    autocast, the steps under it: a stage ending in a Linear would otherwise send bf16 into the
+    next stage's fp32 receive buffer, which gloo fills with half the bytes it expects (garbage,
+    then inf). The cast is part of the graph, so gradients come back in the traced dtype too."""
+    run = stage.forward_maybe_with_nosync
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        output = run(*args, **kwargs)
+        metas = None if stage.is_last else stage._stage_meta.outputs  # noqa: SLF001
+        if not metas:
+            return output
+        outputs = output if isinstance(output, tuple) else (output,)
+        cast = tuple(
+            out.to(meta.dtype)
+            if isinstance(out, torch.Tensor) and meta is not None and out.dtype != meta.dtype
+            else out
+            for out, meta in zip(outputs, metas, strict=False)
+        )
+        return cast if isinstance(output, tuple) else cast[0]
+
+    stage.forward_maybe_with_nosync = forward
+
+
 def allow_skips(stage: Any) -> None:
     """Let ``stage`` hand values to stages further on than the next, or take them from stages
     further back, when those values need no gradient (a rotary table, a mask: what the code
@@ -201,6 +225,7 @@ class Stages:
         self.group, self.device = group, device
         self.parallel, self.tp_mesh = parallel, tp_mesh
         self.modules: dict[int, StageModule] = {}  # stage index -> its parameters' holder
+        self.module_ids: dict[int, set[int]] = {}  # stage index -> ids of the trace's tensors
         self.replaced: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}  # id -> old, new
         self.layout = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
         # every tensor's, non-persistent buffers too (a rotary table): what a trace rebuilds
@@ -266,6 +291,7 @@ class Stages:
         for stage in stages:
             self._adopt(stage.submod)
             allow_skips(stage)
+            keep_traced_dtypes(stage)
             take_own_inputs(stage)
         if first:
             self._own(stages)
@@ -305,7 +331,7 @@ class Stages:
         ids = {id(t) for _, t in named}
         names = {n for n, _ in named}
         mine = [(n, t) for n, t in self.tensors() if n in names and id(t) in ids]
-        twice = [n for n, t in mine if any(id(t) in m.ids for m in self.modules.values())]
+        twice = [n for n, t in mine if any(id(t) in m for m in self.module_ids.values())]
         if twice:
             raise ConfigurationError(
                 f"pp: {twice[0]} is used by two stages this rank runs, and sharding a stage "
@@ -314,7 +340,7 @@ class Stages:
                 f"stages_per_rank=1."
             )
         module = StageModule(mine, self.tp_mesh)
-        module.ids = ids  # type: ignore[assignment]
+        self.module_ids[index] = ids
         olds = {n: t for n, t in mine if isinstance(t, torch.nn.Parameter)}
         assert self.parallel is not None
         self.parallel(module)
@@ -373,7 +399,9 @@ class Stages:
 
     def _own(self, stages: list[Any]) -> None:
         """After the first trace: what this rank keeps and who holds each name; every other
-        tensor of the user's model freed (emptied in place, so its slot stays)."""
+        tensor of the user's model freed (emptied in place, so its slot stays). A tensor the
+        trace did not use (an expert no input was routed to) is in no stage: the first
+        pipeline rank keeps it, so that checkpoints still hold it."""
         ids = {id(t) for _, t in self.tensors()}
         for stage in stages:
             for tensor in (*stage.submod.parameters(), *stage.submod.buffers()):
@@ -385,6 +413,11 @@ class Stages:
         for pp_rank, held in enumerate(everyone):
             for name in held:
                 self.holders.setdefault(name, []).append(pp_rank)
+        for name, tensor in self.tensors():
+            if name not in self.holders:
+                self.holders[name] = [0]
+                if self.pp_rank == 0:
+                    self.owned[id(tensor)] = tensor
         for _, tensor in self.tensors():
             if id(tensor) not in self.owned:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
