@@ -103,6 +103,7 @@ _EXPORTS = {
     "replicated": "torchplug.features.memory",
     "even_sharding": "torchplug.features.memory",
     "ceil_div": "torchplug.features.memory",
+    "model_tp_plan": "torchplug.features.memory",
     "state_bytes": "torchplug.features.memory",
     # a backend's own checkpoint files inside the portable checkpoint (DeepSpeed's)
     "portable_save": "torchplug.checkpoint.native",
@@ -149,6 +150,7 @@ if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they impor
         ParamSpec,
         ceil_div,
         even_sharding,
+        model_tp_plan,
         not_estimable,
         replicated,
         state_bytes,

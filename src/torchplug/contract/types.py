@@ -430,7 +430,7 @@ class Runtime:
             ``None``: ``rank``.
         data_parallel_size: The number of data-parallel replicas; ``None``: ``world_size``.
         mesh: The job's ``DeviceMesh`` (``fsdp``: dim ``"dp"``; ``fsdp-tp``: ``("dp", "tp")``;
-            ``pp``: ``("pp", "dp")``), built once here so every ``engine.setup`` uses it.
+            ``pp``: ``("pp", "dp_replicate", "dp_shard", "tp")``), built once for every setup.
     """
 
     rank: int

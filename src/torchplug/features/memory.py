@@ -141,9 +141,27 @@ def param_specs(module: Any) -> tuple[ParamSpec, ...]:
 
 
 def model_tp_plan(module: Any) -> Mapping[str, Any] | None:
-    """The tensor-parallel plan a model carries (``tp_plan``, Hugging Face's ``_tp_plan``)."""
-    plan = getattr(module, "tp_plan", None) or getattr(module, "_tp_plan", None)
-    return plan if isinstance(plan, Mapping) else None
+    """The tensor-parallel plan a model carries: its own ``tp_plan`` (or Hugging Face's
+    ``_tp_plan``), else those of its outermost submodules that carry one, each entry prefixed
+    with the submodule's name (a Hugging Face model inside the user's wrapper keeps its plan);
+    ``None`` when nothing carries one.
+
+    Args:
+        module: The model as the user gives it to ``engine.setup``.
+    """
+    own = getattr(module, "tp_plan", None) or getattr(module, "_tp_plan", None)
+    if own is not None or not hasattr(module, "named_modules"):
+        return own if isinstance(own, Mapping) else None
+    plan: dict[str, Any] = {}
+    taken: list[str] = []
+    for name, child in module.named_modules():
+        if not name or any(name.startswith(f"{t}.") for t in taken):
+            continue
+        found = getattr(child, "tp_plan", None) or getattr(child, "_tp_plan", None)
+        if isinstance(found, Mapping) and found:
+            taken.append(name)
+            plan.update({f"{name}.{pattern}": style for pattern, style in found.items()})
+    return plan or None
 
 
 def ceil_div(a: int, b: int) -> int:

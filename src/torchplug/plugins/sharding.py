@@ -449,7 +449,12 @@ def clip_largest(
 
 def plan_matches(name: str, pattern: str) -> bool:
     """Whether submodule ``name`` matches a tensor-parallel plan's ``pattern``: ``*`` stands
-    for one name, as torch's ``parallelize_module`` and Hugging Face's plans read it."""
+    for one name, as torch's ``parallelize_module`` and Hugging Face's plans read it.
+
+    Args:
+        name: A submodule's name, as ``model.named_modules()`` gives it (``layers.0.fc``).
+        pattern: A plan's key (``layers.*.fc``).
+    """
     import fnmatch
 
     parts, wanted = name.split("."), pattern.split(".")
@@ -461,7 +466,11 @@ def plan_matches(name: str, pattern: str) -> bool:
 def plan_split(style: Any) -> str | None:
     """How a plan entry splits a layer's weight: ``"col"`` (by output features), ``"row"`` (by
     input features) or ``None`` (left whole: replicate, sequence, or a string it does not know),
-    for torch's and Hugging Face's strings and torch's Colwise/RowwiseParallel styles."""
+    for torch's and Hugging Face's strings and torch's Colwise/RowwiseParallel styles.
+
+    Args:
+        style: A plan's value (``"colwise"``, ``"embedding_rowwise"``, a ``ParallelStyle``).
+    """
     if isinstance(style, str):
         if style in ("colwise", "colwise_gather_output", "colwise_rep", "embedding_colwise"):
             return "col"

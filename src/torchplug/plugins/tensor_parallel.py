@@ -49,6 +49,7 @@ from torchplug.plugin import (
     gpu_check,
     hookimpl,
     job_mesh,
+    model_tp_plan,
     not_estimable,
     plan_matches,
     plan_split,
@@ -152,8 +153,10 @@ class TensorParallelStrategy(DistributedStrategy):
         reshard_after_forward: bool = True,
         fsdp: bool = True,
         reduce_scatter_unused_params: bool = False,
+        dp_replicate: int = 1,
     ) -> None:
         super().__init__(process_group_backend, timeout)
+        self.dp_replicate = dp_replicate
         self.unused = UnusedParameters(reduce_scatter_unused_params)
         self.shard_classes = tuple(shard_classes)
         self.reshard_after_forward = reshard_after_forward
@@ -201,16 +204,27 @@ class TensorParallelStrategy(DistributedStrategy):
 
     @hookimpl
     def torchplug_setup(self, engine: HookContext, cluster: ClusterInfo) -> Runtime:
-        """The process group, then the job's 2-D mesh ``("dp", "tp")`` (1 × 1 in one process);
-        loaders shard over ``dp`` only."""
+        """The process group, then the job's 2-D mesh ``("dp", "tp")`` (1 × 1 in one process),
+        or with ``dp_replicate=R`` (HSDP × tp) the 3-D ``("dp_replicate", "dp_shard", "tp")``;
+        loaders shard over the data-parallel dims only."""
         if self.tp_plan is not None:
             _check_plan_type(self.tp_plan)
         self.dp, self.tp = self._sizes(cluster.world_size, cluster.local_world_size)
+        r = self.dp_replicate if self.dp > 1 else 1
+        if r < 1 or self.dp % r:
+            raise ConfigurationError(
+                f"fsdp-tp's dp_replicate={self.dp_replicate} does not divide the {self.dp} "
+                f"data-parallel ranks (dp_size) into equal shard groups. Give a divisor of "
+                f"dp_size (e.g. dp_replicate=2 with dp_size=4: 2 replicas of 2 shards)."
+            )
         runtime = super().torchplug_setup(engine, cluster)
+        shape, names = ((self.dp, self.tp), ("dp", "tp"))
+        if r > 1:
+            shape, names = (r, self.dp // r, self.tp), ("dp_replicate", "dp_shard", "tp")
         return with_mesh(
             runtime,
-            (self.dp, self.tp),
-            ("dp", "tp"),
+            shape,
+            names,
             data_parallel_rank=runtime.rank // self.tp,
             data_parallel_size=self.dp,
         )
@@ -228,7 +242,7 @@ class TensorParallelStrategy(DistributedStrategy):
         mesh = job_mesh(engine)
         given = self.tp_plan
         if given is None:  # the model's own plan, as Hugging Face models carry one
-            given = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+            given = model_tp_plan(model)
         if given is None:
             raise ConfigurationError(
                 f"'{self.name}' needs a tensor-parallel plan: which submodules to split. Pass "
@@ -271,7 +285,10 @@ class TensorParallelStrategy(DistributedStrategy):
                 )
             parallelize_module(model, mesh["tp"], plan)
         if self.fsdp:
-            kwargs = fully_shard_kwargs(engine, mesh["dp"], self.reshard_after_forward)
+            dp_mesh = (
+                mesh["dp"] if "dp" in mesh.mesh_dim_names else mesh["dp_replicate", "dp_shard"]
+            )
+            kwargs = fully_shard_kwargs(engine, dp_mesh, self.reshard_after_forward)
             self.units = shard(model, kwargs, self.shard_classes, 0)
             self.unused.watch(model)
         return finish_wrap(engine, model, optimizers, names, self.name)
@@ -434,6 +451,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 plan,
                 Option("tp_size", (int, type(None)), None, "ranks per tensor-parallel group"),
                 Option("dp_size", (int, type(None)), None, "data-parallel (FSDP) replicas"),
+                Option("dp_replicate", int, 1, "HSDP: replicas of the sharded model (1: none)"),
                 Option(
                     "shard_classes",
                     (list, tuple),

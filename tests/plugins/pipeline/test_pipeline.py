@@ -68,6 +68,14 @@ def test_hugging_face_llama_in_two_and_four_stages(ranks, four):
     _matches(four.run(body.train, "pp", fsdp, kind="llama", timeout=300), expected)
 
 
+def test_hugging_face_llama_split_by_its_own_tp_plan_in_two_stages(four):
+    """pp x tp on the HF model's own plan (``_tp_plan``, found on the wrapped
+    LlamaForCausalLM and prefixed): attention heads and MLPs split, the embedding by its
+    features, sdpa in math ops on the CPU, export's metadata asserts dropped."""
+    tp = {"pp_size": 2, "tp_size": 2, "schedule": "1f1b", "n_microbatches": 2}
+    _matches(four.run(body.train, "pp", tp, kind="llama", timeout=300), body.reference("llama"))
+
+
 FSDP = {"pp_size": 2, "dp_shard": 2, "n_microbatches": 2}
 TP = {"pp_size": 2, "tp_size": 2, "n_microbatches": 2}
 
@@ -111,8 +119,9 @@ def test_checkpoints_move_out_of_and_into_sharded_stages_bit_exact(four, tmp_pat
 
 @pytest.mark.slow
 def test_three_d_and_hsdp_on_eight_ranks_equal_plain_pytorch(tmp_path):
-    """pp x fsdp x tp (2 x 2 x 2) and pp x HSDP (2 stages, 2 replicas x 2 shards, interleaved),
-    against plain PyTorch; the 3-D run's checkpoint loads into single bit-exact."""
+    """pp x fsdp x tp (2 x 2 x 2; the GPT and the HF Llama) and pp x HSDP (2 stages, 2
+    replicas x 2 shards, interleaved), against plain PyTorch; the 3-D run's checkpoint loads
+    into single bit-exact."""
     pool = RankPool(8, sys_path=default_sys_path())
     try:
         expected = body.reference()
@@ -125,6 +134,8 @@ def test_three_d_and_hsdp_on_eight_ranks_equal_plain_pytorch(tmp_path):
             assert torch.equal(loaded["params"][name], value), name
         hsdp = {**FSDP, "schedule": "interleaved-1f1b"}
         _matches(pool.run(body.train, "pp", hsdp, timeout=600), expected)
+        llama = pool.run(body.train, "pp", three_d, kind="llama", timeout=600)
+        _matches(llama, body.reference("llama"))
     finally:
         pool.stop()
 

@@ -1,10 +1,10 @@
 """``pp``: pipeline parallelism (``torch.distributed.pipelining``), alone or times data
 parallel over the pipelines, on one job mesh.
 
-The mesh has dims ``("pp", "dp")`` (torchtitan's order, pp outermost): rank ``r`` is pipeline
-rank ``r // dp`` of data-parallel replica ``r % dp``; a pipeline's ranks see the same batches
-(``engine.setup_dataloader`` shards over ``dp`` only), and each pipeline's gradients are
-averaged over the replicas at the optimizer step.
+The mesh has dims ``("pp", "dp_replicate", "dp_shard", "tp")`` (torchtitan's order, pp
+outermost, a tensor-parallel group's ranks consecutive); a pipeline's ranks see the same
+batches (``engine.setup_dataloader`` shards over the data-parallel dims only), and each stage's
+gradients are averaged over its replicas at the optimizer step (FSDP2's own, with ``dp_shard``).
 
 The model becomes stages at its first step (`torchplug.plugins.pipeline.stages`: traced, cut
 before each split point, each stage keeping the model's own parameters and names). The step is
@@ -36,6 +36,7 @@ from torchplug.plugin import (
     clip_largest,
     gpu_check,
     hookimpl,
+    model_tp_plan,
     with_mesh,
 )
 from torchplug.plugins.pipeline import state as states
@@ -87,7 +88,7 @@ class PipelineStrategy(DistributedStrategy):
         process_group_backend: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         pp_size: int = 0,
-        split_points: list[str] | tuple[str, ...] | str = (),
+        split_points: list[str] | tuple[str, ...] | str | int = (),
         schedule: str = "1f1b",
         n_microbatches: int = 0,
         stages_per_rank: int = 0,
@@ -101,9 +102,9 @@ class PipelineStrategy(DistributedStrategy):
                 f"pp's schedule {schedule!r} is not one of {', '.join(SCHEDULES)}. Pick one, "
                 f"e.g. Engine('pp', schedule='1f1b')."
             )
-        if isinstance(split_points, str):
-            split_points = [p.strip() for p in split_points.split(",") if p.strip()]
-        self.pp_size, self.split_points = pp_size, list(split_points)
+        if isinstance(split_points, (str, int)):  # the command line's "layers.4,layers.8", 2
+            split_points = [p.strip() for p in str(split_points).split(",") if p.strip()]
+        self.pp_size, self.split_points = pp_size, [str(p) for p in split_points]
         self.schedule_name, self.n_microbatches = schedule, n_microbatches
         self.per_rank = stages_per_rank or SCHEDULES[schedule][1]
         if self.per_rank > 1 and schedule in ("gpipe", "1f1b"):
@@ -171,8 +172,7 @@ class PipelineStrategy(DistributedStrategy):
         annotate_split_points(model, {name: SplitPoint.BEGINNING for name in points})
         split = self.tp > 1 or self.dp_shard > 1
         if self.tp > 1:
-            plan = self.tp_plan or getattr(model, "tp_plan", None)
-            plan = plan or getattr(model, "_tp_plan", None)
+            plan = self.tp_plan or model_tp_plan(model)
             if not isinstance(plan, dict):
                 raise ConfigurationError(
                     f"pp with tp_size={self.tp} needs a tensor-parallel plan: which layers to "
@@ -439,7 +439,7 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
                 Option("pp_size", int, 0, "ranks per pipeline (0: every rank)"),
                 Option(
                     "split_points",
-                    (list, tuple, str),
+                    (list, tuple, str, int),
                     (),
                     "module names the stages after the first begin at, e.g. 'layers.4'",
                 ),

@@ -18,6 +18,7 @@ tensors, which is what the schedule sends to the next stage.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -89,8 +90,20 @@ class StageModule(torch.nn.Module):
         # under the caller's implicit_replication (a constant the graph makes, an index), which
         # must cover the backward too: the strategy enters it around the whole schedule
         args, kwargs = tree_map(enter, args), tree_map(enter, kwargs)
-        output = functional_call(self._trace[0], tensors, args, kwargs, tie_weights=False)
+        with _attention_for(mesh):
+            output = functional_call(self._trace[0], tensors, args, kwargs, tie_weights=False)
         return tree_map(leave, output)
+
+
+def _attention_for(mesh: Any) -> Any:
+    """On CPU, attention in math ops: DTensor has no sharding rule for the CPU flash kernel
+    (``_scaled_dot_product_flash_attention_for_cpu``), and the math backend's ops all have one.
+    On GPUs the fused kernels' rules exist: nothing changes."""
+    if mesh.device_type != "cpu":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def plan_styles(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, str]:
@@ -136,8 +149,9 @@ def plan_styles(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, str]:
 def place(stage: StageModule, mesh: Any, styles: dict[str, str]) -> None:
     """The stage's parameters as DTensors over the tensor-parallel ``mesh``: planned weights
     split (a Linear's colwise weight and bias by output features, its rowwise weight by input
-    features; an Embedding's colwise weight by embedding features, rowwise by rows), everything
-    else replicated."""
+    features; an Embedding's weight by embedding features, colwise or rowwise: split by rows,
+    its lookup gives a masked partial sum the next op cannot reduce), everything else
+    replicated."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     done: dict[int, torch.nn.Parameter] = {}
@@ -145,7 +159,7 @@ def place(stage: StageModule, mesh: Any, styles: dict[str, str]) -> None:
         style = styles.get(module_name, "")
         for leaf, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if id(param) not in done:
-                dim = {"col-lin": 0, "row-lin": 1, "col-emb": 1, "row-emb": 0}.get(style)
+                dim = {"col-lin": 0, "row-lin": 1, "col-emb": 1, "row-emb": 1}.get(style)
                 if dim is not None and param.dim() < 2:  # a bias
                     dim = 0 if style == "col-lin" else None
                 placement = Shard(dim) if dim is not None else Replicate()

@@ -89,6 +89,23 @@ def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     return None
 
 
+def without_metadata_asserts(graph: torch.nn.Module) -> None:
+    """Drop the dtype/shape checks torch.export puts after ``.to()`` calls
+    (``aten._assert_tensor_metadata``) from a traced stage: they check the trace's own
+    metadata, and DTensor has no sharding rule for them, so a tensor-parallel stage would
+    fail on the first one (an RMSNorm's ``.to(float32)``)."""
+    target = torch.ops.aten._assert_tensor_metadata.default  # noqa: SLF001
+    for module in graph.modules():  # GraphModules, and export's InterpreterModules
+        fx_graph = getattr(module, "graph", None)
+        if not isinstance(fx_graph, torch.fx.Graph):
+            continue
+        asserts = [node for node in fx_graph.nodes if node.target is target]
+        for node in asserts:
+            fx_graph.erase_node(node)
+        if asserts and isinstance(module, torch.fx.GraphModule):
+            module.recompile()
+
+
 def keep_traced_dtypes(stage: Any) -> None:
     """Send each of ``stage``'s outputs in the dtype the trace recorded. The trace runs outside
     autocast, the steps under it: a stage ending in a Linear would otherwise send bf16 into the
@@ -320,6 +337,8 @@ class Stages:
                 owner = graph.get_submodule(prefix) if prefix else graph
                 if leaf in dict(owner.named_parameters(recurse=False, remove_duplicate=False)):
                     owner.register_parameter(leaf, torch.nn.Parameter(torch.empty(0), False))
+            if self.tp_mesh is not None:
+                without_metadata_asserts(graph)
             stage.torchplug_trace, stage.submod = graph, module
             module.use(graph)
 
