@@ -592,13 +592,20 @@ def _compare(
     only_saved = sorted(n[strip:] for n in saved - live)
     only_live = sorted(n[strip:] for n in live - saved)
     if strict or kind != "module":
+        fix = (
+            "Load into the same architecture that was saved, or pass strict=False to load the "
+            "common part."
+            if kind == "module"
+            else "An optimizer's state loads only into the optimizer class that saved it, over "
+            "the same parameters and groups (SGD's momentum_buffer is not AdamW's exp_avg): "
+            "create that optimizer, or leave this entry out of the state you load so the "
+            "optimizer starts fresh (strict=False does not mix optimizer states)."
+        )
         raise CheckpointError(
             f"Checkpoint {root} entry '{key}' does not match the object you load it into: "
             f"unexpected (in the checkpoint only): {only_saved[:10] or 'none'}"
             f"{' ...' if len(only_saved) > 10 else ''}; missing (in your object only): "
-            f"{only_live[:10] or 'none'}{' ...' if len(only_live) > 10 else ''}. Load into the "
-            f"same architecture that was saved"
-            + (", or pass strict=False to load the common part." if kind == "module" else ".")
+            f"{only_live[:10] or 'none'}{' ...' if len(only_live) > 10 else ''}. {fix}"
         )
     return sorted(saved & live)
 

@@ -20,6 +20,7 @@ import torch
 from torchplug.contract.errors import CheckpointError, ConfigurationError
 from torchplug.engine import wrappers
 from torchplug.features import faults
+from torchplug.util import torchprivate
 from torchplug.util.nested import map_tensors
 
 if TYPE_CHECKING:
@@ -61,8 +62,9 @@ class BackendState:
         self._blocks: dict[int, list[int]] = {}
         #: Set when the Engine is left by an exception (teardown then skips its barrier).
         self.left_by_error = False
-        #: What ``close()`` undoes, newest last: patches on user objects, SyncBatchNorm, ...
-        self.undo: list[Callable[[], None]] = []
+        #: What ``close()`` undoes, newest last: patches on user objects, SyncBatchNorm, ...;
+        #: last of all DTensor's caches, which hold this job's meshes (`forget_device_meshes`).
+        self.undo: list[Callable[[], None]] = [torchprivate.forget_device_meshes]
         #: The optimizers set up so far, in order, and the (wrapped) model of each.
         self.optimizers: list[torch.optim.Optimizer] = []
         self.optimizer_models: dict[int, weakref.ref[torch.nn.Module]] = {}

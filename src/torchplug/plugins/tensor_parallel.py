@@ -166,6 +166,7 @@ class TensorParallelStrategy(DistributedStrategy):
         self.fsdp = fsdp
         self.name = "fsdp-tp" if fsdp else "tp"
         self.units: list[torch.nn.Module] | None = None
+        self.dp_dims: tuple[str, ...] = ("dp",)
 
     def _sizes(self, world: int, local_world: int) -> tuple[int, int]:
         tp, dp = self.tp_size, self.dp_size
@@ -221,6 +222,7 @@ class TensorParallelStrategy(DistributedStrategy):
         shape, names = ((self.dp, self.tp), ("dp", "tp"))
         if r > 1:
             shape, names = (r, self.dp // r, self.tp), ("dp_replicate", "dp_shard", "tp")
+        self.dp_dims = names[:-1]  # fully_shard's mesh: 1-D (FSDP) or 2-D (HSDP)
         return with_mesh(
             runtime,
             shape,
@@ -285,10 +287,7 @@ class TensorParallelStrategy(DistributedStrategy):
                 )
             parallelize_module(model, mesh["tp"], plan)
         if self.fsdp:
-            dp_mesh = (
-                mesh["dp"] if "dp" in mesh.mesh_dim_names else mesh["dp_replicate", "dp_shard"]
-            )
-            kwargs = fully_shard_kwargs(engine, dp_mesh, self.reshard_after_forward)
+            kwargs = fully_shard_kwargs(engine, mesh[self.dp_dims], self.reshard_after_forward)
             self.units = shard(model, kwargs, self.shard_classes, 0)
             self.unused.watch(model)
         return finish_wrap(engine, model, optimizers, names, self.name)

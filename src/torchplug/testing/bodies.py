@@ -162,11 +162,10 @@ def user_step(
     return loss.detach()
 
 
-def _injects(engine: tp.Engine, loop: str) -> bool:
-    """Whether this rank's loss takes an injected inf or nan: rank 0's under ``model(x)``;
-    under `engine.forward_backward` the first replica's, wherever its loss is computed (the
-    last pipeline stage)."""
-    return (engine.rank if loop == "backward" else engine.data_parallel_rank) == 0
+def _injects(engine: tp.Engine) -> bool:
+    """Whether this rank's loss takes an injected inf or nan: the first data-parallel replica's,
+    on every rank that computes it (tensor-parallel peers alike, the last pipeline stage)."""
+    return engine.data_parallel_rank == 0
 
 
 def _batches(world_size: int, global_batch: int = GLOBAL_BATCH) -> DataLoader:
@@ -338,7 +337,7 @@ def train(
             for i, (xs, ys) in enumerate(micro):
                 last = i == len(micro) - 1
                 scale = 1.0 / len(micro)
-                if _injects(engine, loop) and at in (inf_at_step, nan_at_step):
+                if _injects(engine) and at in (inf_at_step, nan_at_step):
                     scale *= float("inf") if at == inf_at_step else float("nan")
                 with engine.no_sync(model, enabled=not last):
                     part = user_step(engine, model, xs, ys, loop, scale=scale)
@@ -424,13 +423,18 @@ def _expert_share(x: torch.Tensor, y: torch.Tensor, rank: int, ranks: int) -> tu
     return x[rows], y[rows], rank % 2
 
 
-def experts_reference(steps: int = 6, ranks: int = 2, lr: float = 3e-2) -> dict[str, Any]:
+def experts_reference(
+    steps: int = 6, ranks: int = 2, lr: float = 3e-2, precision: str = "32"
+) -> dict[str, Any]:
     """`train_experts` in plain PyTorch on one process: each share of the global batch through
     its rank's expert, the loss the mean of the shares' means (what averaging gradients over the
-    ranks computes, an expert a rank did not use counting as a zero gradient there)."""
+    ranks computes, an expert a rank did not use counting as a zero gradient there), in
+    ``precision`` as `reference` runs it."""
     torch.manual_seed(0)
     model = TwoExperts()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE) if precision == "fp16" else None
     losses = []
     for step, (x, y) in enumerate(_batches(1)):
         if step >= steps:
@@ -438,10 +442,16 @@ def experts_reference(steps: int = 6, ranks: int = 2, lr: float = 3e-2) -> dict[
         parts = []
         for rank in range(ranks):
             xs, ys, expert = _expert_share(x, y, rank, ranks)
-            parts.append(torch.nn.functional.mse_loss(model(xs, expert), ys))
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                out = model(xs, expert)
+            parts.append(torch.nn.functional.mse_loss(out.float(), ys))
         loss = torch.stack(parts).mean()
-        loss.backward()
-        opt.step()
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -56,8 +56,9 @@ PROPERTIES = (
     "frozen",
     "rank_dependent",
 )
-#: The bodies that train, each as the user writes a step (``loop``: `Kit.loop`); the first two
-#: and `real_model.train` in the kit's precision.
+#: The bodies that train in the kit's precision (the others train in fp32 whatever it is).
+IN_PRECISION = (bodies.train, bodies.train_again, real_model.train, bodies.train_experts)
+#: The bodies that train, each as the user writes a step (``loop``: `Kit.loop`).
 STEPPING = (
     bodies.train,
     bodies.train_again,
@@ -174,7 +175,7 @@ class Kit:
     def run(self, body: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``body`` on every rank of the strategy (or in this process if it runs one)."""
         kwargs.update(plugins=self.plugins, options=self.options)
-        if body in (*STEPPING[:3], bodies.load, bodies.data_order):
+        if body in (*IN_PRECISION, bodies.load, bodies.data_order):
             kwargs.setdefault("precision", self.precision)
         if body in STEPPING:
             kwargs.setdefault("loop", self.loop)
@@ -683,7 +684,10 @@ class Kit:
         def body() -> Outcome:
             results = self.run(bodies.train_experts)
             dp = results[0]["data_parallel_size"]
-            reference = self.cached(f"experts{dp}", lambda: bodies.experts_reference(ranks=dp))
+            reference = self.cached(
+                f"experts{dp}",
+                lambda: bodies.experts_reference(ranks=dp, precision=self.precision),
+            )
             return self.compare(
                 "rank_dependent", results, reference, "rank r's share through expert r % 2"
             )
@@ -867,16 +871,16 @@ class Kit:
             return Outcome("sharding", False, "one process: nothing to shard", skipped=True)
         held = self.run(bodies.held_elements)
         problems = []
+        together = {key: sum(h[key] for h in held) for key in ("params", "optimizer")}
         for rank, h in enumerate(held):
             for what, key, flag, whole in (
                 ("parameters", "params", "shards_parameters", h["full"]),
                 ("optimizer state", "optimizer", "shards_optimizer", 2 * h["full"]),
             ):
                 mine, declared = h[key], getattr(self.info, flag)
-                together = sum(other[key] for other in held)
-                if declared and (mine >= whole or together > 0.75 * whole * len(held)):
+                if declared and (mine >= whole or together[key] > 0.75 * whole * len(held)):
                     problems.append(
-                        f"rank {rank} holds {mine} of {whole} {what} elements ({together} on "
+                        f"rank {rank} holds {mine} of {whole} {what} elements ({together[key]} on "
                         f"{len(held)} ranks together), but the strategy declares {flag}"
                     )
                 if not declared and mine < whole:
@@ -966,8 +970,16 @@ class Kit:
         for rank, result in enumerate(results):
             dp = result["dp_rank"]
             mine = result["stats"]
-            if not mine:  # a pipeline rank whose stages hold no BatchNorm layer
-                rules.append("none held")
+            if not mine:
+                # a pipeline stage without BatchNorm layers: another rank of its replica holds them
+                if any(o["stats"] and o["dp_rank"] == dp for o in results):
+                    rules.append("none held")
+                else:
+                    rules.append("none")
+                    problems.append(
+                        f"rank {rank} holds no BatchNorm statistics and no other rank of its "
+                        f"data-parallel replica {dp} does: they were dropped"
+                    )
                 continue
             fits = [
                 rule
@@ -994,7 +1006,8 @@ class Kit:
                 problems.append(
                     f"rank {rank}'s BatchNorm statistics are neither its own shares' (off by "
                     f"{off['own']:.2e}) nor rank 0's updated by its share as DDP gives them (off "
-                    f"by {off['ddp']:.2e}): mixed across ranks?"
+                    f"by {off['ddp']:.2e}): mixed across ranks. A strategy that synchronises "
+                    f"them on purpose (SyncBatchNorm) declares a deviation for real_model"
                 )
         loaded = real_model.load(path)
         saved = results[0]["params"]

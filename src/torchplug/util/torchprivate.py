@@ -20,6 +20,8 @@ torch 2.13 has no public equivalent of any:
   asynchronous save notices a tensor changed while it was copied.
 - the two marks torch's LR schedulers read (``_wrapped_by_lr_sched`` on ``optimizer.step``,
   ``_opt_called`` on the optimizer) to tell a scheduler stepped before its optimizer.
+- DTensor's caches of sharding decisions (one in C++, three Python ``lru_cache``), which hold
+  the meshes of the job that filled them: an Engine's ``close()`` empties them.
 """
 
 from __future__ import annotations
@@ -99,3 +101,32 @@ def narrow_by_index(tensor: torch.Tensor, offsets: Any, sizes: Any) -> torch.Ten
     from torch.distributed._shard._utils import narrow_tensor_by_index
 
     return narrow_tensor_by_index(tensor, offsets, sizes)
+
+
+def forget_device_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions (an Engine's ``close()``: the last undo).
+
+    They key on ``DeviceMesh``, whose equality ignores its process groups, and hold the meshes
+    of the job that filled them. The next job in this process (an Engine after ``close()``)
+    numbers its process groups from 0 again, so a decision cached for an old mesh names groups
+    that now have other members (a collective among the wrong ranks: a hang) or none ("Could
+    not resolve the process group registered under the name N").
+    """
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor made in this process: nothing cached
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # noqa: SLF001
+    if clear_native is not None:
+        clear_native()
+    propagator = DTensor._op_dispatcher.sharding_propagator  # noqa: SLF001
+    for cached in (
+        propagator.propagate_op_sharding,
+        getattr(propagator, "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+    ):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()

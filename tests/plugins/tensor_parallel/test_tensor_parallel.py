@@ -206,24 +206,36 @@ HSDP_TP = {**TWO_D, "dp_replicate": 2}
 CHECKED = ["parity", "clipping", "accumulation", "checkpoint", "portability", "sharding"]
 
 
-def test_hsdp_times_tp_equals_plain_pytorch_on_four_ranks():
-    """In ranks of its own: a process whose earlier Engine's mesh had other dim names (the
-    2-D ``("dp", "tp")``) fails in DTensor ("Could not resolve the process group"), a torch
-    cache this suite has not yet pinned down (docs/strategies/tp.md says so)."""
+def test_hsdp_times_tp_equals_plain_pytorch_on_four_ranks(four):
     from torchplug.testing.kit import check
 
-    pool = RankPool(4, sys_path=default_sys_path())
-    try:
-        outcomes = check("fsdp-tp", 4, options=HSDP_TP, pool=pool, only=CHECKED)
-        assert all(o.passed for o in outcomes), [str(o) for o in outcomes]
-        facts = pool.run(mesh_facts, "fsdp-tp", HSDP_TP, timeout=300)
-        for rank, fact in enumerate(facts):
-            names, shape = fact["names"], fact["shape"]
-            assert names == ("dp_replicate", "dp_shard", "tp") and shape == (2, 1, 2), fact
-            assert fact["tp_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1], fact
-            assert fact["shared"], fact
-    finally:
-        pool.stop()
+    outcomes = check("fsdp-tp", 4, options=HSDP_TP, pool=four, only=CHECKED)
+    assert all(o.passed for o in outcomes), [str(o) for o in outcomes]
+    facts = four.run(mesh_facts, "fsdp-tp", HSDP_TP, timeout=300)
+    for rank, fact in enumerate(facts):
+        names, shape = fact["names"], fact["shape"]
+        assert names == ("dp_replicate", "dp_shard", "tp") and shape == (2, 1, 2), fact
+        assert fact["tp_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1], fact
+        assert fact["shared"], fact
+
+
+def one_mesh_then_another(orders: list[str]) -> list[list[float]]:
+    """Engines one after another in this process, each on the mesh its options give."""
+    return [
+        bodies.train("fsdp-tp", options=HSDP_TP if o == "hsdp" else TWO_D, steps=3)["losses"]
+        for o in orders
+    ]
+
+
+def test_engines_on_other_meshes_one_after_another_in_one_process(four):
+    """DTensor caches sharding decisions by mesh, and a mesh equals another of the same shape
+    and dim names whatever its process groups: without `close()` dropping them, the second
+    Engine's collectives ran on groups the first one's numbering named (a hang, or "Could not
+    resolve the process group registered under the name N")."""
+    reference = bodies.reference(steps=3)["losses"]
+    for losses in four.run(one_mesh_then_another, ["2d", "hsdp", "2d", "hsdp"], timeout=600):
+        for run in losses:
+            assert run == pytest.approx(reference, abs=1e-5), (run, reference)
 
 
 def test_a_dp_replicate_that_does_not_divide_dp_size_says_so(four):
