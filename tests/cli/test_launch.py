@@ -407,3 +407,41 @@ def test_engines_one_after_another_without_torchruns_store_each_get_their_group(
         for rank in ranks:
             rank.kill()
     _every_engine_replicated("".join(outputs))
+
+
+OWN_LAUNCHER = textwrap.dedent(
+    """
+    import json, os
+    import torchplug.plugin as tpp
+
+    def launch(argv):
+        with open("seen.json", "w") as f:
+            json.dump({"argv": argv, "env": os.environ.get("TORCHPLUG_OWN_LAUNCHER")}, f)
+        return 7 if "--groups" in argv else None  # None: torchrun, as for any strategy
+
+    @tpp.hookimpl
+    def torchplug_register_strategies(register):
+        register(tpp.StrategyInfo(name="own-launch", factory=tpp.DDPStrategy, description="ours",
+                                  extends=tpp.DistributedStrategy, launcher="own_launch:launch"))
+    """
+)
+
+
+def test_a_strategy_with_a_launcher_of_its_own_is_handed_the_command_line(tmp_path, script):
+    """``StrategyInfo(launcher="module:function")``: ``torchplug launch --strategy NAME`` calls
+    it with every word, flags torchplug does not know included; ``None`` back means torchrun."""
+    import json
+
+    (tmp_path / "own_launch.py").write_text(OWN_LAUNCHER)
+    env = {"TORCHPLUG_PLUGIN_MODULES": "own_launch"}
+    words = ["--strategy", "own-launch", "--groups", "3", "-n", "1", str(script), str(tmp_path)]
+    run = torchplug("launch", *words, cwd=tmp_path, env=env)
+    assert run.returncode == 7, run.stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == {"argv": words, "env": "own_launch:launch"}
+    assert not list(tmp_path.glob("started-*")), "torchrun started too"
+
+    words = ["--strategy", "own-launch", "-n", "1", str(script), str(tmp_path)]
+    run = torchplug("launch", *words, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "started-0").read_text().split(" ")[1] == "own-launch"

@@ -33,9 +33,23 @@ def run(command: list[str], env: dict[str, str] | None = None) -> subprocess.Com
     )
 
 
-def ft(out: Path, replicas: int, per_group: int = 1, launcher: tuple = (), script: tuple = ()):
+#: The two spellings of one launch: torchplug's own (ft-ddp brings its launcher), the package's.
+SPELLINGS = {
+    "torchplug": ("torchplug", "launch", "--strategy", "ft-ddp"),
+    "package": ("torchplug_torchft", "launch"),
+}
+
+
+def ft(
+    out: Path,
+    replicas: int,
+    per_group: int = 1,
+    launcher: tuple = (),
+    script: tuple = (),
+    spelling: str = "package",
+):
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torchplug_torchft", "launch", "--replicas", str(replicas)]
+    command = [sys.executable, "-m", *SPELLINGS[spelling], "--replicas", str(replicas)]
     command += [*launcher, "-n", str(per_group), str(SCRIPT), "--out", str(out), *script]
     done = run(command)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
@@ -72,11 +86,18 @@ def largest_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize(("replicas", "per_group"), [(2, 1), (3, 1), (2, 2)])
-def test_without_a_failure_it_trains_as_ddp_on_the_same_global_batch(tmp_path, replicas, per_group):
+@pytest.mark.parametrize(
+    ("replicas", "per_group", "spelling"),
+    [(2, 1, "torchplug"), (3, 1, "package"), (2, 2, "package")],
+)
+def test_without_a_failure_it_trains_as_ddp_on_the_same_global_batch(
+    tmp_path, replicas, per_group, spelling
+):
     """R groups of N ranks against ``ddp`` on R*N ranks: the same batches on the same data-
-    parallel ranks, every step's loss and the final parameters and buffers within 1e-6."""
-    ft(tmp_path / "ft", replicas, per_group)
+    parallel ranks, every step's loss and the final parameters and buffers within 1e-6
+    (``torchplug launch --strategy ft-ddp --replicas 2``: the spelling torchplug gives)."""
+    done = ft(tmp_path / "ft", replicas, per_group, spelling=spelling)
+    assert done.stdout.count("lighthouse at") == 1, done.stdout[-2000:]
     ddp(tmp_path / "ddp", replicas * per_group)
     for group in range(replicas):
         for rank in range(per_group):

@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -505,6 +505,10 @@ def launch(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    own = own_launcher(argv)
+    code = own(argv) if own is not None else None
+    if code is not None:
+        return code
     parser = launch_parser()
     at = script_position(parser, argv)
     if at is None and not {"-h", "--help"} & set(argv):
@@ -559,7 +563,8 @@ def launch(argv: Sequence[str]) -> int:
         if in_place:  # this process is one rank of the scheduler's world: run the script here
             args.nproc_per_node = "1"
             return _launch_in_process(args, f"one rank of {found.source}'s world")
-        if info is not None and info.launcher != "torchrun":
+        own = info is not None and info.launcher == os.environ.get(OWN_LAUNCHER_ENV)
+        if info is not None and info.launcher != "torchrun" and not own:
             raise LaunchError(
                 f"Strategy '{info.name}' needs the '{info.launcher}' launcher, which this "
                 f"torchplug cannot start. Run the script directly as its docs describe."
@@ -570,6 +575,50 @@ def launch(argv: Sequence[str]) -> int:
     export_flags(args)
     os.environ[LAUNCHED_ENV] = "1"
     return _run(args)
+
+
+#: Set for the processes a strategy's own launcher starts: their ``torchplug launch`` runs
+#: torchrun (the launcher is not handed the command line again).
+OWN_LAUNCHER_ENV = "TORCHPLUG_OWN_LAUNCHER"
+
+
+def own_launcher(argv: Sequence[str]) -> Callable[[list[str]], int | None] | None:
+    """The launcher a strategy brings (``StrategyInfo(launcher="module:function")``), when the
+    command names that strategy before its script: it is handed the whole command line, its
+    own flags included (``torchplug launch --strategy ft-ddp --replicas 2 -n 1 train.py``), and
+    returns the exit status, or ``None`` to have torchrun start this command as usual. The
+    processes it starts have ``TORCHPLUG_OWN_LAUNCHER`` set: their ``torchplug launch`` runs
+    torchrun.
+
+    Its flags are unknown here, so the strategy is found by the words before the script (the
+    first ``*.py``, ``-m``, or ``--``)."""
+    if os.environ.get(OWN_LAUNCHER_ENV):
+        return None
+    name = None
+    for i, word in enumerate(argv):
+        if word in ("--", "-m", "--module") or word.endswith(".py"):
+            break
+        if word == "--strategy" and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif word.startswith("--strategy="):
+            name = word.split("=", 1)[1]
+    if not name:
+        return None
+    from torchplug.contract.manager import get_registry
+
+    registry = get_registry()
+    canonical = registry.canonical(name)
+    launcher = registry.strategy(canonical).launcher if canonical else ""
+    if ":" not in launcher:
+        return None
+    module, _, attribute = launcher.partition(":")
+    function = getattr(importlib.import_module(module), attribute)
+
+    def run(words: list[str]) -> int | None:
+        os.environ[OWN_LAUNCHER_ENV] = launcher
+        return function(words)
+
+    return run
 
 
 def _run(args: Any) -> int:

@@ -166,7 +166,7 @@ class StrategyInfo(Announced):
         supports_cpu: Runs on a machine without CUDA (the core refuses it there when ``False``).
         supports_cuda: Runs on CUDA devices.
         distributed: Runs several processes (needs a launcher such as torchrun when world size > 1).
-        launcher: ``"torchrun"`` or the name of a launcher the strategy brings (e.g. ``"xla"``).
+        launcher: ``"torchrun"``, ``"xla"``, or ``"module:function"``: its own, given the argv.
         tolerance: How far results may stray from the single-process reference (lossy communication
             such as gradient compression declares more); ``None``: check convergence instead; or
             a function of the run's options (defaults filled in) answering one, per option value.

@@ -1,4 +1,10 @@
-"""``python -m torchplug_torchft launch --replicas R [-n N] [torchplug launch flags] SCRIPT``.
+"""``torchplug launch --strategy ft-ddp --replicas R [-n N] [torchplug launch flags] SCRIPT``
+(or ``python -m torchplug_torchft launch --replicas R ...``).
+
+ft-ddp declares this module's `launch` its launcher (``StrategyInfo.launcher``), so ``torchplug
+launch`` hands it the command line; without ``--replicas`` it answers ``None`` and torchrun
+starts one group as usual (a group of a cluster job, pointed at a lighthouse by the variables
+below).
 
 Starts a torchft lighthouse and ``R`` replica groups on this machine, each its own ``torchplug
 launch --strategy ft-ddp`` (so its own torchrun: ``--max-restarts K`` restarts that group alone,
@@ -38,11 +44,23 @@ def parser() -> argparse.ArgumentParser:
     return found
 
 
-def launch(argv: Sequence[str]) -> int:
-    """Start the lighthouse and the groups; wait for every group; return the exit status."""
+#: ``torchplug launch`` sets it for the processes a strategy's own launcher starts: their
+#: ``torchplug launch --strategy ft-ddp`` then runs one group through torchrun.
+OWN_LAUNCHER_ENV = "TORCHPLUG_OWN_LAUNCHER"
+
+
+def launch(argv: Sequence[str]) -> int | None:
+    """Start the lighthouse and the groups; wait for every group; return the exit status.
+    ``None`` when the command asks for no ``--replicas`` (one group: torchrun starts it)."""
+    before_script = argv[: next((i for i, w in enumerate(argv) if w.endswith(".py")), len(argv))]
+    asked = any(w == "--replicas" or w.startswith("--replicas=") for w in before_script)
+    if not asked and os.environ.get(OWN_LAUNCHER_ENV):  # torchplug launch, one group
+        return None
     from torchft.coordination import LighthouseServer
 
+    os.environ[OWN_LAUNCHER_ENV] = "torchplug_torchft.launch:launch"
     args, rest = parser().parse_known_args(argv)
+    rest = _without_strategy(rest)
     if args.replicas < 1 or not 1 <= args.min_replicas <= args.replicas:
         print(
             f"torchplug_torchft launch: --replicas {args.replicas} --min-replicas "
@@ -83,3 +101,19 @@ def launch(argv: Sequence[str]) -> int:
     for i, code in failed:
         print(f"torchplug_torchft: replica group {i} exited with {code}", file=sys.stderr)
     return failed[0][1] if failed else 0
+
+
+def _without_strategy(words: list[str]) -> list[str]:
+    """``words`` less a ``--strategy NAME`` before the script (each group is ft-ddp)."""
+    out, i = [], 0
+    while i < len(words):
+        word = words[i]
+        if word.endswith(".py") or word == "--":
+            return out + words[i:]
+        if word == "--strategy":
+            i += 2
+            continue
+        if not word.startswith("--strategy="):
+            out.append(word)
+        i += 1
+    return out

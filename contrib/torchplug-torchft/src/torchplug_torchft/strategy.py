@@ -454,5 +454,6 @@ def torchplug_register_strategies(register: Callable[[StrategyInfo], None]) -> N
             ),
             requires=("torchft",),
             install_hint="pip install torchplug-torchft (it installs torchft)",
+            launcher="torchplug_torchft.launch:launch",  # --replicas R: lighthouse + R groups
         )
     )
