@@ -608,9 +608,10 @@ def own_launcher(argv: Sequence[str]) -> Callable[[list[str]], int | None] | Non
 
     registry = get_registry()
     canonical = registry.canonical(name)
-    launcher = registry.strategy(canonical).launcher if canonical else ""
-    if ":" not in launcher:
-        return None
+    info = registry.strategies[canonical] if canonical else None
+    if info is None or ":" not in info.launcher or info.unusable_reason() is not None:
+        return None  # torchrun's path, which refuses an unusable strategy saying why
+    launcher = info.launcher
     module, _, attribute = launcher.partition(":")
     function = getattr(importlib.import_module(module), attribute)
 
