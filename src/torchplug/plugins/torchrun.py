@@ -15,6 +15,7 @@ and variable helpers every cluster environment uses. Built in, through the same
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from collections.abc import Mapping
@@ -23,14 +24,42 @@ from torchplug.plugin import ClusterInfo, ConfigurationError, hookimpl
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (for a master port of one's own).
+    """A TCP port free on ``host`` now (for a master port of one's own), below the kernel's
+    ephemeral range where it can be.
+
+    A port ``bind(0)`` hands out comes from the ephemeral range, which every outgoing
+    connection (gloo's, a store client's) draws its local port from too: between this call and
+    the store's ``bind`` one of them could take it (``EADDRINUSE`` on rank 0, seen in the test
+    suite's busy moments). A port below the range is taken only by another ``bind``.
 
     Args:
         host: The address to bind.
     """
+    low = _ephemeral_low()
+    candidates = range(max(10000, low - 16384), low)
+    pick = random.SystemRandom()  # not the script's seeded random: other processes pick too
+    for _ in range(32 if len(candidates) > 1000 else 0):
+        port = pick.choice(candidates)
+        if 29400 <= port < 29600:  # torchrun's defaults (29500, c10d's 29400): a launch's
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def env_int(env: Mapping[str, str], key: str, default: int) -> int:

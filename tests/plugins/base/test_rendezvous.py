@@ -47,3 +47,17 @@ def test_a_rank_waiting_for_the_rendezvous_names_the_address_and_where_it_came_f
     assert f"rank 1 of 2 has waited 1 s for the other ranks at 127.0.0.1:{port}" in line
     assert f"MASTER_ADDR=127.0.0.1, MASTER_PORT={port}, RANK=1, WORLD_SIZE=2" in line
     assert "gives up after 20 s" in line and "left over in the shell" in line
+
+
+def test_free_port_comes_from_below_the_ephemeral_range_and_is_free():
+    """Outgoing connections take their local ports from the ephemeral range, so a port from it
+    could be gone again before rank 0's store binds it; below the range only a bind takes it."""
+    import socket
+
+    from torchplug.plugins.torchrun import _ephemeral_low
+
+    low = _ephemeral_low()
+    for port in {free_port() for _ in range(20)}:
+        assert 10000 <= port < low and not 29400 <= port < 29600, port
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

@@ -5,7 +5,7 @@ Each replica group (one or more ranks, its own ``torchrun``) trains a full repli
 the groups alive at that step, and commits the step only when the quorum agrees. A group that
 dies is restarted by its own launcher and takes the model, optimizer, loader position and the
 rest of ``engine.resume``'s state live from a healthy peer, while the others keep stepping.
-``python -m torchplug_torchft launch --replicas R -n N train.py`` starts the lighthouse and the
+``torchplug launch --strategy ft-ddp --replicas R -n N train.py`` starts the lighthouse and the
 groups on one machine (docs/fault-tolerance.md in torchplug has the rules and a SLURM recipe).
 """
 

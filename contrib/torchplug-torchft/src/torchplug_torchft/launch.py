@@ -22,13 +22,14 @@ import sys
 from collections.abc import Sequence
 
 USAGE = (
-    "python -m torchplug_torchft launch --replicas R [--min-replicas M] [-n N] "
-    "[--max-restarts K] [other torchplug launch flags] SCRIPT [args]"
+    "torchplug launch --strategy ft-ddp --replicas R [--min-replicas M] [-n N] "
+    "[--max-restarts K] [other torchplug launch flags] SCRIPT [args] (or python -m "
+    "torchplug_torchft launch --replicas R ...)"
 )
 
 
 def parser() -> argparse.ArgumentParser:
-    found = argparse.ArgumentParser(prog="python -m torchplug_torchft launch", usage=USAGE)
+    found = argparse.ArgumentParser(prog="torchplug launch --strategy ft-ddp", usage=USAGE)
     found.add_argument("--replicas", type=int, required=True, help="replica groups to start")
     found.add_argument(
         "--min-replicas", type=int, default=1, help="fewest groups a step commits with"
@@ -61,15 +62,22 @@ def launch(argv: Sequence[str]) -> int | None:
     os.environ[OWN_LAUNCHER_ENV] = "torchplug_torchft.launch:launch"
     args, rest = parser().parse_known_args(argv)
     rest = _without_strategy(rest)
-    if args.replicas < 1 or not 1 <= args.min_replicas <= args.replicas:
+    if args.replicas < 1:
         print(
-            f"torchplug_torchft launch: --replicas {args.replicas} --min-replicas "
-            f"{args.min_replicas}: expected 1 <= min-replicas <= replicas. {USAGE}",
+            f"torchplug launch: --replicas {args.replicas}: expected 1 or more replica groups "
+            f"(e.g. --replicas 2). Usage: {USAGE}",
+            file=sys.stderr,
+        )
+        return 2
+    if not 1 <= args.min_replicas <= args.replicas:
+        print(
+            f"torchplug launch: --min-replicas {args.min_replicas} with --replicas "
+            f"{args.replicas}: expected 1 <= min-replicas <= replicas. Usage: {USAGE}",
             file=sys.stderr,
         )
         return 2
     if not rest:
-        print(f"torchplug_torchft launch: no script given. {USAGE}", file=sys.stderr)
+        print(f"torchplug launch: no script given. Usage: {USAGE}", file=sys.stderr)
         return 2
     lighthouse = LighthouseServer(
         bind="[::]:0",

@@ -56,7 +56,7 @@ REPLICAS_ENV = "TORCHPLUG_FT_REPLICAS"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 HOW_TO_START = (
-    "Start the job with `python -m torchplug_torchft launch --replicas R -n N SCRIPT` (it starts "
+    "Start the job with `torchplug launch --strategy ft-ddp --replicas R -n N SCRIPT` (it starts "
     "the lighthouse and each replica group), or set TORCHPLUG_FT_REPLICA, TORCHPLUG_FT_REPLICAS "
     "and TORCHFT_LIGHTHOUSE for each group's torchrun yourself (docs/fault-tolerance.md)."
 )
@@ -72,8 +72,9 @@ def _from_env(value: Any, name: str, what: str) -> int:
     raw = os.environ.get(name)
     if raw is None or not raw.strip().isdigit():
         raise ConfigurationError(
-            f"ft-ddp needs {what} ({name}={raw!r} in the environment, or the option). "
-            + HOW_TO_START
+            f"ft-ddp needs {what} ({name} "
+            f"{'is not set' if raw is None else f'is {raw!r}, not a number'} in the environment, "
+            f"and no option gives it). " + HOW_TO_START
         )
     return int(raw)
 
@@ -411,8 +412,8 @@ def _unreachable(lighthouse: Any, doing: str, error: BaseException) -> Configura
     return ConfigurationError(
         f"ft-ddp: {doing} failed ({type(error).__name__}: {str(error)[:300]}). Expected the "
         f"lighthouse at {lighthouse} to answer and at least min_replicas groups to join within "
-        f"replica_timeout seconds. Check that the lighthouse runs (python -m torchplug_torchft "
-        f"launch starts one) and that the groups can reach it."
+        f"replica_timeout seconds. Check that the lighthouse runs (torchplug launch --strategy "
+        f"ft-ddp --replicas R starts one) and that the groups can reach it."
     )
 
 
