@@ -23,7 +23,9 @@ def test_the_installed_torch_is_one_the_adapters_were_checked_against():
     )
 
 
-def test_default_store_is_the_default_groups_store():
+@pytest.fixture
+def world_of_one():
+    """A real gloo process group of one rank, destroyed afterwards."""
     assert not dist.is_initialized()
     dist.init_process_group(
         "gloo",
@@ -32,15 +34,17 @@ def test_default_store_is_the_default_groups_store():
         world_size=1,
         timeout=datetime.timedelta(seconds=30),
     )
-    try:
-        store = torchprivate.default_store()
-        assert isinstance(store, dist.Store)
-        store.set("torchplug/probe", "1")
-        assert store.get("torchplug/probe") == b"1"
-        assert store.check(["torchplug/probe"])
-        store.delete_key("torchplug/probe")
-    finally:
-        dist.destroy_process_group()
+    yield
+    dist.destroy_process_group()
+
+
+def test_default_store_is_the_default_groups_store(world_of_one):
+    store = torchprivate.default_store()
+    assert isinstance(store, dist.Store)
+    store.set("torchplug/probe", "1")
+    assert store.get("torchplug/probe") == b"1"
+    assert store.check(["torchplug/probe"])
+    store.delete_key("torchplug/probe")
 
 
 @pytest.mark.parametrize("bad", [False, True])
@@ -59,29 +63,18 @@ def test_found_inf_says_what_gradscaler_step_would_skip(bad):
     assert scaler.get_scale() == (2.0**3 if bad else 2.0**4)
 
 
-def test_forget_device_meshes_empties_dtensors_caches():
+def test_forget_device_meshes_empties_dtensors_caches(world_of_one):
     """The caches an Engine's close() empties: filled by a DTensor op, empty after."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-    assert not dist.is_initialized()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])
-        (x @ x + x).sum()
-        cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
-        native = torch._C._get_DTensor_sharding_propagator_cache_stats
-        assert cached.cache_info().currsize + sum(native()) > 0
-        torchprivate.forget_device_meshes()
-        assert cached.cache_info().currsize == 0
-        (x @ x + x).sum()  # the same ops again: decided anew in C++ (no hit), as in Python
-        assert native()[0] == 0 and cached.cache_info().hits == 0
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])
+    (x @ x + x).sum()
+    cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    native = torch._C._get_DTensor_sharding_propagator_cache_stats
+    assert cached.cache_info().currsize + sum(native()) > 0
+    torchprivate.forget_device_meshes()
+    assert cached.cache_info().currsize == 0
+    (x @ x + x).sum()  # the same ops again: decided anew in C++ (no hit), as in Python
+    assert native()[0] == 0 and cached.cache_info().hits == 0
