@@ -191,8 +191,7 @@ def reference(
     model = make_model()
     opt = _optimizer(optimizer, frozen_groups(model, lr) if frozen else model.parameters(), lr)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if scheduler else None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE) if precision == "fp16" else None
+    dtype, scaler = reference_amp(precision)
     losses, norms, skipped, lrs = [], [], [], []
     for step, (x, y) in enumerate(_batches(1)):
         if step >= steps:
@@ -423,6 +422,27 @@ def _expert_share(x: torch.Tensor, y: torch.Tensor, rank: int, ranks: int) -> tu
     return x[rows], y[rows], rank % 2
 
 
+def reference_amp(precision: str) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
+    """What a plain-PyTorch reference runs ``precision`` with: autocast's dtype, and for fp16 a
+    GradScaler starting at the scale the kit's Engines use."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE) if precision == "fp16" else None
+    return dtype, scaler
+
+
+def reference_step(
+    loss: torch.Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+) -> None:
+    """Backward and update as plain PyTorch writes them (through ``scaler`` for fp16)."""
+    (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad()
+
+
 def experts_reference(
     steps: int = 6, ranks: int = 2, lr: float = 3e-2, precision: str = "32"
 ) -> dict[str, Any]:
@@ -433,8 +453,7 @@ def experts_reference(
     torch.manual_seed(0)
     model = TwoExperts()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE) if precision == "fp16" else None
+    dtype, scaler = reference_amp(precision)
     losses = []
     for step, (x, y) in enumerate(_batches(1)):
         if step >= steps:
@@ -446,13 +465,7 @@ def experts_reference(
                 out = model(xs, expert)
             parts.append(torch.nn.functional.mse_loss(out.float(), ys))
         loss = torch.stack(parts).mean()
-        (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
+        reference_step(loss, opt, scaler)
         losses.append(loss.item())
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "params": params}

@@ -108,10 +108,7 @@ def reference(world: int, precision: str = "32") -> dict[str, Any]:
     rank 0's (the same under both rules)."""
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    scaler = (
-        torch.amp.GradScaler("cpu", init_scale=bodies.FP16_SCALE) if precision == "fp16" else None
-    )
+    dtype, scaler = bodies.reference_amp(precision)
     names = [n for n, _ in model.named_buffers() if _is_stat(model, n)]
     start = _read(model, names)
     own = [dict(start) for _ in range(world)]
@@ -130,13 +127,7 @@ def reference(world: int, precision: str = "32") -> dict[str, Any]:
                 loss = torch.nn.functional.cross_entropy(out.float(), y[r::world])
                 chains[r] = _read(model, names)
             total = total + loss / world
-        (scaler.scale(total) if scaler else total).backward()
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
+        bodies.reference_step(total, opt, scaler)
         losses.append(total.item())
     _put(model, own[0])
     return {
