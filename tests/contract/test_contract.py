@@ -367,6 +367,7 @@ def test_every_hook_declares_its_contract_beside_its_specification():
         "torchplug_teardown", "torchplug_compile", "torchplug_init_module",
         "torchplug_checkpoint_state", "torchplug_checkpoint_metadata",
         "torchplug_load_pretrained", "torchplug_resume", "torchplug_forward_backward",
+        "torchplug_batch_sampler",
     }  # fmt: skip
     assert spec.hooks_where(kind="strategy") == manager.STRATEGY_HOOKS
     assert manager.STRATEGY_HOOKS - optional == manager.ACTION_HOOKS

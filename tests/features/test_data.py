@@ -13,6 +13,7 @@ from torch.utils.data import (
 )
 
 import torchplug as tp
+from torchplug.plugin import hookimpl
 
 
 def epochs_seen(shuffle: bool, custom_batches: bool = False) -> dict:
@@ -244,3 +245,92 @@ def test_shard_by_must_be_sample_or_batch():
 
     with tp.Engine("single") as engine, pytest.raises(ConfigurationError, match="'sample'"):
         engine.setup_dataloader(DataLoader(TensorDataset(torch.arange(4))), shard_by="rank")
+
+
+class CountingDealer:
+    """A strategy's per-step batch sampler (`torchplug_batch_sampler`): pairs of indices in
+    order, each asked for only when the loop needs it (recorded in ``events``)."""
+
+    def __init__(self, size: int, events: list[str]) -> None:
+        self.size, self.events = size, events
+        self.epoch = self.taken = 0
+        self.end_of_pass = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.events.append(f"epoch {epoch}")
+        if epoch != self.epoch:
+            self.epoch, self.taken = epoch, 0
+
+    def __iter__(self):
+        while self.taken < self.size:
+            self.events.append("deal")
+            batch = list(range(self.taken, min(self.taken + 2, self.size)))
+            self.taken += len(batch)
+            self.end_of_pass = self.taken >= self.size
+            yield batch
+
+    def __len__(self) -> int:
+        return -(-(self.size - self.taken) // 2)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "taken": self.taken}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.taken = state["epoch"], state["taken"]
+
+
+class Dealing:
+    """An in-house extension plugin answering the hook for every loader it is offered."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.offered: list = []
+
+    @hookimpl
+    def torchplug_batch_sampler(self, engine, loader, seed):
+        self.offered.append((loader, seed))
+        return CountingDealer(len(loader.dataset), self.events)
+
+
+def test_a_strategy_that_deals_per_step_is_asked_for_each_batch_only_when_the_loop_needs_it():
+    """``torchplug_batch_sampler``: the loader asks the strategy's sampler for a batch only as
+    the loop takes it (no look-ahead, which would start the next step early), ends the pass
+    where the sampler says, keeps the sampler's position in its state and resumes from it, and
+    fetches in the main process (a loader with workers is told so). A loader with a sampler of
+    the user's own is not offered (its shares stay the Engine's)."""
+    data = TensorDataset(torch.arange(6))
+    dealing = Dealing()
+    with tp.Engine("single", plugins=[dealing], seed=5) as engine:
+        loader = engine.setup_dataloader(DataLoader(data, batch_size=4, shuffle=True))
+        assert dealing.offered[0][1] == 5 and dealing.offered[0][0].batch_size == 4
+        seen, ends = [], []
+        for (x,) in loader:
+            dealing.events.append(f"step {x.tolist()}")
+            seen.append(x.tolist())
+            ends.append(loader.end_of_pass)
+            if len(seen) == 2:
+                state = loader.state_dict()
+        assert seen == [[0, 1], [2, 3], [4, 5]] and ends == [False, False, True]
+        assert dealing.events == [
+            "epoch 0",
+            "deal",
+            "step [0, 1]",
+            "deal",
+            "step [2, 3]",
+            "deal",
+            "step [4, 5]",
+        ]
+        assert state["sampler"] == {"epoch": 0, "taken": 4}
+
+        other = engine.setup_dataloader(DataLoader(data, batch_size=4))
+        other.load_state_dict(state)
+        assert [x.tolist() for (x,) in other] == [[4, 5]]  # the dealer's position, not batches
+
+        with pytest.warns(UserWarning, match="num_workers=2 is not used"):
+            workers = engine.setup_dataloader(DataLoader(data, batch_size=4, num_workers=2))
+        assert workers.num_workers == 0 and [x.tolist() for (x,) in workers][0] == [0, 1]
+
+        offered = len(dealing.offered)
+        own = DataLoader(data, sampler=[5, 4, 3, 2, 1, 0], batch_size=4)
+        assert [x.tolist() for (x,) in engine.setup_dataloader(own)] == [[5, 4, 3, 2], [1, 0]]
+        assert len(dealing.offered) == offered

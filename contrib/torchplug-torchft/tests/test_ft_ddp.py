@@ -116,9 +116,9 @@ def test_without_a_failure_it_trains_as_ddp_on_the_same_global_batch(
 
 def reference(logs: dict[int, dict[int, dict[str, Any]]], last: int) -> dict[str, torch.Tensor]:
     """Plain PyTorch: the script's model, optimizer and scheduler, stepped once per committed
-    step with the mean of the gradients of the groups that took part in it (each on its own
-    logged batch, its BatchNorm on that batch): the buffers are the first group's, updated by
-    its own batches (every forward starts from them)."""
+    step with the mean of the gradients of the ranks (``logs``' keys, the first group's rank 0
+    first) that took part in it, each on its own logged batch, its BatchNorm on that batch: the
+    buffers are the first rank's, updated by its own batches (every forward starts from them)."""
     import torchplug as tp
 
     tp.seed_everything(0)
@@ -154,43 +154,57 @@ def reference(logs: dict[int, dict[int, dict[str, Any]]], last: int) -> dict[str
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def test_a_killed_group_rejoins_live_and_the_others_never_stop(tmp_path):
-    """Group 1 is SIGKILLed before its step 6; group 0 keeps stepping alone (no step given up,
-    no restart); group 1's launcher restarts it, it takes the live state of group 0 (the log
-    says "healing is required") and both end equal, and equal to the reference of the steps
-    committed, each with the gradients of the groups that took part in it."""
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_a_killed_group_rejoins_live_and_the_others_never_stop(tmp_path, per_group):
+    """Group 1's last rank is SIGKILLed before its step 6; group 0 keeps stepping alone (at most
+    the step group 1 died in is given up and dealt again, no restart); group 1's launcher
+    restarts it, it takes the live state of group 0 (the log says "healing is required") and
+    both end equal, and equal to the reference of the steps committed, each with the gradients
+    of the ranks that took part in it. The data rule: every epoch trains on each sample once,
+    whoever was alive (group 0 takes the whole of each step's samples while alone). Groups of 1
+    rank, then of 2 (the whole group restarts)."""
     out = tmp_path / "ft"
+    die = ("--die-at", "6", "--die-group", "1", "--die-rank", str(per_group - 1))
     done = ft(
         out,
         2,
+        per_group,
         launcher=("--heartbeat-timeout", "1", "--max-restarts", "2"),
-        script=("--steps", "40", "--slow", "0.3", "--die-at", "6", "--die-group", "1"),
+        script=("--steps", "40", "--slow", "0.3", *die),
     )
     healing = [line for line in done.stderr.splitlines() if "healing is required" in line]
     print("\n".join(healing))  # the recorded recovery, in the test output
     assert healing, done.stderr[-8000:]
-    zero, one = entries(out, "group0_rank0"), entries(out, "group1_rank0")
-    assert [e for e in zero if "start" in e] == [{"start": 0}]  # never restarted
-    assert not [e for e in zero if "skipped" in e]  # no step given up
-    assert sorted(steps(out, "group0_rank0")) == list(range(40))
-    starts = [e["start"] for e in one if "start" in e]
-    assert starts[0] == 0 and len(starts) == 2 and starts[1] > 6  # rejoined later, live
-    logs = {0: steps(out, "group0_rank0"), 1: steps(out, "group1_rank0")}
-    assert sorted(logs[1]) == [*range(6), *range(starts[1], 40)]
-    ours, theirs = final(out, "group0_rank0"), final(out, "group1_rank0")
-    assert largest_gap(parameters(ours), parameters(theirs)) == 0.0  # one model
-    assert largest_gap(ours, reference(logs, 40)) <= 1e-5
+    ranks = [(g, r) for g in (0, 1) for r in range(per_group)]
+    logs = {(g, r): steps(out, f"group{g}_rank{r}") for g, r in ranks}
+    for rank in range(per_group):
+        zero, one = entries(out, f"group0_rank{rank}"), entries(out, f"group1_rank{rank}")
+        assert [e for e in zero if "start" in e] == [{"start": 0}]  # never restarted
+        given_up = [e["skipped"] for e in zero if "skipped" in e]
+        print("steps given up on group 0 (dealt again):", given_up)
+        assert len(given_up) <= 1  # the step group 1 died in, at most
+        assert sorted(logs[0, rank]) == list(range(40))
+        starts = [e["start"] for e in one if "start" in e]
+        assert starts[0] == 0 and len(starts) == 2 and starts[1] > 6  # rejoined later, live
+        assert sorted(logs[1, rank]) == [*range(6), *range(starts[1], 40)]
+    finals = [final(out, f"group{g}_rank{r}") for g, r in ranks]
+    for other in finals[1:]:
+        assert largest_gap(parameters(finals[0]), parameters(other)) == 0.0  # one model
+    replicas = {i: logs[who] for i, who in enumerate(ranks)}  # group 0's rank 0 first
+    assert largest_gap(finals[0], reference(replicas, 40)) <= 1e-5
 
-    # The data rule: a group reads its own share; after rejoining, the batches its share holds
-    # at those steps (as a run without the failure reads them), never a batch read twice.
-    ft(tmp_path / "plain", 2, script=("--steps", "40"))
-    plain = steps(tmp_path / "plain", "group1_rank0")
-    for s in logs[1]:
-        assert logs[1][s]["idx"] == plain[s]["idx"], s
-    per_epoch = 96 // (2 * 8)
-    for epoch in range(40 // per_epoch + 1):
-        read = [i for s, e in logs[1].items() if s // per_epoch == epoch for i in e["idx"]]
-        assert len(read) == len(set(read)), epoch
+    # The data rule: per epoch, the samples of every committed step of every rank
+    alone = [s for s in logs[0, 0] if s not in logs[1, 0]]
+    assert alone and all(len(e["idx"]) == 8 for log in logs.values() for e in log.values())
+    by_epoch: dict[int, list[int]] = {}
+    for log in logs.values():
+        for entry in log.values():
+            by_epoch.setdefault(entry["epoch"], []).extend(entry["idx"])
+    epochs = sorted(by_epoch)
+    assert len(epochs) >= 3, epochs
+    for epoch in epochs[:-1]:  # complete epochs: each of the 96 samples once
+        assert sorted(by_epoch[epoch]) == list(range(96)), epoch
+    assert len(by_epoch[epochs[-1]]) == len(set(by_epoch[epochs[-1]]))
 
 
 def free_port() -> int:
@@ -257,11 +271,14 @@ def test_a_lighthouse_that_dies_mid_run_is_an_error_not_a_hang(tmp_path):
     assert "ft-ddp: forming the step's quorum failed" in text, text[-4000:]
 
 
-def test_an_ft_ddp_checkpoint_loads_into_single(tmp_path):
-    """Checkpoints from ft-ddp are the portable format: a group's loads into ``single``."""
+def test_an_ft_ddp_checkpoint_loads_into_single_and_fsdp(tmp_path):
+    """Checkpoints from ft-ddp are the portable format: a group's loads into ``single`` (in
+    process) and into ``fsdp`` on 2 ranks, every weight equal to the group's own final ones and
+    the optimizer's moments equal between the two loads, bit for bit."""
     import torchplug as tp
 
     ft(tmp_path / "ft", 2)
+    checkpoint = tmp_path / "ft" / "checkpoint_group1"
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 16, bias=False),
         torch.nn.BatchNorm1d(16),
@@ -271,9 +288,28 @@ def test_an_ft_ddp_checkpoint_loads_into_single(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with tp.Engine("single") as engine:
         model, optimizer = engine.setup(model, optimizer)
-        engine.load(tmp_path / "ft" / "checkpoint_group1", {"model": model, "optimizer": optimizer})
-        loaded = {k: v.detach() for k, v in engine.full_state(model)["model"].items()}
+        engine.load(checkpoint, {"model": model, "optimizer": optimizer})
+        state = engine.full_state(model, optimizer)
+    loaded = {k: v.detach() for k, v in state["model"].items()}
     assert largest_gap(loaded, final(tmp_path / "ft", "group1_rank0")) == 0.0
+
+    out = tmp_path / "fsdp.json"
+    command = [sys.executable, "-m", "torchplug", "launch", "-n", "2", "--strategy", "fsdp"]
+    command += [str(SCRIPT.parent / "load.py"), "--checkpoint", str(checkpoint), "--out", str(out)]
+    done = run(command)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    sharded = json.loads(out.read_text())
+    on_fsdp = {name: torch.tensor(value) for name, value in sharded["model"].items()}
+    assert largest_gap(on_fsdp, loaded) == 0.0
+    moments = {
+        f"{name}.{key}": value
+        for name, entry in state["optimizer"]["state"].items()
+        for key, value in entry.items()
+        if torch.is_tensor(value) and value.dim() > 0
+    }
+    assert moments and moments.keys() == sharded["moments"].keys()
+    for key, value in moments.items():
+        assert torch.equal(torch.tensor(sharded["moments"][key]), value), key
 
 
 def test_the_plugin_is_listed_and_usable():

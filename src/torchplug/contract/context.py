@@ -158,21 +158,15 @@ class HookContext(RuntimeFacts):
     # -- the selection and its settings -----------------------------------------------------------
 
     strategy = _read("_selection", "strategy", "The selected strategy's canonical name.")
-    cluster = _read(
-        "_selection", "cluster", "Who this process is in its job (what setup decides from)."
-    )
+    cluster = _read("_selection", "cluster", "Who this process is in its job.")
     backend = _read("_selection", "backend", "The object holding the strategy's hooks.")
     precision = _read("_selection", "precision", '``"32"``, ``"bf16"`` or ``"fp16"``.')
-    precision_options = _read(
-        "_selection", "precision_options", "The precision plugin's resolved options."
-    )
+    precision_options = _read("_selection", "precision_options", "The precision's options.")
     options = _read("_selection", "options", "The strategy's resolved options, by name.")
     settings = _read("_selection", "settings", "Every setting with where it came from.")
     collective_timeout = _read("_selection", "collective_timeout", "Seconds a collective waits.")
     checkpoint_timeout = _read("_selection", "checkpoint_timeout", "Seconds a save or load waits.")
-    checkpoint_key = _read(
-        "_selection", "checkpoint_key", "The checkpoint signing key (``None``: none)."
-    )
+    checkpoint_key = _read("_selection", "checkpoint_key", "The signing key (``None``: none).")
 
     # -- the active set and the collectives -------------------------------------------------------
 

@@ -152,6 +152,10 @@ class Hooks:
         compiled = self._relay.torchplug_compile(engine=self._context, model=model, options=options)
         return self.answer("torchplug_compile", compiled, optional=True)
 
+    def batch_sampler(self, loader: Any, seed: int) -> Any:
+        """``torchplug_batch_sampler``: a sampler dealing ``loader`` per step, or ``None``."""
+        return self._relay.torchplug_batch_sampler(engine=self._context, loader=loader, seed=seed)
+
     # -- every step -------------------------------------------------------------------------------
 
     def place_batch(self, batch: Any) -> Any:

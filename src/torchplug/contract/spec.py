@@ -58,7 +58,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 """Marks a plugin function as a torchplug hook implementation: ``@hookimpl``, or with pluggy's
 options, e.g. ``@hookimpl(wrapper=True)``, ``@hookimpl(trylast=True)``."""
 
-API_VERSION = "1.3"
+API_VERSION = "1.4"
 """The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
 version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
 removes or changes them. A plugin declares the range it supports, e.g.
@@ -332,6 +332,28 @@ def torchplug_place_batch(engine: HookContext, batch: Any) -> Any:
     Args:
         engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         batch: One batch as the loader yields it.
+    """
+
+
+@hookspec(firstresult=True)
+@contract(
+    kind="strategy",
+    called=(
+        "On every rank, by `engine.setup_dataloader`, for a DataLoader of a map-style dataset "
+        "with the default sampler, sharded by sample (API 1.4)."
+    ),
+)
+def torchplug_batch_sampler(engine: HookContext, loader: Any, seed: int) -> Any:
+    """A batch sampler dealing ``loader``'s samples step by step, or ``None`` for fixed shares
+    (a ``DistributedSampler``): for a backend whose ranks change per step (a quorum). The loader
+    then fetches in the main process, asking for a batch's indices only when the loop needs it;
+    it calls ``set_epoch(epoch)`` as a pass starts, reads ``end_of_pass`` after each batch and
+    keeps ``state_dict()``/``load_state_dict()`` in its own.
+
+    Args:
+        engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
+        loader: The user's ``DataLoader`` (dataset, batch size, shuffle, ``drop_last``).
+        seed: The Engine's data seed (``DistributedSampler``'s).
     """
 
 
@@ -827,9 +849,8 @@ def torchplug_convert_checkpoint(source: Path, destination: Path) -> list[Path] 
     plugin implementing it gets a ``DeprecationWarning`` when it is registered.
 
     Convert a checkpoint that is not torchplug's (e.g. a native DeepSpeed one) to
-    ``destination/model.safetensors``; return the files written, or ``None`` if it is not yours.
-
-    Import nothing heavy unless the directory is yours.
+    ``destination/model.safetensors``; return the files written, or ``None`` if it is not yours
+    (import nothing heavy unless it is).
 
     Args:
         source: The directory ``torchplug convert`` was given.

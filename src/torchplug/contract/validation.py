@@ -14,25 +14,7 @@ import pluggy
 
 from torchplug.contract import spec
 from torchplug.contract.errors import PluginError
-from torchplug.util.text import did_you_mean
-
-
-def qualified_name(plugin: object) -> str:
-    """``module:qualname`` of a plugin: a module's name, a class's (or an instance's class's)
-    module and qualified name; how errors and listings name a plugin that has no name."""
-    if inspect.ismodule(plugin):
-        return plugin.__name__
-    cls = plugin if inspect.isclass(plugin) else type(plugin)
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def plugin_label(plugin: object, name: str | None = None) -> str:
-    """How a plugin is named to users: its registration name (an entry point's name) when it
-    has a real one, with the ``module:qualname`` it comes from."""
-    qualified = qualified_name(plugin)
-    if not name or name.isdigit() or name == qualified:
-        return qualified
-    return f"{name} ({qualified})"
+from torchplug.util.text import did_you_mean, plugin_label, qualified_name  # noqa: F401
 
 
 def hook_signature(hook: str) -> str:

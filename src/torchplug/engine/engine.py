@@ -302,6 +302,7 @@ class Engine(RuntimeFacts):
             on_batch=self._collectives.note_loader,
             split_batches=split_batches,
             shard_by=shard_by,
+            deal=self._hooks.batch_sampler,
         )
 
     def place_batch(self, batch: Any) -> Any:
@@ -378,10 +379,7 @@ class Engine(RuntimeFacts):
             model: The model [`setup`][torchplug.Engine.setup] returned.
             enabled: ``False`` makes it a no-op (synchronize as usual).
         """
-        if not enabled:
-            yield
-            return
-        with self._hooks.no_sync(model):
+        with self._hooks.no_sync(model) if enabled else contextlib.nullcontext():
             yield
 
     @contextlib.contextmanager

@@ -32,6 +32,7 @@ from torchplug.features.samplers import (
     part_of,
     per_rank_batch,
     with_batch_shards,
+    with_dealer,
     with_distributed_sampler,
     with_sharded_sampler,
 )
@@ -67,6 +68,7 @@ class EngineDataLoader:
         on_batch: Callable[[EngineDataLoader], None] | None = None,
         split_batches: bool = False,
         shard_by: str = "sample",
+        deal: Callable[[DataLoader, int], Any] | None = None,
     ) -> None:
         if shard_by not in ("sample", "batch"):
             from torchplug.contract.errors import ConfigurationError
@@ -90,6 +92,8 @@ class EngineDataLoader:
         self._gather = gather
         self._rank = rank
         self._own_sampler = False
+        #: The strategy's batch sampler dealing each step's samples (`torchplug_batch_sampler`).
+        self._dealer: Any = None
         if use_distributed_sampler and shard_by == "batch" and not split_batches:
             if num_replicas == 1:
                 pass  # as Accelerate on one process: the loader as it is
@@ -115,7 +119,12 @@ class EngineDataLoader:
                 per_rank = None
                 if split_batches:
                     per_rank = per_rank_batch(loader.batch_size, num_replicas)
-                loader = with_distributed_sampler(loader, num_replicas, rank, seed, per_rank)
+                elif deal is not None:
+                    self._dealer = deal(loader, seed)
+                if self._dealer is not None:
+                    loader = with_dealer(loader, self._dealer)
+                else:
+                    loader = with_distributed_sampler(loader, num_replicas, rank, seed, per_rank)
                 self._own_sampler = True
             elif num_replicas > 1 and not isinstance(
                 getattr(loader, "sampler", None), DistributedSampler
@@ -170,11 +179,16 @@ class EngineDataLoader:
         if in_pass and self._epoch_rng is not None:
             for key, rng in self._epoch_rng.items():
                 state[key] = self._gather(rng) if self._gather is not None else rng[None]
+        if self._dealer is not None:  # the position is the dealer's (the batches vary per rank)
+            state["sampler"] = self._dealer.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``: the next pass is that epoch, skipping the batches consumed."""
         self.epoch = int(state["epoch"])
+        if self._dealer is not None and "sampler" in state:  # the dealer's position: a pass in
+            self._dealer.load_state_dict(state["sampler"])  # progress (a peer's) goes on from it
+            return
         self._skip = int(state.get("batches", 0))
         self._consumed = None
         self._replay_rng = {
@@ -200,6 +214,9 @@ class EngineDataLoader:
         sampler = getattr(self.loader, "sampler", None)
         if self._own_sampler and isinstance(sampler, (DistributedSampler, ShardedSampler)):
             sampler.set_epoch(self.epoch)
+        dealing = self._dealer is not None
+        if dealing:
+            self._dealer.set_epoch(self.epoch)
         skip, self._skip = self._skip, 0
         replay, self._replay_rng = self._replay_rng, {}
         generator = getattr(self.loader, "generator", None)
@@ -227,7 +244,8 @@ class EngineDataLoader:
         self._consumed = 0
         self.end_of_pass = False
         total: int | None = None  # unknown: the last batch is known by looking one ahead
-        if not isinstance(getattr(self.loader, "dataset", None), IterableDataset):
+        # (a dealer says itself: looking ahead would start the next step)
+        if not dealing and not isinstance(getattr(self.loader, "dataset", None), IterableDataset):
             try:  # a sized loader: its last batch is known by count (none fetched early)
                 total = len(self)
             except TypeError:
@@ -235,15 +253,21 @@ class EngineDataLoader:
         batches = self._pass(skip, resume_rng)
         pending = next(batches, _END)
         while pending is not _END:
-            following = _END if total is not None else next(batches, _END)
+            ahead = total is None and not dealing
+            following = next(batches, _END) if ahead else _END
             batch, repeated = pending
             self.batch_padding = batch_size_of(batch) if repeated else self._padding(self._consumed)
             self._consumed += 1
-            self.end_of_pass = self._consumed >= total if total is not None else following is _END
+            if dealing:
+                self.end_of_pass = bool(self._dealer.end_of_pass)
+            else:
+                self.end_of_pass = (
+                    self._consumed >= total if total is not None else following is _END
+                )
             if self._on_batch is not None:
                 self._on_batch(self)
             yield self.place(batch) if self.place is not None else batch
-            pending = next(batches, _END) if total is not None else following
+            pending = following if ahead else next(batches, _END)
         self.end_of_pass = False
         self._consumed = None
         self.batch_padding = 0  # a gather after the pass (another loader's batches) trims nothing

@@ -20,6 +20,7 @@ from the start of the pass (``even_batches``), which ``gather_for_metrics`` drop
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +42,26 @@ def with_distributed_sampler(
         drop_last=loader.drop_last,
     )
     return _rebuilt(loader, sampler, batch_size)
+
+
+def with_dealer(loader: DataLoader, dealer: Any) -> DataLoader:
+    """``loader`` asking ``dealer`` (a strategy's `torchplug_batch_sampler`) for each batch's
+    indices when the loop needs it, in the main process: worker processes would ask ahead, before
+    the step's ranks are known."""
+    if loader.num_workers > 0:
+        warnings.warn(
+            f"The strategy deals each step's samples once the step's ranks are known, so this "
+            f"loader fetches in the main process: its num_workers={loader.num_workers} is not "
+            f"used. Make the loader with num_workers=0 to silence this.",
+            stacklevel=4,
+        )
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=dealer,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        generator=loader.generator,
+    )
 
 
 def _rebuilt(loader: DataLoader, sampler: Any, batch_size: int | None = None) -> DataLoader:

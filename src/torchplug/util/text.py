@@ -4,6 +4,7 @@ line, the check behind a numeric option. Stdlib only, so every layer can use it.
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -67,3 +68,21 @@ def positive_number(unit: str, maximum: float) -> Callable[[Any], str | None]:
         return None
 
     return check
+
+
+def qualified_name(plugin: object) -> str:
+    """``module:qualname`` of a plugin: a module's name, a class's (or an instance's class's)
+    module and qualified name; how errors and listings name a plugin that has no name."""
+    if inspect.ismodule(plugin):
+        return plugin.__name__
+    cls = plugin if inspect.isclass(plugin) else type(plugin)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def plugin_label(plugin: object, name: str | None = None) -> str:
+    """How a plugin is named to users: its registration name (an entry point's name) when it
+    has a real one, with the ``module:qualname`` it comes from."""
+    qualified = qualified_name(plugin)
+    if not name or name.isdigit() or name == qualified:
+        return qualified
+    return f"{name} ({qualified})"

@@ -13,14 +13,16 @@ replica). Per optimizer step:
    are averaged inside the group (torch.distributed) and then over the groups of the quorum
    (torchft's managed process group): the mean over every rank alive at this step, as ``ddp``'s.
 3. **Commit.** ``optimizer.step()`` updates only when every group of the quorum agrees
-   (``should_commit``); otherwise no group updates and the step is given up (``step_was_skipped``).
+   (``should_commit``); otherwise the step is given up (``step_was_skipped``): no group updates,
+   and the buffers go back to where the step found them (its forwards' BatchNorm updates undone).
 
-Data: rank ``r`` of group ``g`` is data-parallel rank ``g * group_size + r`` of ``R *
-group_size``: each group reads its own fixed share, as under ``ddp`` on ``R * group_size`` ranks.
-A group that is down for some steps does not read its share of them (those samples are not
-trained on in that epoch: the steps average the groups that were alive); a group that rejoins
-continues from the position its healthy peer had at the last committed step, in its own share,
-so no sample is read twice. Nothing else changes in the user's script.
+Data (`torchplug_torchft.data`): a loader from ``engine.setup_dataloader`` (a map-style dataset,
+the default sampler) deals each step's samples among the ranks of that step's quorum: the step
+takes the next ``batch_size`` samples per rank alive of the epoch's order, a committed step moves
+on past them, a step given up deals them again. Within an epoch no sample is lost or trained on
+twice, whichever groups were down (the others take their share; the epoch lasts more steps);
+with every group alive it is ``ddp``'s dealing on ``R * group_size`` ranks. A group that rejoins
+continues from its healthy peer's position. Nothing else changes in the user's script.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from datetime import timedelta
 from typing import Any
@@ -45,8 +48,9 @@ from torchplug.plugin import (
     StrategyInfo,
     hookimpl,
 )
+from torchplug_torchft.data import QuorumBatches
 
-TORCHPLUG_API = ">=1.0,<2"
+TORCHPLUG_API = ">=1.4,<2"  # torchplug_batch_sampler
 
 #: This replica group's index (0 to ``REPLICAS_ENV - 1``), set by the launcher.
 REPLICA_ENV = "TORCHPLUG_FT_REPLICA"
@@ -113,10 +117,14 @@ class FaultTolerantDDP(DistributedStrategy):
         #: read its batches: a group that joins now must read them again).
         self.positions: dict[str, dict[str, Any]] = {}
         self.quorum_open = False  # this step's quorum has formed
+        self.buffers_before: list[torch.Tensor] = []
         self.replica_count = 0
         self.store: Any = None
         self.syncing = True  # False inside engine.no_sync
         self.hooks: list[Any] = []
+        #: The loaders' samplers dealing each step among its quorum (`torchplug_batch_sampler`).
+        self.dealers: list[weakref.ref[QuorumBatches]] = []
+        self.group = (0, 1)  # this rank in its group, the group's size
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -138,6 +146,7 @@ class FaultTolerantDDP(DistributedStrategy):
             raise ConfigurationError("ft-ddp needs the lighthouse's address. " + HOW_TO_START)
         self.replica_count = replicas
         self.lighthouse = lighthouse
+        self.group = (runtime.rank, runtime.world_size)
         try:
             self.manager = self._manager(Manager, ProcessGroupGloo, runtime, replica, lighthouse)
         except Exception as error:  # torchft's own (RuntimeError, TimeoutError, OSError)
@@ -174,7 +183,7 @@ class FaultTolerantDDP(DistributedStrategy):
             store_addr=host,
             store_port=port,
             lighthouse_addr=lighthouse,
-            replica_id=f"torchplug_ft_{replica}",
+            replica_id=f"torchplug_ft_{replica:05d}",  # the quorum orders groups by it
             checkpoint_transport=TensorsOnlyHTTPTransport(timeout=wait, num_chunks=0),
             init_sync=False,  # every group starts (or resumes from disk) the same way
         )
@@ -254,6 +263,48 @@ class FaultTolerantDDP(DistributedStrategy):
             elif key.startswith("model") and self.state is None:
                 self.models[int(key[5:])].load_state_dict(value)
 
+    # -- the data ---------------------------------------------------------------------------------
+
+    @hookimpl
+    def torchplug_batch_sampler(self, engine: HookContext, loader: Any, seed: int) -> Any:
+        """Each step's samples dealt among the ranks of its quorum (`torchplug_torchft.data`)."""
+        from torch.utils.data import RandomSampler
+
+        dealer = QuorumBatches(
+            self._deal,
+            loader.dataset,
+            loader.batch_size,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            drop_last=loader.drop_last,
+            seed=seed,
+            ranks=engine.data_parallel_size,
+        )
+        self.dealers.append(weakref.ref(dealer))
+        return dealer
+
+    def _deal(self) -> tuple[int, int]:
+        """This step's quorum (started here, before its batches are read); this rank's place
+        among the ranks of the quorum's groups, and how many they are."""
+        self._quorum()
+        place = self.manager.participating_rank()
+        if place is None:  # torchft's spare replicas (not used by ft-ddp)
+            raise ConfigurationError(
+                "ft-ddp: this group is not taking part in the step's quorum, so no samples can be "
+                "dealt to it; expected every group that joins to take part (min_replicas "
+                f"{self.min_replicas}, {self.replica_count} groups)."
+            )
+        rank, size = self.group
+        return place * size + rank, self.manager.num_participants() * size
+
+    def _step_ended(self, committed: bool) -> None:
+        """Tell the loaders' dealers whether the step's samples were trained on."""
+        alive = [ref for ref in self.dealers if ref() is not None]
+        for ref in alive:
+            dealer = ref()
+            if dealer is not None:
+                dealer.commit(committed)
+        self.dealers = alive
+
     # -- a step -----------------------------------------------------------------------------------
 
     def _quorum(self) -> bool:
@@ -275,6 +326,9 @@ class FaultTolerantDDP(DistributedStrategy):
         except Exception as error:  # the lighthouse is gone, or too few groups for too long
             raise _unreachable(self.lighthouse, "forming the step's quorum", error) from error
         self.quorum_open = True
+        # the buffers as the step found them: a step given up leaves none of its forwards'
+        # updates (BatchNorm's statistics), as it leaves no parameter update
+        self.buffers_before = [b.detach().clone() for m in self.models for b in m.buffers()]
         _raise_if_errored(self.manager, "forming the quorum")
         return self.manager.current_step() != before
 
@@ -358,7 +412,13 @@ class FaultTolerantDDP(DistributedStrategy):
             self._average(engine)
         commit = self.manager.should_commit()
         self.quorum_open = False
+        self._step_ended(commit)
         if not commit:
+            with torch.no_grad():
+                buffers = [b for m in self.models for b in m.buffers()]
+                if len(buffers) == len(self.buffers_before):
+                    for buffer, before in zip(buffers, self.buffers_before, strict=True):
+                        buffer.copy_(before)
             with engine.skipping_updates(optimizer):
                 yield
             return False
@@ -379,7 +439,7 @@ class FaultTolerantDDP(DistributedStrategy):
         self.store = None
         for hook in self.hooks:
             hook.remove()
-        self.hooks, self.models = [], []
+        self.hooks, self.models, self.dealers = [], [], []
         super().torchplug_teardown(engine)
 
 
@@ -399,6 +459,13 @@ def _is_loader(value: Any) -> bool:
 def _next_pass_if_done(position: dict[str, Any], loader: Any) -> dict[str, Any]:
     """A position at the end of a pass, as the start of the next one (resuming there would run
     an empty pass, and the script's epoch loop would count it)."""
+    dealer = getattr(loader, "batch_sampler", None)
+    if isinstance(dealer, QuorumBatches) and "sampler" in position:
+        if not dealer.done(position["sampler"]):
+            return position
+        epoch = int(position["epoch"]) + 1
+        start = {"epoch": epoch, "committed": 0, "size": dealer.size}
+        return {"epoch": epoch, "batches": 0, "sampler": start}
     try:
         length = len(loader)
     except TypeError:

@@ -80,6 +80,7 @@ with tp.Engine(**(saving if args.checkpoint_every else {})) as engine:
                     continue
                 scheduler.step()
                 entry = {"step": step, "loss": loss.item(), "idx": idx.tolist()}
+                entry["epoch"] = loader.epoch
                 record.write(json.dumps(entry) + "\n")
                 record.flush()
                 step += 1
