@@ -20,6 +20,19 @@ pytest.importorskip("torchft")
 pytest.importorskip("torchplug_torchft")
 
 SCRIPT = Path(__file__).parent / "scripts" / "train.py"
+
+
+def _job():
+    """The scripts' model, optimizer and data (`scripts/ft_job.py`), imported by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ft_job", SCRIPT.parent / "ft_job.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+JOB = _job()
 #: A hang guard for one run (each takes seconds to a minute); never a budget.
 TIMEOUT = 900
 TOLERANCE = 1e-6
@@ -122,16 +135,9 @@ def reference(logs: dict[int, dict[int, dict[str, Any]]], last: int) -> dict[str
     import torchplug as tp
 
     tp.seed_everything(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(6, 16, bias=False),
-        torch.nn.BatchNorm1d(16),
-        torch.nn.ReLU(),
-        torch.nn.Linear(16, 3),
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
-    g = torch.Generator().manual_seed(1)
-    x_all, y_all = torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
+    model = JOB.make_model()
+    optimizer, scheduler = JOB.make_optimizer(model)
+    x_all, y_all, _ = JOB.make_data().tensors
     for step in range(last):
         groups = sorted(group for group, log in logs.items() if step in log)
         grads, buffers = [], None
@@ -279,13 +285,8 @@ def test_an_ft_ddp_checkpoint_loads_into_single_and_fsdp(tmp_path):
 
     ft(tmp_path / "ft", 2)
     checkpoint = tmp_path / "ft" / "checkpoint_group1"
-    model = torch.nn.Sequential(
-        torch.nn.Linear(6, 16, bias=False),
-        torch.nn.BatchNorm1d(16),
-        torch.nn.ReLU(),
-        torch.nn.Linear(16, 3),
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = JOB.make_model()
+    optimizer, _ = JOB.make_optimizer(model)
     with tp.Engine("single") as engine:
         model, optimizer = engine.setup(model, optimizer)
         engine.load(checkpoint, {"model": model, "optimizer": optimizer})

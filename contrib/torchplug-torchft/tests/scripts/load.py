@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from ft_job import make_model, make_optimizer
 
 import torchplug as tp
 
@@ -14,13 +15,8 @@ parser.add_argument("--checkpoint", required=True)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
-model = torch.nn.Sequential(
-    torch.nn.Linear(6, 16, bias=False),
-    torch.nn.BatchNorm1d(16),
-    torch.nn.ReLU(),
-    torch.nn.Linear(16, 3),
-)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model = make_model()
+optimizer, _ = make_optimizer(model)
 with tp.Engine() as engine:
     model, optimizer = engine.setup(model, optimizer)
     engine.load(args.checkpoint, {"model": model, "optimizer": optimizer})

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from ft_job import make_data, make_model, make_optimizer
+from torch.utils.data import DataLoader
 
 import torchplug as tp
 
@@ -32,18 +33,9 @@ args = parser.parse_args()
 out = Path(args.out)
 
 tp.seed_everything(0)
-model = torch.nn.Sequential(
-    torch.nn.Linear(6, 16, bias=False),
-    torch.nn.BatchNorm1d(16),
-    torch.nn.ReLU(),
-    torch.nn.Linear(16, 3),
-)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
-g = torch.Generator().manual_seed(1)
-data = TensorDataset(
-    torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g), torch.arange(96)
-)
+model = make_model()
+optimizer, scheduler = make_optimizer(model)
+data = make_data()
 
 group = int(os.environ.get("TORCHPLUG_FT_REPLICA", "0"))
 saving = {"checkpoint_dir": out / f"checkpoints{group}", "resume": "latest"}
