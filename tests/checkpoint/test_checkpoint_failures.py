@@ -134,29 +134,42 @@ def test_save_and_load_need_no_numpy(ranks, tmp_path):
 
 
 def count_hashing(path: str, strategy: str, key: str | None = None) -> list[str]:
-    """The files this rank hashed while loading (up front, or as read for use)."""
-    from torchplug.checkpoint import verify
+    """The files this rank hashed while loading (up front, or as read for use); with a key,
+    also those it mapped from another rank's sealed memory file (``"mapped:<name>"``), with
+    every loaded parameter checked against the saved model."""
+    from torchplug.checkpoint import sealed, verify
 
     hashed: list[str] = []
-    real, real_read = verify.hash_pinned, verify.VerifiedBytes._read_and_check
+    real, real_read, real_map = verify.hash_pinned, verify.VerifiedBytes._read_and_check, None
+    real_map = sealed.map_peer
 
     def counting(file: Path, algorithm: str) -> tuple:
         hashed.append(Path(file).name)
         return real(file, algorithm)
 
-    def reading(self, name: str) -> memoryview:
+    def reading(self, name: str, share: bool = False) -> memoryview:
         hashed.append(Path(name).name)
-        return real_read(self, name)
+        return real_read(self, name, share)
+
+    def mapping(pid: int, fd: int, size: int) -> memoryview | None:
+        view = real_map(pid, fd, size)
+        assert view is not None, "a peer's sealed file on this host could not be mapped"
+        return view
 
     verify.hash_pinned = counting
     verify.VerifiedBytes._read_and_check = reading
+    sealed.map_peer = mapping
     try:
         with tp.Engine(strategy, checkpoint_key=key) as engine:
             model = engine.setup(make_model(seed=4))
             engine.load(path, {"model": model})
+            loaded = engine.full_state(model)["model"]
     finally:
         verify.hash_pinned = real
         verify.VerifiedBytes._read_and_check = real_read
+        sealed.map_peer = real_map
+    saved = make_model().state_dict()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved), "loaded != saved"
     return sorted(hashed)
 
 
@@ -176,14 +189,16 @@ def test_each_file_is_hashed_by_one_rank(ranks, tmp_path):
     assert [len(h) for h in ranks.run(count_hashing, path, "ddp")] == [1, 1]
 
 
-def test_signed_each_file_is_hashed_once_by_each_rank_that_reads_it(ranks, tmp_path):
-    """With a key a rank hashes the bytes it uses, from memory, once: ddp ranks read both shard
-    files (whole tensors), fsdp ranks only their own; no rank hashes a file twice."""
+def test_signed_each_file_is_hashed_once_per_host_and_mapped_by_the_others(ranks, tmp_path):
+    """With a key the bytes used are the bytes hashed, from memory: ddp ranks both need both
+    shard files (whole tensors), so each file is read and hashed by one rank into a sealed
+    memory file the other maps (each byte hashed once per host, the model loaded bit for bit);
+    fsdp ranks need only their own file, which each reads alone. No rank hashes a file twice."""
     path, key = str(tmp_path / "ckpt"), "a key of at least sixteen bytes"
     ranks.run(train_fsdp_and_save, path, key)
     files = sorted(p.name for p in Path(path).rglob("tensors/**/*") if p.is_file())
     assert len(files) == 2
-    assert ranks.run(count_hashing, path, "ddp", key) == [files, files]
+    assert ranks.run(count_hashing, path, "ddp", key) == [[files[0]], [files[1]]]
     mine = ranks.run(count_hashing, path, "fsdp", key)
     assert [len(m) for m in mine] == [1, 1] and sorted(mine[0] + mine[1]) == files
 

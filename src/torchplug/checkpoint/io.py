@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchplug.checkpoint import async_save as background
-from torchplug.checkpoint import columns, deferred, verify
+from torchplug.checkpoint import columns, deferred, sealed, verify
 from torchplug.checkpoint import files as fs
 from torchplug.checkpoint import manifest as mf
 from torchplug.checkpoint import tensors as store
@@ -445,17 +445,33 @@ def load(
     # bytes it uses are the bytes hashed, whatever happens to the files later); files nobody
     # needs are hashed by one rank each. Only once every rank has verified does any rank copy
     # a byte into the objects: nothing is half-loaded.
-    needs = co.run("planning the read", prepare, share=True)
+    # A file that several ranks of one host need is read and hashed by one of them into a
+    # sealed memory file the others map (`sealed`): each byte read and hashed once per host.
+    planned = co.run(
+        "planning the read",
+        lambda: {"needs": prepare(), "host": sealed.host() if as_read else ""},
+        share=True,
+    )
+    needs = [plan["needs"] for plan in planned]
     source = body[mf.VERIFIED]
     if as_read:
         source = verify.VerifiedBytes(root, body["files"])
         unread = sorted(set(body["files"]) - set().union(*needs))
+        hosts = [plan["host"] for plan in planned]
+        owners = sealed.owners(needs, hosts)
+        here = hosts[co.rank]
+        mine = [n for n in needs[co.rank] if owners.get(f"{here}/{n}") == co.rank]
 
-        def check() -> None:
+        def check(offers: list[Any]) -> None:
+            source.take(needs[co.rank], offers, owners, here, co.rank)
             source.prefetch(needs[co.rank])
             verify.check_files(root, body["files"], verify.share(unread, co.rank, co.world_size))
 
-        co.run("verifying files", check)
+        try:
+            offers = co.run("verifying files", lambda: source.seal(mine), share=True)
+            co.run("verifying the files shared", lambda: check(offers))
+        finally:
+            source.release()  # every rank has mapped what it takes from this one
 
     def read() -> None:
         try:

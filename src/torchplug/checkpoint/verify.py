@@ -16,12 +16,14 @@ import hashlib
 import hmac
 import io
 import mmap
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from torchplug.checkpoint import sealed
 from torchplug.checkpoint.files import (
     Pin,
     confined,
@@ -122,6 +124,8 @@ class VerifiedBytes:
         self.files = files
         self.keep = keep
         self._read: dict[str, memoryview] = {}
+        #: name -> the sealed memory file this rank read it into for its host's other ranks
+        self._offered: dict[str, int] = {}
 
     def __call__(self, name: str) -> memoryview:
         """The verified bytes of the file the manifest lists as ``name``."""
@@ -162,7 +166,44 @@ class VerifiedBytes:
         for name in sorted(names):
             self(name)
 
-    def _read_and_check(self, name: str) -> memoryview:
+    def seal(self, names: Iterable[str]) -> dict[str, Any]:
+        """Read and check ``names`` each into a sealed memory file that the host's other ranks
+        map instead of reading the file (`torchplug.checkpoint.sealed`); returns what they need
+        to open them: ``{"pid": ..., "fds": {name: descriptor}}``."""
+        for name in sorted(names):
+            if name not in self._read:
+                self._read[name] = self._read_and_check(name, share=True)
+        return {"pid": os.getpid(), "fds": dict(self._offered)}
+
+    def take(
+        self,
+        names: Iterable[str],
+        offers: list[Any],
+        owners: Mapping[str, int],
+        host: str,
+        rank: int,
+    ) -> None:
+        """Map the files of ``names`` that another rank of this host sealed (`seal`'s
+        ``offers``, by rank); any it cannot map are read here by `prefetch`."""
+        for name in sorted(names):
+            owner = owners.get(f"{host}/{name}")
+            if owner is None or owner == rank or name in self._read:
+                continue
+            offer = offers[owner] or {}
+            fd = offer.get("fds", {}).get(name)
+            if fd is not None:
+                view = sealed.map_peer(int(offer["pid"]), int(fd), self.files[name]["size"])
+                if view is not None:
+                    self._read[name] = view
+
+    def release(self) -> None:
+        """Close the memory files this rank offered (once every rank has mapped its own: the
+        maps keep them)."""
+        for fd in self._offered.values():
+            os.close(fd)
+        self._offered.clear()
+
+    def _read_and_check(self, name: str, share: bool = False) -> memoryview:
         if name not in self.files:
             raise CheckpointError(
                 f"Checkpoint {self.root}: file {name!r} is not listed in its manifest; refusing "
@@ -171,36 +212,54 @@ class VerifiedBytes:
         expected = self.files[name]
         path = confined(self.root, name, "a tensor chunk refers to file")
         size = expected["size"]
+        algorithm, recorded = expected_digest(expected)
+        digest = hasher(algorithm)
+        fd = None
         try:
             with path.open("rb", buffering=0) as handle:
-                view = _fresh(size)
-                done = 0
-                algorithm, recorded = expected_digest(expected)
-                digest = hasher(algorithm)
-                while done < size:  # a block at a time, hashed while it is in the cache
-                    got = handle.readinto(view[done : done + _BLOCK])
-                    if not got:
-                        break
-                    digest.update(view[done : done + got])
-                    done += got
-                longer = done == size and handle.read(1)
+                if share:
+                    try:  # sealed first, then hashed: nothing can change what was hashed
+                        fd, view = sealed.copy_sealed(handle.fileno(), size)
+                    except (OSError, EOFError):
+                        fd = None  # read here as below (a short file is reported there)
+                if fd is not None:
+                    for at in range(0, size, _BLOCK):
+                        digest.update(view[at : at + _BLOCK])
+                    done, longer = size, bool(os.pread(handle.fileno(), 1, size))
+                else:
+                    view = _fresh(size)
+                    done = 0
+                    while done < size:  # a block at a time, hashed while it is in the cache
+                        got = handle.readinto(view[done : done + _BLOCK])
+                        if not got:
+                            break
+                        digest.update(view[done : done + got])
+                        done += got
+                    longer = done == size and handle.read(1)
         except FileNotFoundError:
             raise CheckpointError(
                 f"Checkpoint file {path} is missing (the manifest lists it). The checkpoint is "
                 f"incomplete; restore the file or load an earlier checkpoint."
             ) from None
-        if done != size or longer:
-            raise CheckpointError(
-                f"Checkpoint file {path} has {'more than ' if longer else ''}{done} bytes, the "
-                f"manifest says {size}: it was truncated or changed after saving (or while "
-                f"this load read it). Restore it or load an earlier checkpoint."
-            )
-        if digest.hexdigest() != recorded:
-            raise CheckpointError(
-                f"Checkpoint file {path} fails its {algorithm} check as read for this load: it "
-                f"was altered or corrupted after saving (or while this load read it). Nothing "
-                f"read from it was used; restore it or load an earlier checkpoint."
-            )
+        try:
+            if done != size or longer:
+                raise CheckpointError(
+                    f"Checkpoint file {path} has {'more than ' if longer else ''}{done} bytes, "
+                    f"the manifest says {size}: it was truncated or changed after saving (or "
+                    f"while this load read it). Restore it or load an earlier checkpoint."
+                )
+            if digest.hexdigest() != recorded:
+                raise CheckpointError(
+                    f"Checkpoint file {path} fails its {algorithm} check as read for this load: "
+                    f"it was altered or corrupted after saving (or while this load read it). "
+                    f"Nothing read from it was used; restore it or load an earlier checkpoint."
+                )
+        except CheckpointError:
+            if fd is not None:
+                os.close(fd)
+            raise
+        if fd is not None:
+            self._offered[name] = fd
         return view
 
 
