@@ -56,6 +56,8 @@ def launch(argv: Sequence[str]) -> int | None:
     before_script = argv[: next((i for i, w in enumerate(argv) if w.endswith(".py")), len(argv))]
     asked = any(w == "--replicas" or w.startswith("--replicas=") for w in before_script)
     if not asked and os.environ.get(OWN_LAUNCHER_ENV):  # torchplug launch, one group
+        if {"-h", "--help"} & set(before_script):  # this launcher's flags, then torchrun's
+            print(parser().format_help(), flush=True)
         return None
     from torchft.coordination import LighthouseServer
 

@@ -8,9 +8,11 @@ receiving side here loads with ``weights_only=True``: a payload naming anything 
 from __future__ import annotations
 
 import urllib.request
+import warnings
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torchft.checkpointing._serialization import _streaming_load
 from torchft.checkpointing.http_transport import HTTPTransport
 
@@ -20,5 +22,22 @@ class TensorsOnlyHTTPTransport(HTTPTransport):
 
     @classmethod
     def _load_from_address(cls, address: str, timeout: timedelta) -> Any:
-        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as stream:
-            return _streaming_load(stream, weights_only=True)
+        with (
+            urllib.request.urlopen(address, timeout=timeout.total_seconds()) as stream,
+            warnings.catch_warnings(),
+        ):
+            # torch makes each received tensor over the bytes it came in (read-only: it warns);
+            # each is copied into memory of its own before anything can write to it
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            return _owned(_streaming_load(stream, weights_only=True))
+
+
+def _owned(value: Any) -> Any:
+    """``value`` with every tensor in it (nested in dicts, lists, tuples) copied."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: _owned(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(item) for item in value)
+    return value
