@@ -80,38 +80,6 @@ def interleaved(
     return results
 
 
-def interleaved_steps(
-    steps_of: dict[str, Callable[[], Any]],
-    rounds: int,
-    steps: int,
-    warmup: int,
-    sync: Callable[[], None],
-) -> dict[str, list[float]]:
-    """Milliseconds per step of each contestant, one value per round. Within a round the
-    contestants take turns step by step (the order rotating every step) and each step is timed
-    on its own; a round's value is the median of its steps. A burst of load then hits every
-    contestant's steps alike, where timing each contestant's block of steps in turn let one
-    burst land on one block: on 2 ranks and 2 cores that swung a round's ratio by 15-20 %, more
-    than the 1-2 % the step targets are about."""
-    names = list(steps_of)
-    for name in names:  # warm-up, not timed
-        for _ in range(warmup):
-            steps_of[name]()
-    results: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(rounds):
-        times: dict[str, list[float]] = {name: [] for name in names}
-        sync()
-        for i in range(steps):
-            turn = i % len(names)
-            for name in names[turn:] + names[:turn]:
-                start = time.perf_counter()
-                steps_of[name]()
-                times[name].append(time.perf_counter() - start)
-        for name in names:
-            results[name].append(statistics.median(times[name]) * 1e3)
-    return results
-
-
 def per_second(
     amount: float, fn: Callable[[], Any], sync: Callable[[], None]
 ) -> Callable[[], float]:
@@ -126,6 +94,18 @@ def per_second(
         return amount / (time.perf_counter() - start)
 
     return run
+
+
+def time_steps(step: Callable[[], Any], steps: int, warmup: int, sync: Callable[[], None]) -> float:
+    """Seconds per step in steady state: ``warmup`` steps first, not timed."""
+    for _ in range(warmup):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - start) / steps
 
 
 def median(values: Sequence[float]) -> float:

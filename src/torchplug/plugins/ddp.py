@@ -111,8 +111,8 @@ class DDPStrategy(DistributedStrategy):
             self.forwarded.discard(id(wrapped))
             if not wrapped.require_backward_grad_sync:
                 continue  # inside no_sync: nothing is reduced yet
-            unused = [name for name, p in params if p.requires_grad and p.grad is None]
-            if len(unused) == sum(p.requires_grad for _, p in params):
+            unused = [name for name, p in params if p.grad is None and p.requires_grad]
+            if unused and len(unused) == sum(p.requires_grad for _, p in params):
                 continue  # none of its parameters took part: this loss is another model's
             if unused:
                 listing = ", ".join(unused[:5]) + (", ..." if len(unused) > 5 else "")
