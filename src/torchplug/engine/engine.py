@@ -277,7 +277,8 @@ class Engine(RuntimeFacts):
         split_batches: bool = False,
         shard_by: Literal["sample", "batch"] = "sample",
     ) -> Any:
-        """Give each rank its own share of ``loader``'s batches, moved to the device.
+        """Give each rank its own share of ``loader``'s batches, moved to the device (a backend
+        whose ranks change per step, ``ft-ddp``, deals each step's: `torchplug_batch_sampler`).
 
         Args:
             loader: a DataLoader (or any iterable of batches).
