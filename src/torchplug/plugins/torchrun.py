@@ -22,26 +22,29 @@ from collections.abc import Mapping
 
 from torchplug.plugin import ClusterInfo, ConfigurationError, hookimpl
 
+#: The ports `job_port` derives from a scheduler's ids (below Linux's ephemeral range);
+#: `free_port` picks below them.
+JOB_PORTS = range(20000, 32768)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (for a master port of one's own), below the kernel's
-    ephemeral range where it can be.
+    """A TCP port free on ``host`` now (for a master port of one's own), below both the ports
+    `job_port` derives and the kernel's ephemeral range where it can be.
 
     A port ``bind(0)`` hands out comes from the ephemeral range, which every outgoing
     connection (gloo's, a store client's) draws its local port from too: between this call and
     the store's ``bind`` one of them could take it (``EADDRINUSE`` on rank 0, seen in the test
-    suite's busy moments). A port below the range is taken only by another ``bind``.
+    suite's busy moments). A port among `JOB_PORTS` could be the one a concurrent scheduler job
+    (an MPI or SLURM step) derives for its own store. A port below both is taken only by another
+    ``bind`` of one's own.
 
     Args:
         host: The address to bind.
     """
-    low = _ephemeral_low()
-    candidates = range(max(10000, low - 16384), low)
+    candidates = range(10000, min(_ephemeral_low(), JOB_PORTS.start))
     pick = random.SystemRandom()  # not the script's seeded random: other processes pick too
     for _ in range(32 if len(candidates) > 1000 else 0):
         port = pick.choice(candidates)
-        if 29400 <= port < 29600:  # torchrun's defaults (29500, c10d's 29400): a launch's
-            continue
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))
@@ -94,7 +97,7 @@ def job_port(*ids: str) -> int:
     """
     import zlib
 
-    return 20000 + zlib.crc32("/".join(ids).encode()) % 12768
+    return JOB_PORTS[zlib.crc32("/".join(ids).encode()) % len(JOB_PORTS)]
 
 
 def master_port(value: str | None, name: str = "MASTER_PORT") -> int | None:
