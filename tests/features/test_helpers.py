@@ -859,6 +859,47 @@ def test_a_model_evaluated_under_no_grad_is_not_checked_at_the_next_models_backw
     assert ranks.run(folds_in_turn) == [True, True]
 
 
+def two_models_one_with_a_gradient_no_optimizer_clears() -> list[float]:
+    """Two models, each with its own loss. The first has a parameter left out of its optimizer
+    (trainable, so its gradient stays after ``zero_grad``); the second model's backward then
+    sees the first with some gradients missing, though the first took no part in that loss."""
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        torch.manual_seed(0)
+        first = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        second = torch.nn.Linear(4, 1)
+        first, opt_first = engine.setup(first, torch.optim.SGD(first[1].parameters(), lr=0.1))
+        second, opt_second = engine.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
+        losses = []
+        for _ in range(2):
+            engine.backward(first(torch.ones(2, 4)).sum())
+            opt_first.step()
+            opt_first.zero_grad()  # first[0]'s gradients stay: it is in no optimizer
+            loss = second(torch.ones(2, 4)).sum()
+            engine.backward(loss)
+            opt_second.step()
+            opt_second.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+
+def test_a_model_with_some_gradients_left_is_not_checked_at_another_models_backward(ranks):
+    """The unused-parameter check asks the loss's graph which models took part: the first
+    model's leftover gradients are not this loss's, and the second model trains."""
+    results = ranks.run(two_models_one_with_a_gradient_no_optimizer_clears)
+    torch.manual_seed(0)
+    torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))  # the same seed order
+    reference = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    want = []
+    for _ in range(2):
+        loss = reference(torch.ones(2, 4)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    assert results == [pytest.approx(want), pytest.approx(want)]
+
+
 def local_sgd_block() -> dict:
     """Two ranks step on their own data inside a block (3 steps, averaging every 2)."""
     with tp.Engine("ddp", timeout=120.0) as engine:

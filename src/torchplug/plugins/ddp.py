@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -64,10 +65,11 @@ class DDPStrategy(DistributedStrategy):
             )
         # Pass only what differs from DDP's defaults: names get deprecated across torch versions.
         self.ddp_kwargs = {k: v for k, v in ddp.items() if v != defaults[k]}
-        #: The DDP modules whose unused parameters DDP does not look for, with their parameters.
-        self.watched: list[tuple[Any, list[tuple[str, torch.nn.Parameter]]]] = []
-        #: Those of them that ran a forward since the last backward (by ``id``).
-        self.forwarded: set[int] = set()
+        #: The DDP modules whose unused parameters DDP does not look for, with their parameters
+        #: (weakly: a k-fold loop's earlier models are freed as without torchplug).
+        self.watched: weakref.WeakKeyDictionary[Any, list[tuple[str, torch.nn.Parameter]]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @hookimpl
     def torchplug_wrap(
@@ -81,15 +83,8 @@ class DDPStrategy(DistributedStrategy):
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
         finds = self.ddp_kwargs.get("find_unused_parameters") or self.ddp_kwargs.get("static_graph")
         if not finds:  # DDP itself does not look for unused parameters: torchplug does
-            wrapped.register_forward_pre_hook(self._note_forward)
-            self.watched.append((wrapped, list(model.named_parameters())))
+            self.watched[wrapped] = list(model.named_parameters())
         return wrapped, optimizers
-
-    def _note_forward(self, module: torch.nn.Module, args: Any) -> None:
-        """A forward that can lead to a backward (gradients on): evaluation under ``no_grad``
-        is never one, and must not mark the model for the next backward's check."""
-        if torch.is_grad_enabled():
-            self.forwarded.add(id(module))
 
     @hookimpl
     def torchplug_backward(
@@ -101,19 +96,24 @@ class DDPStrategy(DistributedStrategy):
         average a gradient a rank did not produce: it stepped once with unsynchronised
         gradients and raised at the next forward, naming its own keyword, not the option.
         (An answer, not a wrapper around the default one: a wrapper cost each backward ~1 µs
-        more, past the dispatch benchmark's budget.)"""
+        more, past the dispatch benchmark's budget. No forward hook either: one sends every
+        forward through torch's slow module-call path, ~6 µs a step.)
+
+        Which models took part in this loss (not a GAN's other model, a model evaluated under
+        ``no_grad``, an earlier k-fold model) is read from the loss's graph, and only when a
+        model has some gradients missing: the common case costs one look at each gradient."""
         loss.backward()
-        if not self.forwarded:
-            return True
-        for wrapped, params in self.watched:
-            if id(wrapped) not in self.forwarded:
-                continue  # another model's loss (a GAN's two models)
-            self.forwarded.discard(id(wrapped))
+        reached: set[int] | None = None
+        for wrapped, params in self.watched.items():
             if not wrapped.require_backward_grad_sync:
                 continue  # inside no_sync: nothing is reduced yet
-            unused = [name for name, p in params if p.grad is None and p.requires_grad]
-            if unused and len(unused) == sum(p.requires_grad for _, p in params):
+            if all(p.grad is not None or not p.requires_grad for _, p in params):
+                continue  # the common case, checked first: every gradient is there
+            if reached is None:
+                reached = graph_leaves(loss)
+            if not any(id(p) in reached for _, p in params):
                 continue  # none of its parameters took part: this loss is another model's
+            unused = [name for name, p in params if p.grad is None and p.requires_grad]
             if unused:
                 listing = ", ".join(unused[:5]) + (", ..." if len(unused) > 5 else "")
                 raise ConfigurationError(
@@ -140,6 +140,24 @@ class DDPStrategy(DistributedStrategy):
                 f"{type(model).__name__}. Pass the wrapped model."
             )
         return no_sync()
+
+
+def graph_leaves(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) whose gradients ``loss``'s graph accumulates.
+    The graph's nodes outlive ``backward`` as long as ``loss`` holds them."""
+    leaves: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return leaves
 
 
 def ddp_memory(query: MemoryQuery) -> MemoryEstimate:
