@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchplug.checkpoint import async_save as background
-from torchplug.checkpoint import columns, deferred, sealed, verify
+from torchplug.checkpoint import columns, deferred, fresh, sealed, verify
 from torchplug.checkpoint import files as fs
 from torchplug.checkpoint import manifest as mf
 from torchplug.checkpoint import tensors as store
@@ -81,7 +81,9 @@ def capture(engine: HookContext, key: str, obj: Any, state: dict[str, Any]) -> t
         return kind, _hooks(engine).model_state(obj)
     if kind == "optimizer":
         model = engine.model_of(obj, state)
-        return kind, _hooks(engine).optimizer_state(model, obj)
+        return kind, fresh.read_optimizer_state(
+            obj, lambda: _hooks(engine).optimizer_state(model, obj)
+        )
     if kind == "stateful":
         return kind, obj.state_dict()
     return kind, obj
@@ -532,6 +534,8 @@ def _plan(
                 live = hooks.model_state(target)
             else:
                 live = hooks.optimizer_state(model, target)
+                if fresh.is_fresh(data):  # saved before its first step: loads as fresh
+                    live = fresh.without_state(live)
             found = _names(live, key)
             common = _compare(root, key, set(names), set(found), strict, kind)
             targets.update({n: found[n] for n in common})

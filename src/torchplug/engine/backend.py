@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchplug.checkpoint import fresh
 from torchplug.contract.errors import CheckpointError, ConfigurationError
 from torchplug.engine import wrappers
 from torchplug.features import faults
@@ -200,7 +201,10 @@ class BackendState:
         with self.native_state_dicts():
             result = {"model": map_tensors(hooks.model_state(model), full)}
             if optimizer is not None:
-                result["optimizer"] = map_tensors(hooks.optimizer_state(model, optimizer), full)
+                read = fresh.read_optimizer_state(
+                    optimizer, lambda: hooks.optimizer_state(model, optimizer)
+                )
+                result["optimizer"] = map_tensors(read, full)
         return result
 
     @contextlib.contextmanager
