@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from benchmarks.common import interleaved, mlp, record, time_steps, write_records
+from benchmarks.common import interleaved_steps, mlp, record, write_records
 
 F = torch.nn.functional
 
@@ -76,6 +76,10 @@ def _compare_frameworks(
     contestants: dict[str, Callable[[], None]] = {}
     plain = DistributedDataParallel(model())
     contestants["raw DDP"] = raw_step(plain, torch.optim.AdamW(plain.parameters()), x, y)
+    # The same raw loop again (an A/A control): its spread is the machine's noise floor, the
+    # resolution any contestant's ratio has on this machine.
+    again = DistributedDataParallel(model())
+    contestants["raw DDP, again"] = raw_step(again, torch.optim.AdamW(again.parameters()), x, y)
 
     m = model()
     m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
@@ -88,11 +92,9 @@ def _compare_frameworks(
         m = model()
         m, o = fabric.setup(m, torch.optim.AdamW(m.parameters()))
         contestants["Fabric"] = raw_step(m, o, x, y, fabric.backward)
-    timed = {
-        name: (lambda s=s: time_steps(s, steps, shape["warmup"], barrier) * 1e3)
-        for name, s in contestants.items()
-    }
-    results = interleaved(timed, shape.get("rounds", args.rounds), barrier)
+    results = interleaved_steps(
+        contestants, steps, shape.get("rounds", args.rounds), shape["warmup"], barrier
+    )
     base = results["raw DDP"]
     for name, values in results.items():
         target = {"max": 1.01} if name == "torchplug ddp" else None
@@ -157,12 +159,11 @@ def fsdp_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
     m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
     engine_step = raw_step(m, o, x, y, engine.backward)
     steps = max(args.steps_medium, 3)
-    results = interleaved(
-        {
-            "raw FSDP2": lambda: time_steps(raw_step(raw, raw_opt, x, y), steps, 2, barrier) * 1e3,
-            "torchplug fsdp": lambda: time_steps(engine_step, steps, 2, barrier) * 1e3,
-        },
+    results = interleaved_steps(
+        {"raw FSDP2": raw_step(raw, raw_opt, x, y), "torchplug fsdp": engine_step},
+        steps,
         short_rounds(args),
+        2,
         barrier,
     )
     group = f"MLP width {width}, fsdp"
@@ -201,16 +202,14 @@ def precision_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) 
         m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
         engine_step = raw_step(m, o, x, y, engine.backward)
 
-        results = interleaved(
+        results = interleaved_steps(
             {
-                f"raw DDP + autocast {precision}": lambda s=plain_step: (
-                    time_steps(s, args.steps_tiny, args.warmup, barrier) * 1e3
-                ),
-                f"torchplug ddp {precision}": lambda s=engine_step: (
-                    time_steps(s, args.steps_tiny, args.warmup, barrier) * 1e3
-                ),
+                f"raw DDP + autocast {precision}": plain_step,
+                f"torchplug ddp {precision}": engine_step,
             },
+            args.steps_tiny,
             short_rounds(args),
+            args.warmup,
             barrier,
         )
         group = f"tiny MLP, {precision}"

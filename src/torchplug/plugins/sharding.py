@@ -208,8 +208,9 @@ class UnusedParameters:
         Args:
             model: A model sharded with FSDP2 (``fully_shard`` applied).
         """
-        if self.zero_fill:
+        if self.zero_fill:  # every rank reduce-scatters every gradient: nothing to check
             model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+            return
         self.params += list(model.named_parameters())
 
     @contextlib.contextmanager

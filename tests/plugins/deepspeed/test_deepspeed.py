@@ -887,3 +887,26 @@ def test_a_schedule_free_optimizer_is_refused_naming_why(ranks):
     for said in ranks.run(set_up_schedule_free, "deepspeed-zero2"):
         assert "schedule-free optimizer (AdamWScheduleFree)" in said, said
         assert "Use it with ddp, fsdp or tp" in said
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    ("source", "target"), [("ddp", "deepspeed-zero2"), ("deepspeed-zero2", "ddp")]
+)
+def test_a_checkpoint_saved_before_the_first_step_resumes_as_a_fresh_optimizer(
+    ranks, tmp_path, source, target
+):
+    """A step-0 save of either strategy loads into the other as a never-stepped optimizer: 5
+    steps after the load equal 5 steps of a run that loaded nothing (losses, parameters,
+    optimizer state)."""
+    path = str(tmp_path / "step0")
+    options = {"timeout": 120.0}
+    ranks.run(bodies.train, source, options=options, steps=0, save_to=path, timeout=300)
+    fresh = ranks.run(bodies.train, target, options=options, steps=5, timeout=300)[0]
+    resumed = ranks.run(
+        bodies.train, target, options=options, steps=5, load_from=path, timeout=300
+    )[0]
+    assert resumed["losses"] == pytest.approx(fresh["losses"], abs=1e-6)
+    assert_close_dicts(resumed["params"], fresh["params"], atol=1e-6)
+    assert resumed["optimizer"].keys() == fresh["optimizer"].keys() != set()
+    assert_close_dicts(resumed["optimizer"], fresh["optimizer"], atol=1e-6)
