@@ -137,15 +137,18 @@ class ScaledMixedPrecision(MixedPrecision):
                 "scaling needs the backward outside the step. Compute the loss and call "
                 "engine.backward(loss) before optimizer.step(), or use precision='bf16'."
             )
-        with contextlib.suppress(RuntimeError):  # already unscaled for clipping this step
+        try:  # noqa: SIM105 - a plain try: contextlib.suppress costs ~2 µs a step
             self.scaler.unscale_(optimizer)
+        except RuntimeError:
+            pass  # already unscaled for clipping this step
         skipped = found_inf(self.scaler, optimizer)
         with engine.skipping_updates(optimizer, skipped):
             stepped = yield
         self._stepped.add(id(optimizer))
         # Update the scale once every optimizer of this engine has stepped; a partial set is
         # updated at the next backward, so all optimizers unscale with the same scale.
-        if self._stepped >= {id(o) for o in engine.optimizers}:
+        optimizers = engine.optimizers
+        if len(optimizers) == 1 or self._stepped >= {id(o) for o in optimizers}:
             self._update_scale()
         return not skipped and stepped is not False
 
