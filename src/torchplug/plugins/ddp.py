@@ -65,11 +65,11 @@ class DDPStrategy(DistributedStrategy):
             )
         # Pass only what differs from DDP's defaults: names get deprecated across torch versions.
         self.ddp_kwargs = {k: v for k, v in ddp.items() if v != defaults[k]}
-        #: The DDP modules whose unused parameters DDP does not look for, with their parameters
-        #: (weakly: a k-fold loop's earlier models are freed as without torchplug).
-        self.watched: weakref.WeakKeyDictionary[Any, list[tuple[str, torch.nn.Parameter]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        #: The DDP modules whose unused parameters DDP does not look for, with their parameters,
+        #: by id; an entry leaves when its module is freed (a k-fold loop's earlier models are
+        #: freed as without torchplug). A plain dict: iterating a WeakKeyDictionary costs ~1 µs
+        #: a backward.
+        self.watched: dict[int, tuple[Any, list[tuple[str, torch.nn.Parameter]]]] = {}
 
     @hookimpl
     def torchplug_wrap(
@@ -83,7 +83,9 @@ class DDPStrategy(DistributedStrategy):
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
         finds = self.ddp_kwargs.get("find_unused_parameters") or self.ddp_kwargs.get("static_graph")
         if not finds:  # DDP itself does not look for unused parameters: torchplug does
-            self.watched[wrapped] = list(model.named_parameters())
+            key = id(wrapped)
+            self.watched[key] = (weakref.ref(wrapped), list(model.named_parameters()))
+            weakref.finalize(wrapped, self.watched.pop, key, None)
         return wrapped, optimizers
 
     @hookimpl
@@ -99,20 +101,28 @@ class DDPStrategy(DistributedStrategy):
         more, past the dispatch benchmark's budget. No forward hook either: one sends every
         forward through torch's slow module-call path, ~6 µs a step.)
 
-        Which models took part in this loss (not a GAN's other model, a model evaluated under
-        ``no_grad``, an earlier k-fold model) is read from the loss's graph, and only when a
-        model has some gradients missing: the common case costs one look at each gradient."""
+        A model with all of its gradients, or none (a GAN's other model, a model evaluated
+        under ``no_grad``, an earlier k-fold model), passes at one look at each gradient. Only
+        a model with some missing is looked up in the loss's graph: it may hold leftover
+        gradients of an earlier backward (a parameter no optimizer clears) and have taken no
+        part in this loss."""
         loss.backward()
         reached: set[int] | None = None
-        for wrapped, params in self.watched.items():
-            if not wrapped.require_backward_grad_sync:
+        for ref, params in self.watched.values():
+            wrapped = ref()
+            if wrapped is None or not wrapped.require_backward_grad_sync:
                 continue  # inside no_sync: nothing is reduced yet
-            if all(p.grad is not None or not p.requires_grad for _, p in params):
-                continue  # the common case, checked first: every gradient is there
+            missing = trainable = 0
+            for _, p in params:
+                if p.requires_grad:
+                    trainable += 1
+                    missing += p.grad is None
+            if missing == 0 or missing == trainable:
+                continue  # every gradient is there, or none: this loss is another model's
             if reached is None:
                 reached = graph_leaves(loss)
             if not any(id(p) in reached for _, p in params):
-                continue  # none of its parameters took part: this loss is another model's
+                continue  # leftover gradients of an earlier backward: not this loss's model
             unused = [name for name, p in params if p.grad is None and p.requires_grad]
             if unused:
                 listing = ", ".join(unused[:5]) + (", ..." if len(unused) > 5 else "")
