@@ -25,7 +25,11 @@ def read_optimizer_state(optimizer: Any, read: Callable[[], Any]) -> Any:
     if not isinstance(state, dict) or state:
         return read()
     groups = [
-        {k: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v) for k, v in g.items()}
+        {
+            k: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)
+            for k, v in g.items()
+            if k != "params"
+        }
         for g in optimizer.param_groups
     ]
     payload = read()
@@ -34,8 +38,6 @@ def read_optimizer_state(optimizer: Any, read: Callable[[], Any]) -> Any:
     optimizer.state.clear()
     for group, before in zip(optimizer.param_groups, groups, strict=True):
         for key, value in before.items():
-            if key == "params":
-                continue
             now = group.get(key)
             if isinstance(now, torch.Tensor) and isinstance(value, torch.Tensor):
                 now.copy_(value)  # in place: a scheduler may hold the tensor

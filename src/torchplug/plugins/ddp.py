@@ -108,7 +108,7 @@ class DDPStrategy(DistributedStrategy):
         part in this loss."""
         loss.backward()
         reached: set[int] | None = None
-        for ref, params in self.watched.values():
+        for ref, params in list(self.watched.values()):  # a freed model's finalizer may pop
             wrapped = ref()
             if wrapped is None or not wrapped.require_backward_grad_sync:
                 continue  # inside no_sync: nothing is reduced yet
