@@ -23,7 +23,7 @@ from torchplug.testing import RankError
 
 FAILING = textwrap.dedent(
     """
-    import sys, time, torch, torchplug as tp
+    import os, sys, time, torch, torchplug as tp
     mode, timeout, stamp = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     with tp.Engine("ddp", timeout=timeout) as engine:
         engine.barrier()
@@ -32,6 +32,8 @@ FAILING = textwrap.dedent(
         if engine.rank == 1:
             if mode == "raise":
                 raise ValueError("boom on rank 1")
+            if mode == "abort":
+                os.abort()  # as a crash in native code ends a rank: SIGABRT, no Python error
             time.sleep(300)  # mode == "stall"
         engine.reduce(torch.ones(3), "sum")
     """
@@ -72,6 +74,17 @@ def test_a_rank_that_stalls_ends_the_job_within_the_timeout_and_is_named(tmp_pat
     assert "Rank 0 failed first: PeerGoneError: Rank 0 waited 3 s in engine.reduce()" in run.stderr
     assert "Rank(s) [1] raised nothing and were still running when it failed" in run.stderr
     assert "torchplug launch --debug" in run.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_is_named_first_as_crashed_not_as_stalled(tmp_path):
+    """A rank a signal of its own ended (SIGABRT here) is the cause; the agent's SIGTERM to the
+    others is not a stall."""
+    run, elapsed = launch_failing(tmp_path, "abort", timeout=1200.0)
+    assert run.returncode == 1
+    assert elapsed < 60, f"took {elapsed:.1f} s: something waited for the 1200 s timeout"
+    assert "Rank 1 failed first: died of SIGABRT, a crash" in run.stderr, run.stderr[-3000:]
+    assert "raised nothing and were still running" not in run.stderr
 
 
 # -- teardown after an exception does not wait (pool) --------------------------------------------

@@ -730,9 +730,26 @@ def _one_line(failure: Any, rest: str | None = None) -> str:
     if message:
         where = getattr(failure, "error_file", None)
         return first_line(message, rest=rest or (f"whole in {where}" if where else "output above"))
+    if _crashed(failure):
+        return (
+            f"died of {failure.signal_name()}, a crash (in native code, or an "
+            f"abort), not a Python exception: its own output above has its last words"
+        )
     if failure.exitcode < 0:
         return f"stopped by signal {failure.signal_name()}"
     return f"exit code {failure.exitcode} (no error recorded: its own output is above)"
+
+
+#: The signals the agent (or a person) stops a worker with; any other ended a rank on its own.
+_STOPS = {"SIGTERM", "SIGKILL", "SIGINT", "SIGHUP"}
+
+
+def _crashed(failure: Any) -> bool:
+    """A rank a signal of its own ended (SIGABRT, SIGSEGV, SIGBUS, ...) with no Python error:
+    the cause, not a rank the agent stopped after another failed."""
+    if failure.exitcode >= 0 or _error_data(failure):
+        return False
+    return signal_name(-failure.exitcode) not in _STOPS
 
 
 def summary(failures: dict[int, Any], script: str = "the script") -> str:
@@ -741,7 +758,11 @@ def summary(failures: dict[int, Any], script: str = "the script") -> str:
 
     def order(item: tuple[int, Any]) -> tuple[int, float, int]:
         data = _error_data(item[1])
-        kind = 2 if not data else 1 if data.get("extraInfo", {}).get("torchplug_secondary") else 0
+        if _crashed(item[1]):
+            kind = 0
+        else:
+            secondary = data.get("extraInfo", {}).get("torchplug_secondary")
+            kind = 2 if not data else 1 if secondary else 0
         return kind, _when(item[1]), item[0]
 
     ranked = sorted(failures.items(), key=order)
@@ -750,7 +771,7 @@ def summary(failures: dict[int, Any], script: str = "the script") -> str:
         f"torchplug launch: the job failed ({script}). Rank {first_rank} failed first: "
         f"{_one_line(first, rest='the traceback below has it whole')}"
     ]
-    stalled = [r for r, f in ranked if not _error_data(f) and f.exitcode < 0]
+    stalled = [r for r, f in ranked if not _error_data(f) and f.exitcode < 0 and not _crashed(f)]
     if stalled and _error_data(first).get("extraInfo", {}).get("torchplug_secondary"):
         lines.append(
             f"Rank(s) {stalled} raised nothing and were still running when it failed: the "
