@@ -17,9 +17,23 @@ branch for a particular backend: backends take part through the state hooks of
 `torchplug.contract.spec`.
 """
 
-from torchplug.checkpoint import files
-from torchplug.checkpoint.io import load, open_checkpoint, read_manifest, save
-from torchplug.checkpoint.manifest import MANIFEST, TENSORS, decode, encode, kind_of, tensor_paths
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchplug import _lazy
+
+# Names load on first use: the Engine imports ``torchplug.checkpoint.settings`` and friends at
+# import time, and the save/load machinery (DCP, hashing) only when a checkpoint is touched.
+_EXPORTS = {
+    **dict.fromkeys(
+        ("load", "open_checkpoint", "read_manifest", "save"), "torchplug.checkpoint.io"
+    ),
+    **dict.fromkeys(
+        ("MANIFEST", "TENSORS", "decode", "encode", "kind_of", "tensor_paths"),
+        "torchplug.checkpoint.manifest",
+    ),
+}  # (``files`` is a submodule: ``from torchplug.checkpoint import files`` imports it)
 
 __all__ = [
     "MANIFEST",
@@ -34,3 +48,17 @@ __all__ = [
     "save",
     "tensor_paths",
 ]
+
+if TYPE_CHECKING:
+    from torchplug.checkpoint import files
+    from torchplug.checkpoint.io import load, open_checkpoint, read_manifest, save
+    from torchplug.checkpoint.manifest import (
+        MANIFEST,
+        TENSORS,
+        decode,
+        encode,
+        kind_of,
+        tensor_paths,
+    )
+
+__getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS, globals())

@@ -16,13 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchplug.util.records import Record
+
 if TYPE_CHECKING:
     from torchplug.contract.hooks import Hooks
     from torchplug.contract.types import ClusterInfo, Runtime
 
 
-@dataclass
-class Selection:
+@dataclass(eq=False, repr=False)
+class Selection(Record):
     """What an Engine decided when it was made, as its hooks read it (owned by the Engine;
     `runtime` is set once the backend's ``torchplug_setup`` answered).
 

@@ -24,6 +24,7 @@ import pluggy
 from torchplug.contract.errors import PluginError
 from torchplug.contract.validation import plugin_label
 from torchplug.util.environ import env_list, truthy
+from torchplug.util.records import Record
 
 if TYPE_CHECKING:
     from torchplug.contract.registry import Registry
@@ -34,8 +35,7 @@ PLUGIN_MODULES_ENV = "TORCHPLUG_PLUGIN_MODULES"
 OWN_DISTRIBUTION = "torchplug"
 
 #: torchplug's own plugins every Engine needs, loaded whatever the allow-list says (a block
-#: still applies): the hooks' default answers, the portable checkpoint's save and load, and the
-#: default strategy.
+#: still applies): the hooks' default answers, the checkpoint's save and load, the default strategy.
 MINIMAL_PLUGINS = frozenset(
     {"torch_distributed", "checkpoint", "single", "torchrun", "environment"}
 )
@@ -48,8 +48,8 @@ def _is_own(ep: metadata.EntryPoint) -> bool:
     return dist.metadata["Name"].replace("_", "-").lower() == OWN_DISTRIBUTION
 
 
-@dataclass(frozen=True)
-class Candidate:
+@dataclass(frozen=True, eq=False, repr=False)
+class Candidate(Record):
     """A plugin discovery may load: an installed entry point, torchplug's own or another
     distribution's."""
 

@@ -22,8 +22,7 @@ from torchplug.contract.errors import PluginError
 if TYPE_CHECKING:
     from torchplug.contract.types import ClusterInfo, Runtime
 
-#: Hooks called on every training step (their contracts say ``per_step``): resolved once per
-#: Engine (see `dispatch`).
+#: Hooks called every step (their contracts say ``per_step``): resolved once per Engine (dispatch).
 PER_STEP = (
     "torchplug_autocast",
     "torchplug_backward",

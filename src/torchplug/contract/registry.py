@@ -25,6 +25,7 @@ from torchplug.contract.validation import (
     register_checked,
 )
 from torchplug.util import capabilities
+from torchplug.util.records import Record
 from torchplug.util.text import did_you_mean
 
 #: Built-in plugins that hold default answers (``trylast``): registered into each Engine before
@@ -37,8 +38,8 @@ STRATEGY_HOOKS = spec.hooks_where(kind="strategy")
 ACTION_HOOKS = spec.hooks_where(required=True)
 
 
-@dataclass
-class Registry:
+@dataclass(eq=False, repr=False)
+class Registry(Record):
     """Everything installed: plugins, the strategies and precisions they announce, and failures."""
 
     pm: pluggy.PluginManager

@@ -2,9 +2,7 @@
 
 Every extension point of torchplug is a pluggy hook defined in this module; a plugin is any module,
 class or object with functions named like these hooks and marked with
-[`hookimpl`][torchplug.plugin.hookimpl].
-
-There are two kinds of hooks.
+[`hookimpl`][torchplug.plugin.hookimpl]. There are two kinds of hooks.
 
 **Registration hooks** are called once on every installed plugin when the registry is built.
 A plugin announces what it offers by calling the ``register`` callback it is handed.
@@ -17,13 +15,10 @@ precision, and extension plugins. Hooks that perform an action are ``firstresult
 answers, and composable plugins wrap it with ``@hookimpl(wrapper=True)``: code before the ``yield``
 runs before the backend, the ``yield`` returns the backend's answer, and the wrapper returns the
 (possibly changed) answer. That is how AMP works with any backend without a branch in the core.
-
 Action hooks that have nothing to return (backward, barrier, save) return ``True`` to say "done";
-the Engine raises a clear error when no plugin in the active set answers a hook.
-
-Hook names carry the ``torchplug_`` prefix so that a plugin can also hold other code.
+the Engine raises a clear error when no plugin in the active set answers a hook. Hook names carry
+the ``torchplug_`` prefix so that a plugin can also hold other code.
 """
-
 # Why this module is over 500 lines: the whole contract, every hook's documented spec in one module,
 # as pytest's hookspec.py (a comment: docs/api.md renders the docstring; hooks.md is made from it).
 
@@ -36,6 +31,8 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+from torchplug.util.records import Record
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -72,8 +69,8 @@ RETIRED_HOOKS: dict[str, tuple[str, str]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Contract:
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Contract(Record):
     """What torchplug promises about one hook, declared beside its specification (and read from
     here by the plugin manager, the Engine's dispatch and answer checks, and docs/hooks.md), so
     the contract lives in one place.

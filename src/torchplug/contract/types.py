@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchplug.contract.errors import ConfigurationError
 from torchplug.util.installed import missing_package
+from torchplug.util.records import Record
 from torchplug.util.text import did_you_mean, positive_number  # noqa: F401 - API 1.x name
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ DEFAULT_TIMEOUT = 1800.0
 """Seconds a collective or a checkpoint phase waits, unless a strategy's ``timeout`` says."""
 
 
-@dataclass(frozen=True)
-class Option:
+@dataclass(frozen=True, eq=False, repr=False)
+class Option(Record):
     """One option of a strategy (``Engine(strategy=..., **options)``) or precision plugin.
 
     Args:
@@ -107,8 +108,8 @@ def resolve_options(
     return resolved
 
 
-@dataclass(frozen=True, kw_only=True)
-class Announced:
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+class Announced(Record):
     """What the plugin manager fills in on every record a plugin announces (strategies,
     precision plugins, loggers), so that listings and errors name where a name came from.
 
@@ -135,7 +136,7 @@ class Announced:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class StrategyInfo(Announced):
     """A backend as announced by its plugin through ``torchplug_register_strategies``.
 
@@ -320,7 +321,7 @@ _NOT_INHERITED = frozenset(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class PrecisionInfo(Announced):
     """A precision plugin (e.g. AMP), composed with backends that do not own precision.
 
@@ -346,7 +347,7 @@ class PrecisionInfo(Announced):
     check: Callable[[str], str | None] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class LoggerInfo(Announced):
     """A metric logger (experiment tracker) as announced through ``torchplug_register_loggers``.
 
@@ -381,8 +382,8 @@ class LoggerInfo(Announced):
         return missing_package(self.requires, self.install_hint)
 
 
-@dataclass(frozen=True)
-class ClusterInfo:
+@dataclass(frozen=True, eq=False, repr=False)
+class ClusterInfo(Record):
     """The identity of this process within its job, as a cluster-environment plugin reads it.
 
     Returned by ``torchplug_cluster_environment``. For a process a scheduler started as one task
@@ -415,8 +416,8 @@ class ClusterInfo:
     source: str = "single process"
 
 
-@dataclass(frozen=True)
-class Runtime:
+@dataclass(frozen=True, eq=False, repr=False)
+class Runtime(Record):
     """Where this process runs, as the backend's ``torchplug_setup`` decided.
 
     Args:

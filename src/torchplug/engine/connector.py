@@ -26,6 +26,7 @@ from torchplug.contract.types import (
 )
 from torchplug.engine import config
 from torchplug.engine.config import auto_strategy, is_auto, normalize_precision  # noqa: F401 - re-exported
+from torchplug.util.records import Record
 
 
 def select_strategy(
@@ -200,8 +201,8 @@ def check_contract(hooks: Hooks, info: StrategyInfo, backend: object, missing: l
         )
 
 
-@dataclass
-class Connection:
+@dataclass(eq=False, repr=False)
+class Connection(Record):
     """What `connect` chose for one Engine: the settings with their sources, who this process
     is, the strategy and its options, the precision, and the active set."""
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchplug.contract.errors import CheckpointError, ConfigurationError
+from torchplug.util.records import Record
 
 if TYPE_CHECKING:
     from torchplug.engine._typing import Engine
@@ -31,8 +32,8 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 RNG_KEY = "rng"
 
 
-@dataclass(frozen=True)
-class CheckpointPolicy:
+@dataclass(frozen=True, eq=False, repr=False)
+class CheckpointPolicy(Record):
     """Where numbered checkpoints go, whether to resume from them, and how many to keep."""
 
     directory: Path | None = None

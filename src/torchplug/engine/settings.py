@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from torchplug.contract.errors import ConfigurationError
+from torchplug.util.records import Record
 from torchplug.util.text import did_you_mean
 
 #: Accelerate's ``"no"`` / ``"bf16"`` / ``"fp16"`` and Fabric's ``"32-true"`` / ``"bf16-mixed"`` /
@@ -46,8 +47,8 @@ def normalize_precision(value: str | int | None) -> str:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Setting(Record):
     value: Any
     source: str
 
@@ -56,8 +57,8 @@ class Setting:
 UNUSED_NOTE = "(not an option of this strategy: unused)"
 
 
-@dataclasses.dataclass
-class Settings:
+@dataclasses.dataclass(eq=False, repr=False)
+class Settings(Record):
     strategy: Setting
     precision: Setting
     #: Strategy options: the config file's shared ``[options]``, overlaid by the launcher's
