@@ -3,6 +3,7 @@ seed_everything, engine.log, on real ranks where it matters."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import random
@@ -898,6 +899,67 @@ def test_a_model_with_some_gradients_left_is_not_checked_at_another_models_backw
         opt.zero_grad()
         want.append(loss.item())
     assert results == [pytest.approx(want), pytest.approx(want)]
+
+
+def distillation_with_a_frozen_teacher(strategy: str) -> list[list[float]]:
+    """A student trained towards a frozen teacher: both set up, the teacher with no optimizer
+    and no trainable parameter (DDP itself refuses such a module)."""
+    with tp.Engine(strategy, timeout=120.0) as engine:
+        torch.manual_seed(0)
+        teacher = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)).eval()
+        teacher.requires_grad_(False)
+        student = torch.nn.Linear(4, 8)
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        teacher = engine.setup(teacher)
+        student, opt = engine.setup(student, opt)
+        torch.manual_seed(1 + engine.rank)
+        for _ in range(3):
+            x = torch.randn(6, 4)
+            with torch.no_grad():
+                target = teacher(x)
+            engine.backward((student(x) - target).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        return [v.flatten().tolist() for v in engine.full_state(student)["model"].values()]
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "ddp",
+        "fsdp",
+        pytest.param(
+            "fairscale-sdp",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("fairscale") is None, reason="fairscale not installed"
+            ),
+        ),
+    ],
+)
+def test_a_frozen_model_is_set_up_beside_a_trained_one_as_plain_ddp_trains_it(ranks, strategy):
+    """``engine.setup(teacher)`` with no trainable parameter (torch's DDP raises "not needed"
+    for it): the student ends where plain PyTorch on the two ranks' batches ends."""
+    results = ranks.run(distillation_with_a_frozen_teacher, strategy)
+    torch.manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)).eval()
+    student = torch.nn.Linear(4, 8)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    data = []
+    for rank in range(2):
+        torch.manual_seed(1 + rank)
+        data.append([torch.randn(6, 4) for _ in range(3)])
+    for step in range(3):
+        # DDP averages the ranks' gradients: the mean of the two ranks' losses
+        loss = sum(
+            (student(x) - teacher(x).detach()).pow(2).mean() for x in (d[step] for d in data)
+        )
+        (loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    want = [p.detach().flatten().tolist() for p in student.parameters()]
+    for got in results:
+        for g, w in zip(got, want, strict=True):
+            assert g == pytest.approx(w, abs=1e-6)
 
 
 def local_sgd_block() -> dict:

@@ -79,6 +79,10 @@ class DDPStrategy(DistributedStrategy):
         from torch.nn.parallel import DistributedDataParallel
 
         model = model.to(engine.device)
+        if not any(p.requires_grad for p in model.parameters()):
+            # A frozen model (a distillation teacher, a reward model): no gradient to average,
+            # and DDP refuses it ("not needed"). It stays the plain module, as with Accelerate.
+            return model, optimizers
         device_ids = [engine.device.index] if engine.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
         finds = self.ddp_kwargs.get("find_unused_parameters") or self.ddp_kwargs.get("static_graph")

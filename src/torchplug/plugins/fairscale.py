@@ -170,6 +170,8 @@ class SDPStrategy(OSSCheckpointing, DistributedStrategy):
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         from fairscale.nn.data_parallel import ShardedDataParallel
 
+        if not optimizers and not any(p.requires_grad for p in model.parameters()):
+            return model.to(engine.device), optimizers  # a frozen model: nothing to shard
         if not optimizers:
             raise ConfigurationError(
                 "fairscale-sdp shards gradients by optimizer: pass the optimizer too, "
