@@ -134,6 +134,20 @@ def test_every_public_name_is_in_the_api_reference():
     assert not missing, f"add '::: NAME' to docs/api.md for {missing}"
 
 
+def test_the_engine_at_a_glance_names_every_public_member():
+    """docs/api.md's table is read in the repository too (the entries under it only render on
+    the site): a member added to the Engine is added there."""
+    api = (DOCS / "api.md").read_text()
+    table = api[api.index("## The Engine at a glance") : api.index("## The Engine\n")]
+    named = set(re.findall(r"`(\w+)", table))
+    members = {n for n in dir(torchplug.Engine) if not n.startswith("_")}
+    assert not members - named, f"add to docs/api.md's Engine table: {sorted(members - named)}"
+    assert not {n for n in named if n[0].islower()} - members - {"model", "tp"}, (
+        "docs/api.md's Engine table names members the Engine does not have: "
+        f"{sorted({n for n in named if n[0].islower()} - members - {'model', 'tp'})}"
+    )
+
+
 def _repository_url() -> str:
     """The one project URL: pyproject's [project.urls] Repository, which mkdocs.yml repeats."""
     try:
