@@ -733,7 +733,8 @@ def _one_line(failure: Any, rest: str | None = None) -> str:
     if _crashed(failure):
         return (
             f"died of {failure.signal_name()}, a crash (in native code, or an "
-            f"abort), not a Python exception: its own output above has its last words"
+            f"abort), not a Python exception: anything it printed is above (a native crash "
+            f"may print a C++ backtrace, or nothing)"
         )
     if failure.exitcode < 0:
         return f"stopped by signal {failure.signal_name()}"
