@@ -962,6 +962,29 @@ def test_a_frozen_model_is_set_up_beside_a_trained_one_as_plain_ddp_trains_it(ra
             assert g == pytest.approx(w, abs=1e-6)
 
 
+def unfreeze_after_setup() -> str:
+    """A model set up frozen (left unwrapped under ddp) is unfrozen and trained."""
+    with tp.Engine("ddp", timeout=120.0) as engine:
+        torch.manual_seed(0)
+        model = engine.setup(torch.nn.Linear(4, 2).requires_grad_(False))
+        model.requires_grad_(True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            engine.backward(model(torch.full((2, 4), float(engine.rank))).sum())
+        except tp.ConfigurationError as error:
+            return str(error)
+        optimizer.step()
+        return "not refused"
+
+
+def test_a_model_set_up_frozen_then_unfrozen_is_refused_before_the_ranks_drift(ranks):
+    """Left unwrapped because it had nothing to train, it would train unsynchronised: each
+    rank's copy on its own gradients."""
+    for message in ranks.run(unfreeze_after_setup):
+        assert "set up with no trainable parameter now has gradients" in message, message
+        assert "weight" in message and "engine.setup(model, optimizer)" in message, message
+
+
 def local_sgd_block() -> dict:
     """Two ranks step on their own data inside a block (3 steps, averaging every 2)."""
     with tp.Engine("ddp", timeout=120.0) as engine:

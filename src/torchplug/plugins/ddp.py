@@ -70,6 +70,8 @@ class DDPStrategy(DistributedStrategy):
         #: freed as without torchplug). A plain dict: iterating a WeakKeyDictionary costs ~1 µs
         #: a backward.
         self.watched: dict[int, tuple[Any, list[tuple[str, torch.nn.Parameter]]]] = {}
+        #: Models set up with no trainable parameter (left unwrapped), the same way.
+        self.frozen: dict[int, tuple[Any, list[tuple[str, torch.nn.Parameter]]]] = {}
 
     @hookimpl
     def torchplug_wrap(
@@ -81,7 +83,11 @@ class DDPStrategy(DistributedStrategy):
         model = model.to(engine.device)
         if not any(p.requires_grad for p in model.parameters()):
             # A frozen model (a distillation teacher, a reward model): no gradient to average,
-            # and DDP refuses it ("not needed"). It stays the plain module, as with Accelerate.
+            # and DDP refuses it ("not needed"). It stays the plain module, as with Accelerate;
+            # the backward check refuses it if it is unfrozen and trained later.
+            key = id(model)
+            self.frozen[key] = (weakref.ref(model), list(model.named_parameters()))
+            weakref.finalize(model, self.frozen.pop, key, None)
             return model, optimizers
         device_ids = [engine.device.index] if engine.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
@@ -111,6 +117,8 @@ class DDPStrategy(DistributedStrategy):
         gradients of an earlier backward (a parameter no optimizer clears) and have taken no
         part in this loss."""
         loss.backward()
+        if self.frozen:
+            self._refuse_unfrozen(engine)
         reached: set[int] | None = None
         for ref, params in list(self.watched.values()):  # a freed model's finalizer may pop
             wrapped = ref()
@@ -140,6 +148,21 @@ class DDPStrategy(DistributedStrategy):
                     f"parameters that are never used."
                 )
         return True
+
+    def _refuse_unfrozen(self, engine: HookContext) -> None:
+        """A model set up frozen is not DDP's: gradients it gets later are not averaged."""
+        for ref, params in list(self.frozen.values()):
+            trained = [name for name, p in params if p.grad is not None]
+            if ref() is not None and trained:
+                listing = ", ".join(trained[:5]) + (", ..." if len(trained) > 5 else "")
+                raise ConfigurationError(
+                    f"DDP on rank {engine.rank}: a {type(ref()).__name__} set up with no "
+                    f"trainable parameter now has gradients ({listing}). It was left "
+                    f"unwrapped (nothing to synchronise then), so its gradients would not be "
+                    f"averaged across ranks and the ranks' copies would drift apart. Unfreeze it "
+                    f"before engine.setup(model, optimizer), or set the plain model up again "
+                    f"after unfreezing."
+                )
 
     @hookimpl
     def torchplug_no_sync(
