@@ -19,7 +19,8 @@ class BF16CommDDP(DDPStrategy):
     @hookimpl
     def torchplug_wrap(self, engine, model, optimizers):
         model, optimizers = super().torchplug_wrap(engine, model, optimizers)
-        model.register_comm_hook(None, bf16_allreduce)
+        if hasattr(model, "register_comm_hook"):  # a frozen model comes back unwrapped
+            model.register_comm_hook(None, bf16_allreduce)
         return model, optimizers
 
 

@@ -41,7 +41,8 @@ EXAMPLES: dict[str, str] = {
             @tpp.hookimpl
             def torchplug_wrap(self, engine, model, optimizers):
                 model, optimizers = super().torchplug_wrap(engine, model, optimizers)
-                model.register_comm_hook(None, my_hook)
+                if hasattr(model, "register_comm_hook"):  # a frozen model: not wrapped
+                    model.register_comm_hook(None, my_hook)
                 return model, optimizers
         """,
     "torchplug_optimizer_step": """\

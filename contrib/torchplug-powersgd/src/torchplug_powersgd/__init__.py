@@ -15,6 +15,8 @@ class PowerSGD(DDPStrategy):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
         model, optimizers = super().torchplug_wrap(engine, model, optimizers)
+        if not hasattr(model, "register_comm_hook"):  # a frozen model comes back unwrapped
+            return model, optimizers
         state = powersgd.PowerSGDState(
             process_group=None,
             matrix_approximation_rank=self.rank,
