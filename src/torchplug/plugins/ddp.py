@@ -137,12 +137,11 @@ class DDPStrategy(DistributedStrategy):
                 continue  # leftover gradients of an earlier backward: not this loss's model
             unused = [name for name, p in params if p.grad is None and p.requires_grad]
             if unused:
-                listing = ", ".join(unused[:5]) + (", ..." if len(unused) > 5 else "")
                 raise ConfigurationError(
                     f"DDP on rank {engine.rank}: {len(unused)} parameter(s) took no part in this "
-                    f"step's loss ({listing}), and DDP cannot average a gradient a rank did not "
-                    f"produce (ranks that use different parameters: a mixture of experts, a "
-                    f"branch some ranks take; or a layer the model never uses). Pass "
+                    f"step's loss ({some_of(unused)}), and DDP cannot average a gradient a "
+                    f"rank did not produce (ranks that use different parameters: a mixture of "
+                    f"experts, a branch some ranks take; or a layer the model never uses). Pass "
                     f"Engine('{engine.strategy}', find_unused_parameters=True) (torchplug launch "
                     f"--option find_unused_parameters=true), or set requires_grad=False on "
                     f"parameters that are never used."
@@ -152,12 +151,12 @@ class DDPStrategy(DistributedStrategy):
     def _refuse_unfrozen(self, engine: HookContext) -> None:
         """A model set up frozen is not DDP's: gradients it gets later are not averaged."""
         for ref, params in list(self.frozen.values()):
-            trained = [name for name, p in params if p.grad is not None]
-            if ref() is not None and trained:
-                listing = ", ".join(trained[:5]) + (", ..." if len(trained) > 5 else "")
+            model = ref()
+            trained = [name for name, p in params if p.grad is not None] if model else []
+            if trained:
                 raise ConfigurationError(
-                    f"DDP on rank {engine.rank}: a {type(ref()).__name__} set up with no "
-                    f"trainable parameter now has gradients ({listing}). It was left "
+                    f"DDP on rank {engine.rank}: a {type(model).__name__} set up with no "
+                    f"trainable parameter now has gradients ({some_of(trained)}). It was left "
                     f"unwrapped (nothing to synchronise then), so its gradients would not be "
                     f"averaged across ranks and the ranks' copies would drift apart. Unfreeze it "
                     f"before engine.setup(model, optimizer), or set the plain model up again "
@@ -177,6 +176,11 @@ class DDPStrategy(DistributedStrategy):
                 f"{type(model).__name__}. Pass the wrapped model."
             )
         return no_sync()
+
+
+def some_of(names: list[str]) -> str:
+    """The first five names, and "..." when there are more: an error's listing."""
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 def graph_leaves(loss: torch.Tensor) -> set[int]:
