@@ -78,3 +78,27 @@ def test_forget_device_meshes_empties_dtensors_caches(world_of_one):
     assert cached.cache_info().currsize == 0
     (x @ x + x).sum()  # the same ops again: decided anew in C++ (no hit), as in Python
     assert native()[0] == 0 and cached.cache_info().hits == 0
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def test_ddp_reduction_finished_tells_a_half_reduced_backward_from_a_whole_one(world_of_one):
+    from torch.nn.parallel import DistributedDataParallel
+
+    x = torch.randn(2, 4)
+    model, other = DistributedDataParallel(_TwoLayers()), DistributedDataParallel(_TwoLayers())
+    assert torchprivate.ddp_reduction_finished(model)  # no backward yet
+    model(x).sum().backward()
+    assert torchprivate.ddp_reduction_finished(model)  # every parameter reduced
+    other(model(x).detach()).sum().backward()  # a GAN's step: `model` ran, no backward reached it
+    assert torchprivate.ddp_reduction_finished(model)
+    assert torchprivate.ddp_reduction_finished(other)
+    model(x, use_b=False).sum().backward()  # `b` took no part: DDP waits for its gradients
+    assert not torchprivate.ddp_reduction_finished(model)

@@ -18,6 +18,7 @@ from torchplug.plugin import (
     MemoryQuery,
     Option,
     StrategyInfo,
+    ddp_reduction_finished,
     hookimpl,
     positive_number,
     replicated,
@@ -111,11 +112,12 @@ class DDPStrategy(DistributedStrategy):
         more, past the dispatch benchmark's budget. No forward hook either: one sends every
         forward through torch's slow module-call path, ~6 µs a step.)
 
-        A model with all of its gradients, or none (a GAN's other model, a model evaluated
-        under ``no_grad``, an earlier k-fold model), passes at one look at each gradient. Only
-        a model with some missing is looked up in the loss's graph: it may hold leftover
-        gradients of an earlier backward (a parameter no optimizer clears) and have taken no
-        part in this loss."""
+        A model whose DDP reducer finished its reduction (every parameter got its gradient, or
+        none did: a GAN's other model, a model evaluated under ``no_grad``, an earlier k-fold
+        model) passes at one C++ call, ~0.5 µs; reading each ``.grad`` cost ~10 µs a step.
+        Only a model left half reduced is looked at, and then looked up in the loss's graph: it
+        may hold leftover gradients of an earlier backward (a parameter no optimizer clears)
+        and have taken no part in this loss."""
         loss.backward()
         if self.frozen:
             self._refuse_unfrozen(engine)
@@ -124,6 +126,8 @@ class DDPStrategy(DistributedStrategy):
             wrapped = ref()
             if wrapped is None or not wrapped.require_backward_grad_sync:
                 continue  # inside no_sync: nothing is reduced yet
+            if ddp_reduction_finished(wrapped):
+                continue  # every gradient a backward began is reduced: none is missing
             missing = trainable = 0
             for _, p in params:
                 if p.requires_grad:

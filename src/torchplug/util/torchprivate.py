@@ -20,6 +20,10 @@ torch 2.13 has no public equivalent of any:
   asynchronous save notices a tensor changed while it was copied.
 - the two marks torch's LR schedulers read (``_wrapped_by_lr_sched`` on ``optimizer.step``,
   ``_opt_called`` on the optimizer) to tell a scheduler stepped before its optimizer.
+- whether a ``DistributedDataParallel``'s reducer finished this backward's reduction: DDP
+  only raises at the next forward when some parameter got no gradient (its own
+  ``_check_reducer_finalized``), and the ddp plugin asks right after the backward, before an
+  optimizer steps on unsynchronised gradients.
 - DTensor's caches of sharding decisions (one in C++, three Python ``lru_cache``), which hold
   the meshes of the job that filled them: an Engine's ``close()`` empties them.
 """
@@ -53,6 +57,23 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
     """
     state = scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
     return any(v.item() for v in state["found_inf_per_device"].values())
+
+
+def ddp_reduction_finished(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (a ``DistributedDataParallel``) has no reduction left half done: every
+    parameter it reduces got its gradient in the backward that started one, or no backward
+    reached it since the last finished one. ``False`` means some parameter took part and some
+    did not (DDP without ``find_unused_parameters`` would raise at the next forward). One C++
+    call, about 0.5 µs: much cheaper than reading each parameter's ``.grad`` after a backward.
+
+    Args:
+        model: A ``torch.nn.parallel.DistributedDataParallel``.
+    """
+    try:
+        model.reducer._check_reducer_finalized()  # type: ignore[union-attr]  # noqa: SLF001
+    except RuntimeError:
+        return False
+    return True
 
 
 def norm_base() -> type[torch.nn.Module]:
