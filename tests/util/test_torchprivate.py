@@ -97,6 +97,9 @@ def test_ddp_reduction_finished_tells_a_half_reduced_backward_from_a_whole_one(w
     assert torchprivate.ddp_reduction_finished(model)  # no backward yet
     model(x).sum().backward()
     assert torchprivate.ddp_reduction_finished(model)  # every parameter reduced
+    model._use_python_reducer = True  # as torch._dynamo's optimize_ddp="python_reducer" sets it
+    assert not torchprivate.ddp_reduction_finished(model)  # the C++ reducer cannot tell then
+    model._use_python_reducer = False
     other(model(x).detach()).sum().backward()  # a GAN's step: `model` ran, no backward reached it
     assert torchprivate.ddp_reduction_finished(model)
     assert torchprivate.ddp_reduction_finished(other)

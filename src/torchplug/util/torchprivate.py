@@ -63,12 +63,16 @@ def ddp_reduction_finished(model: torch.nn.Module) -> bool:
     """Whether ``model`` (a ``DistributedDataParallel``) has no reduction left half done: every
     parameter it reduces got its gradient in the backward that started one, or no backward
     reached it since the last finished one. ``False`` means some parameter took part and some
-    did not (DDP without ``find_unused_parameters`` would raise at the next forward). One C++
-    call, about 0.5 µs: much cheaper than reading each parameter's ``.grad`` after a backward.
+    did not (DDP without ``find_unused_parameters`` would raise at the next forward), or the
+    reducer cannot tell (DDP under compiled autograd's Python reducer): read the gradients then.
+    One C++ call, about 0.5 µs: much cheaper than reading each parameter's ``.grad`` after a
+    backward.
 
     Args:
         model: A ``torch.nn.parallel.DistributedDataParallel``.
     """
+    if getattr(model, "_use_python_reducer", False):
+        return False  # compiled autograd's Python reducer: the C++ one sees no gradient
     try:
         model.reducer._check_reducer_finalized()  # type: ignore[union-attr]  # noqa: SLF001
     except RuntimeError:
