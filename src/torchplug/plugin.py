@@ -54,6 +54,7 @@ _EXPORTS = {
     "ConfigurationError": "torchplug.contract.errors",
     "CheckpointError": "torchplug.contract.errors",
     "did_you_mean": "torchplug.util.text",
+    "some_of": "torchplug.util.text",
     # options: validators and the collective timeout every process-group backend defaults to
     "positive_number": "torchplug.util.text",
     "DEFAULT_TIMEOUT": "torchplug.contract.types",
@@ -158,7 +159,7 @@ if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they impor
     )
     from torchplug.util.capabilities import cpu_kernels_missing, cuda_lacks, gpu_check
     from torchplug.util.nested import cast_floating, map_tensors
-    from torchplug.util.text import did_you_mean, positive_number
+    from torchplug.util.text import did_you_mean, positive_number, some_of
     from torchplug.util.torchprivate import ddp_reduction_finished, found_inf, norm_base
 
 

@@ -22,6 +22,7 @@ from torchplug.plugin import (
     hookimpl,
     positive_number,
     replicated,
+    some_of,
 )
 
 #: DDP's own options, declared once: the registration, the defaults and what is passed to torch.
@@ -180,11 +181,6 @@ class DDPStrategy(DistributedStrategy):
                 f"{type(model).__name__}. Pass the wrapped model."
             )
         return no_sync()
-
-
-def some_of(names: list[str]) -> str:
-    """The first five names, and "..." when there are more: an error's listing."""
-    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 def graph_leaves(loss: torch.Tensor) -> set[int]:

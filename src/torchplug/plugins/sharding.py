@@ -25,6 +25,7 @@ from torchplug.plugin import (
     Runtime,
     norm_base,
     rebind_optimizer,
+    some_of,
 )
 
 NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
@@ -244,7 +245,7 @@ class UnusedParameters:
             if 0 < count < engine.world_size
         ]
         if partial:
-            listing = ", ".join(partial[:5]) + (", ..." if len(partial) > 5 else "")
+            listing = some_of(partial)
             raise ConfigurationError(
                 f"{engine.strategy}: {len(partial)} parameter(s) got a gradient on some ranks "
                 f"and none on others in this step ({listing}): ranks that use different "
@@ -271,7 +272,7 @@ def refuse_sharded_twice(model: torch.nn.Module, strategy: str) -> None:
     if sharded:
         raise ConfigurationError(
             f"'{strategy}' cannot set up this model: its parameters are sharded already "
-            f"({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''} are DTensors), by "
+            f"({some_of(sharded, 3)} are DTensors), by "
             f"an earlier Engine's setup or by the script, and a module is sharded once. Give "
             f"this Engine a model built anew (load a checkpoint the earlier Engine saved into "
             f"it to carry its training on)."

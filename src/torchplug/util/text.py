@@ -41,6 +41,17 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f" Did you mean '{best}'?"
 
 
+def some_of(names: list[str], limit: int = 5) -> str:
+    """The first ``limit`` names joined by commas, and ``...`` when there are more: how an error
+    lists the parameters or modules it is about without a wall of text.
+
+    Args:
+        names: The names to list, in the order to show them.
+        limit: How many to show.
+    """
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
 def _edits(a: str, b: str) -> int:
     """Levenshtein distance: insertions, deletions and substitutions turning ``a`` into ``b``."""
     row = list(range(len(b) + 1))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchplug.plugin import CheckpointError, ConfigurationError, Deferred
+from torchplug.plugin import CheckpointError, ConfigurationError, Deferred, some_of
 
 
 def _deepspeed_version() -> str:
@@ -282,5 +282,5 @@ def load_optimizer_state(
 
 
 def _brief(groups: list[list[str]]) -> str:
-    shown = (f"[{', '.join(g[:3])}{', ...' if len(g) > 3 else ''}]" for g in groups)
+    shown = (f"[{some_of(g, 3)}]" for g in groups)
     return "[" + ", ".join(shown) + "]"

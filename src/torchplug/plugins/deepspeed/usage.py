@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torchplug.plugin import ConfigurationError, HookContext
+from torchplug.plugin import ConfigurationError, HookContext, some_of
 
 _REMEDY = (
     "Run every module on every rank (e.g. pass every expert a zero-size input), or use "
@@ -98,7 +98,7 @@ class ModulesUsed:
         counts = engine.reduce(used, "sum").tolist()
         partial = [n for n, c in zip(self.names, counts, strict=True) if 0 < c < engine.world_size]
         if partial:
-            listing = ", ".join(partial[:5]) + (", ..." if len(partial) > 5 else "")
+            listing = some_of(partial)
             raise ConfigurationError(
                 f"{engine.strategy}: {len(partial)} module(s) ran on some ranks and not on "
                 f"others in this step ({listing}): ranks that use different parameters (a "
