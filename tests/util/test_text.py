@@ -21,3 +21,14 @@ from torchplug.plugin import some_of
 )
 def test_some_of_shows_the_first_names_and_says_when_more_follow(names, limit, expected):
     assert some_of(names, limit) == expected
+
+
+def test_some_of_takes_any_iterable_and_one_string_as_one_name():
+    assert some_of(n for n in ["x", "y"]) == "x, y"
+    assert some_of("encoder.weight") == "encoder.weight"
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5])
+def test_some_of_refuses_a_limit_below_one_saying_what_it_expects(limit):
+    with pytest.raises(ValueError, match="expected a limit of 1 or more"):
+        some_of(["a", "b"], limit)

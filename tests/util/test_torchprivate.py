@@ -105,3 +105,7 @@ def test_ddp_reduction_finished_tells_a_half_reduced_backward_from_a_whole_one(w
     assert torchprivate.ddp_reduction_finished(other)
     model(x, use_b=False).sum().backward()  # `b` took no part: DDP waits for its gradients
     assert not torchprivate.ddp_reduction_finished(model)
+    with pytest.raises(
+        TypeError, match="expects a torch DistributedDataParallel.*got a _TwoLayers"
+    ):
+        torchprivate.ddp_reduction_finished(model.module)

@@ -145,11 +145,11 @@ class DDPStrategy(DistributedStrategy):
                 raise ConfigurationError(
                     f"DDP on rank {engine.rank}: {len(unused)} parameter(s) took no part in this "
                     f"step's loss ({some_of(unused)}), and DDP cannot average a gradient a "
-                    f"rank did not produce (ranks that use different parameters: a mixture of "
-                    f"experts, a branch some ranks take; or a layer the model never uses). Pass "
-                    f"Engine('{engine.strategy}', find_unused_parameters=True) (torchplug launch "
-                    f"--option find_unused_parameters=true), or set requires_grad=False on "
-                    f"parameters that are never used."
+                    f"rank did not produce. Pass Engine('{engine.strategy}', "
+                    f"find_unused_parameters=True) (torchplug launch --option "
+                    f"find_unused_parameters=true), or set requires_grad=False on parameters "
+                    f"that are never used. (Ranks use different parameters in a mixture of "
+                    f"experts or a branch some ranks take; a layer no forward uses does the same.)"
                 )
         return True
 

@@ -41,15 +41,18 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f" Did you mean '{best}'?"
 
 
-def some_of(names: list[str], limit: int = 5) -> str:
+def some_of(names: Iterable[str], limit: int = 5) -> str:
     """The first ``limit`` names joined by commas, and ``...`` when there are more: how an error
     lists the parameters or modules it is about without a wall of text.
 
     Args:
-        names: The names to list, in the order to show them.
-        limit: How many to show.
+        names: The names to list, in the order to show them (one string is one name).
+        limit: How many to show, 1 or more.
     """
-    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"some_of(names, limit={limit!r}): expected a limit of 1 or more names.")
+    shown = [names] if isinstance(names, str) else list(names)
+    return ", ".join(shown[:limit]) + (", ..." if len(shown) > limit else "")
 
 
 def _edits(a: str, b: str) -> int:

@@ -71,10 +71,17 @@ def ddp_reduction_finished(model: torch.nn.Module) -> bool:
     Args:
         model: A ``torch.nn.parallel.DistributedDataParallel``.
     """
+    reducer = getattr(model, "reducer", None)
+    if reducer is None:
+        raise TypeError(
+            f"ddp_reduction_finished() expects a torch DistributedDataParallel (what the ddp "
+            f"strategy's torchplug_wrap returns), got a {type(model).__name__}: pass the "
+            f"wrapped model."
+        )
     if getattr(model, "_use_python_reducer", False):
         return False  # compiled autograd's Python reducer: the C++ one sees no gradient
     try:
-        model.reducer._check_reducer_finalized()  # type: ignore[union-attr]  # noqa: SLF001
+        reducer._check_reducer_finalized()  # noqa: SLF001
     except RuntimeError:
         return False
     return True
