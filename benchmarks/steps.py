@@ -55,6 +55,35 @@ def raw_step(
     return step
 
 
+def one_percent(step: Callable[[], None], warmup: int) -> float:
+    """1 % of ``step``'s mean wall time in seconds, the slowest rank's (every rank then waits
+    alike), timed over a few steps after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        step()
+    timed = max(warmup, 3)
+    barrier()
+    start = time.perf_counter()
+    for _ in range(timed):
+        step()
+    seconds = torch.tensor((time.perf_counter() - start) / timed / 100, dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
+
+
+def busy(step: Callable[[], None], seconds: float) -> Callable[[], None]:
+    """``step`` followed by a busy-wait of ``seconds``: work in Python between steps, as a
+    framework's per-step overhead is."""
+    clock = time.perf_counter
+
+    def run() -> None:
+        step()
+        end = clock() + seconds
+        while clock() < end:
+            pass
+
+    return run
+
+
 def _compare_frameworks(
     args: argparse.Namespace,
     group: str,
@@ -80,6 +109,12 @@ def _compare_frameworks(
     # resolution any contestant's ratio has on this machine.
     again = DistributedDataParallel(model())
     contestants["raw DDP, again"] = raw_step(again, torch.optim.AdamW(again.parameters()), x, y)
+    # The same raw loop plus a busy-wait of 1 % of its step (a sensitivity control): the run
+    # resolved a 1 % difference only where this row reads about 1.01 and the A/A row about 1.00.
+    planted = DistributedDataParallel(model())
+    planted_step = raw_step(planted, torch.optim.AdamW(planted.parameters()), x, y)
+    wait = one_percent(contestants["raw DDP"], shape["warmup"])
+    contestants[f"raw DDP + {wait * 1e6:.0f} µs busy-wait (1 % planted)"] = busy(planted_step, wait)
 
     m = model()
     m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
@@ -155,6 +190,21 @@ def fsdp_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
     raw = fully_shard(mlp(width, depth, width))
     raw_opt = torch.optim.AdamW(raw.parameters())
     again = fully_shard(mlp(width, depth, width))  # the A/A control: this group's noise floor
+    # Raw FSDP2 plus, by hand, the all-reduce torchplug's unused-parameter check makes (one
+    # int32 per parameter): what that round trip costs here, apart from the Engine.
+    checked = fully_shard(mlp(width, depth, width))
+    checked_opt = torch.optim.AdamW(checked.parameters())
+    params = list(checked.parameters())
+
+    def raw_with_check() -> None:
+        loss = F.cross_entropy(checked(x), y)
+        loss.backward()
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        dist.all_reduce(has)
+        has.tolist()
+        checked_opt.step()
+        checked_opt.zero_grad()
+
     engine = tp.Engine("fsdp")
     m = mlp(width, depth, width)
     m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
@@ -170,6 +220,7 @@ def fsdp_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
         {
             "raw FSDP2": raw_step(raw, raw_opt, x, y),
             "raw FSDP2, again": raw_step(again, torch.optim.AdamW(again.parameters()), x, y),
+            "raw FSDP2 + the check's all-reduce, by hand": raw_with_check,
             "torchplug fsdp": engine_step,
             "torchplug fsdp, reduce_scatter_unused_params": raw_step(m2, o2, x, y, filled.backward),
         },
