@@ -196,14 +196,11 @@ def fsdp_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
     checked_opt = torch.optim.AdamW(checked.parameters())
     params = list(checked.parameters())
 
-    def raw_with_check() -> None:
-        loss = F.cross_entropy(checked(x), y)
+    def backward_and_check(loss: torch.Tensor) -> None:
         loss.backward()
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
         dist.all_reduce(has)
         has.tolist()
-        checked_opt.step()
-        checked_opt.zero_grad()
 
     engine = tp.Engine("fsdp")
     m = mlp(width, depth, width)
@@ -220,7 +217,9 @@ def fsdp_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
         {
             "raw FSDP2": raw_step(raw, raw_opt, x, y),
             "raw FSDP2, again": raw_step(again, torch.optim.AdamW(again.parameters()), x, y),
-            "raw FSDP2 + the check's all-reduce, by hand": raw_with_check,
+            "raw FSDP2 + the check's all-reduce, by hand": raw_step(
+                checked, checked_opt, x, y, backward_and_check
+            ),
             "torchplug fsdp": engine_step,
             "torchplug fsdp, reduce_scatter_unused_params": raw_step(m2, o2, x, y, filled.backward),
         },
