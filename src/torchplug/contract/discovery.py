@@ -41,11 +41,15 @@ MINIMAL_PLUGINS = frozenset(
 )
 
 
-def _is_own(ep: metadata.EntryPoint) -> bool:
+def _is_own(ep: metadata.EntryPoint, names: dict[int, str]) -> bool:
+    """From torchplug's own distribution; ``names`` caches each distribution's name (reading it
+    parses its METADATA file, and each entry point carries its distribution)."""
     dist = getattr(ep, "dist", None)
     if dist is None:
         return ep.value.startswith("torchplug.")
-    return dist.metadata["Name"].replace("_", "-").lower() == OWN_DISTRIBUTION
+    if id(dist) not in names:
+        names[id(dist)] = dist.metadata["Name"].replace("_", "-").lower()
+    return names[id(dist)] == OWN_DISTRIBUTION
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -75,14 +79,15 @@ def candidates() -> list[Candidate]:
     """Every entry point of the ``torchplug`` group, torchplug's own first (they own their
     names), each name once. A checkout put on ``sys.path`` without being installed has no entry
     points: an error says to install it."""
+    names: dict[int, str] = {}
     points = sorted(
         metadata.entry_points(group=ENTRY_POINT_GROUP),
-        key=lambda ep: (not _is_own(ep), ep.name),  # built-ins first: they own their names
+        key=lambda ep: (not _is_own(ep, names), ep.name),  # built-ins first: they own their names
     )
     found: list[Candidate] = []
     seen: set[str] = set()
     for ep in points:
-        own = _is_own(ep)
+        own = _is_own(ep, names)
         if own and ep.name in seen:
             continue  # the same distribution seen twice on sys.path (an editable install)
         seen.add(ep.name)

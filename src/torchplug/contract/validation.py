@@ -7,13 +7,14 @@ arguments the hook does not pass (shown with `hook_signature`), wrappers that do
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any
 
 import pluggy
 
 from torchplug.contract import spec
 from torchplug.contract.errors import PluginError
+from torchplug.util.signatures import required_args, static_namespace
 from torchplug.util.text import did_you_mean, plugin_label, qualified_name  # noqa: F401
 
 
@@ -30,20 +31,9 @@ def hook_signature(hook: str) -> str:
     return f"{hook}({params}){shown}"
 
 
-def _argnames(function: Any, drop_first: bool) -> list[str]:
-    """The arguments pluggy passes by name: those without defaults (as pluggy reads them)."""
-    try:
-        params = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):
-        return []
-    if drop_first and params:
-        params = params[1:]
-    return [
-        p.name
-        for p in params
-        if p.default is inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
+@functools.cache
+def _hook_args(hook: str) -> tuple[str, ...]:
+    return tuple(required_args(getattr(spec, hook), False))
 
 
 def hook_problems(plugin: object) -> list[str]:
@@ -53,9 +43,10 @@ def hook_problems(plugin: object) -> list[str]:
     class is checked when it is announced, long before an Engine creates it."""
     known = sorted(n for n in dir(spec) if n.startswith("torchplug_"))
     problems = []
+    namespace = static_namespace(plugin)
     for attr in sorted(dir(plugin)):
         try:
-            value = inspect.getattr_static(plugin, attr)
+            value = namespace[attr] if attr in namespace else inspect.getattr_static(plugin, attr)
         except AttributeError:
             continue
         function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
@@ -76,8 +67,8 @@ def hook_problems(plugin: object) -> list[str]:
             continue
         # a method read from the class (getattr_static) still has its self/cls argument
         drop_first = not inspect.ismodule(plugin) and not isinstance(value, staticmethod)
-        expected = _argnames(getattr(spec, attr), False)
-        extra = [a for a in _argnames(function, drop_first) if a not in expected]
+        expected = _hook_args(attr)
+        extra = [a for a in required_args(function, drop_first) if a not in expected]
         if extra:
             problems.append(
                 f"{attr} takes argument(s) {', '.join(repr(a) for a in extra)}, which the hook "
