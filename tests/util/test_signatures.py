@@ -133,3 +133,18 @@ def test_an_object_s_own_attribute_shadows_its_class_s():
     assert (
         inspect.getattr_static(plugin, "torchplug_backward") is vars(plugin)["torchplug_backward"]
     )
+
+
+def test_a_function_with_its_own_signature_is_read_as_inspect_reads_it():
+    def takes_anything(*args, **kwargs): ...
+
+    takes_anything.__signature__ = inspect.signature(every_shape)
+    assert (
+        required_args(takes_anything, False)
+        == by_inspect(takes_anything, False)
+        == [
+            "a",
+            "b",
+            "d",
+        ]
+    )

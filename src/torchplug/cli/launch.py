@@ -582,9 +582,9 @@ def freeze_imports() -> None:
     """Import torch and leave what is loaded so far out of later garbage collections.
 
     This process only checks the command, then waits on its workers, and everything imported
-    here lives until it exits: without this, each full collection while plugins load and
-    torchrun starts rescans torch's million objects (three or four such, 40-70 ms each on the
-    benchmark machine, before the first worker starts). ``gc.freeze`` is CPython's own means for
+    here lives until it exits: without this, a full collection while plugins load and torchrun
+    starts rescans torch's million objects (40-70 ms each on the benchmark machine, before the
+    first worker starts). ``gc.freeze`` is CPython's own means for
     long-lived import-time objects; what is made afterwards is collected as usual."""
     import torch  # noqa: F401 - every path below needs it (the flags are torchrun's)
 

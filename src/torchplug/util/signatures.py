@@ -19,7 +19,9 @@ def required_args(function: Any, drop_first: bool) -> list[str]:
     a signature; anything else (a wrapped function, a builtin, a callable object) through
     ``inspect.signature``."""
     code = getattr(function, "__code__", None)
-    plain = type(function) is types.FunctionType and not hasattr(function, "__wrapped__")
+    plain = type(function) is types.FunctionType and not (
+        hasattr(function, "__wrapped__") or hasattr(function, "__signature__")
+    )
     if plain and code is not None and not (drop_first and code.co_argcount == 0):
         positional = code.co_argcount
         names = code.co_varnames[: positional + code.co_kwonlyargcount]
