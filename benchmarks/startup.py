@@ -236,7 +236,6 @@ def launch(rounds: int, have: set[str]) -> list[dict[str, Any]]:
             "fabric run": [_bin("fabric"), "run", "--accelerator", "cpu", "--devices", "2"],
         }[name] + [str(script)]
 
-    runs = dict.fromkeys(commands, 0)
     exit_failed = dict.fromkeys(commands, 0)
 
     def first_step(name: str) -> float:
@@ -246,7 +245,6 @@ def launch(rounds: int, have: set[str]) -> list[dict[str, Any]]:
             file.unlink(missing_ok=True)  # a failed run must not read the last run's stamps
         env = user_env(BENCH_FIRST_STEP=str(marker), OMP_NUM_THREADS="1")
         start = time.time()
-        runs[name] += 1
         try:
             _wall(commands[name], env)
         except RuntimeError:
@@ -280,7 +278,7 @@ def launch(rounds: int, have: set[str]) -> list[dict[str, Any]]:
         )
         if exit_failed[name]:
             rec["detail"] = (
-                f"a rank aborted after both first steps in {exit_failed[name]} of {runs[name]} "
+                f"a rank aborted after both first steps in {exit_failed[name]} of {rounds + 1} "
                 f"runs (gloo at teardown)"
             )
         records.append(rec)
