@@ -2,8 +2,9 @@
 
 Starting torchrun costs two torch imports (seconds); a test suite that started it per test would
 spend its time there. `RankPool` starts ``N`` workers through ``torch.distributed.run`` once,
-then runs one function per call on every rank. Each call gets a fresh rendezvous port (rank 0
-hosts the store), so a call's process group never meets the previous one's. A call that takes
+then runs one function per call on every rank. Each call gets a fresh rendezvous port, bound by
+rank 0's store before any other rank hears of it (see `_reserve_port`), so a call's process group
+never meets the previous one's, nor another pool's. A call that takes
 longer than its timeout, or a rank that dies, fails the call with every rank's error and stops the
 pool; the next call starts a new one. Nothing hangs forever.
 
@@ -179,6 +180,31 @@ class RankPool:
 
     # -- calls ----------------------------------------------------------------------------------
 
+    def _reserve_port(self) -> int:
+        """A port on which rank 0 already hosts the call's store.
+
+        A port that was merely free when this process looked could be taken before rank 0
+        binds it, and the other ranks, which connect as soon as they hear of it, would then
+        talk to whatever holds it: another test's store, closed under them later, left rank 0
+        waiting out its whole timeout (seen in CI with two pytest-xdist workers). So rank 0
+        binds first; the call's own ``TCPStore`` on that port (torch's ``env://`` and
+        torchplug's rendezvous both ask for ``multi_tenant``) shares the server it holds.
+        """
+        conn = self._conns[0]
+        said = f"no answer within {self.start_timeout:.0f} s"
+        try:
+            _send(conn, ("reserve",))
+            if conn.poll(self.start_timeout):
+                status, value = _recv(conn)
+                if status == "port":
+                    return int(value)
+                said = value
+        except (EOFError, OSError):
+            said = "the process died (see torchrun output below)"
+        output = self._output()
+        self._kill()
+        raise RankError(f"Rank 0 could not host a store for the call: {said}\n{output}")
+
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
     ) -> list[Any]:
@@ -187,7 +213,7 @@ class RankPool:
         if self._process is not None and self._process.poll() is not None:
             self.stop()  # torchrun ended (a rank died in an earlier call): start afresh
         self.start()
-        task = (fn.__module__, fn.__qualname__, args, kwargs, free_port())
+        task = (fn.__module__, fn.__qualname__, args, kwargs, self._reserve_port())
         for conn in self._conns.values():
             _send(conn, task)
         results: dict[int, Any] = {}
@@ -248,6 +274,9 @@ def worker_loop() -> None:
             return
         if task is None:
             return
+        if task == ("reserve",):
+            _send(conn, _hold_port())
+            continue
         module, qualname, args, kwargs, port = task
         os.environ.clear()
         os.environ.update(base_env)
@@ -268,8 +297,37 @@ def worker_loop() -> None:
             _send(conn, ("error", traceback.format_exc()))
 
 
+#: Rank 0's store for the running call (see `RankPool._reserve_port`), dropped after it.
+_held: list[Any] = []
+
+
+def _hold_port() -> tuple[str, Any]:
+    """Host a store on a free port, kept until the call ends; answer ``("port", n)``."""
+    import torch.distributed as dist
+
+    failed = ""
+    for _ in range(16):
+        port = free_port()
+        try:
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                int(os.environ["WORLD_SIZE"]),
+                is_master=True,
+                wait_for_workers=False,
+                multi_tenant=True,
+            )
+        except Exception:  # taken between the look and the bind: take another
+            failed = traceback.format_exc()
+            continue
+        _held.append(store)
+        return "port", port
+    return "error", f"16 free ports could not be bound; the last said:\n{failed}"
+
+
 def _cleanup() -> None:
-    """Leave the process as a new call expects it: no process group, fresh plugin registry."""
+    """Leave the process as a new call expects it: no process group, no held store, fresh
+    plugin registry."""
     try:
         import torch.distributed as dist
 
@@ -277,6 +335,7 @@ def _cleanup() -> None:
             dist.destroy_process_group()
     except Exception:
         pass
+    _held.clear()
     from torchplug.contract import manager
 
     manager.reset_registry(forget_blocks=True)
