@@ -50,6 +50,10 @@ def test_smoke_run_writes_the_table(tmp_path):
         assert expected in names, (expected, sorted(names))
     assert "| torchplug ddp |" in table or "| tiny MLP | torchplug ddp |" in table
     assert all(r["values"] for r in records)
+    # fsdp's Engine rows are judged against the raw loop doing the same work
+    judged = {r["name"]: r["baseline"] for r in records if r["name"].startswith("torchplug fsdp")}
+    assert judged["torchplug fsdp"] == "raw FSDP2 + the check's all-reduce, by hand", judged
+    assert judged["torchplug fsdp, reduce_scatter_unused_params"] == "raw FSDP2", judged
     # the import probe found no heavy backend package loaded by `import torchplug`
     assert not any(r.get("heavy_loaded") for r in records)
 
