@@ -208,16 +208,16 @@ def test_extending_an_unknown_strategy_says_which_exist():
 @pytest.mark.parametrize(
     ("specifier", "ok"),
     [
-        (">=1.0,<2", True),  # what the docs recommend: 1.0 plugins load on 1.4
+        (">=1.0,<2", True),  # what the docs recommend: 1.0 plugins load on 1.5
         ("==1.*", True),
         (">=1.1", True),
-        (">=1.4", True),
-        (">=1.5", False),
+        (">=1.5", True),
+        (">=1.6", False),
         ("<1", False),
-        ("!=1.4", False),
+        ("!=1.5", False),
         ("!=1.1", True),
-        ("1.4", True),
-        ("1.3", False),
+        ("1.5", True),
+        ("1.4", False),
         ("", True),
     ],  # fmt: skip
 )

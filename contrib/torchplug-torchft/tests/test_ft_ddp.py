@@ -69,10 +69,10 @@ def ft(
     return done
 
 
-def ddp(out: Path, ranks: int) -> None:
+def ddp(out: Path, ranks: int, *script: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torchplug", "launch", "-n", str(ranks), "--strategy"]
-    done = run([*command, "ddp", str(SCRIPT), "--out", str(out)])
+    done = run([*command, "ddp", str(SCRIPT), "--out", str(out), *script])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
 
 
@@ -125,6 +125,22 @@ def test_without_a_failure_it_trains_as_ddp_on_the_same_global_batch(
             # forward, then its own batch's update)
             gap = largest_gap(final(tmp_path / "ft", who), final(tmp_path / "ddp", ddp_rank))
             assert gap <= TOLERANCE, (who, gap)
+
+
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_gather_for_metrics_gathers_every_group_without_the_padding_as_ddp(tmp_path, per_group):
+    """An evaluation pass over 13 samples on 2 groups of N ranks and on ``ddp`` with 2N ranks:
+    every step's samples are dealt over the quorum, the last padded to a multiple of its ranks,
+    and ``gather_for_metrics`` hands every rank each sample once, in ``ddp``'s order (it had
+    handed each group its own share only, padding included)."""
+    ft(tmp_path / "ft", 2, per_group, script=("--steps", "2", "--eval-size", "13"))
+    ddp(tmp_path / "ddp", 2 * per_group, "--steps", "2", "--eval-size", "13")
+    theirs = json.loads((tmp_path / "ddp" / "group0_rank0_eval.json").read_text())
+    assert sorted(i for batch in theirs for i in batch) == list(range(13))
+    for group in (0, 1):
+        for rank in range(per_group):
+            found = tmp_path / "ft" / f"group{group}_rank{rank}_eval.json"
+            assert json.loads(found.read_text()) == theirs, (group, rank)
 
 
 def reference(logs: dict[int, dict[int, dict[str, Any]]], last: int) -> dict[str, torch.Tensor]:

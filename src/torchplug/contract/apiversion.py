@@ -19,7 +19,7 @@ from torchplug.contract.spec import API_VERSION
 ATTRIBUTE = "TORCHPLUG_API"
 
 #: Which torchplug release first provided each plugin API version (for "upgrade to ..." hints).
-API_RELEASES: dict[str, str] = dict.fromkeys(("1.0", "1.1", "1.2", "1.3", "1.4"), "0.1.0")
+API_RELEASES: dict[str, str] = dict.fromkeys(("1.0", "1.1", "1.2", "1.3", "1.4", "1.5"), "0.1.0")
 
 _OPERATORS = {">=": ge, ">": gt, "<=": le, "<": lt, "==": eq, "!=": ne}
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)(?:\.(\d+|\*))?\s*$")

@@ -22,19 +22,6 @@ from torchplug.contract.errors import PluginError
 if TYPE_CHECKING:
     from torchplug.contract.types import ClusterInfo, Runtime
 
-#: Hooks called every step (their contracts say ``per_step``): resolved once per Engine (dispatch).
-PER_STEP = (
-    "torchplug_autocast",
-    "torchplug_backward",
-    "torchplug_barrier",
-    "torchplug_clip_grad_norm",
-    "torchplug_gather",
-    "torchplug_no_sync",
-    "torchplug_optimizer_step",
-    "torchplug_place_batch",
-    "torchplug_reduce",
-)
-
 #: The answer types contracts name (`spec.Contract.answer`, a dotted name so that spec.py
 #: imports no torch).
 ANSWER_TYPES: dict[str | None, type] = {
@@ -70,7 +57,7 @@ class Hooks:
         self._strategy = strategy
         self._provider = provider or "?"
         tracing = bool(getattr(pm, "tracing", False))
-        for name in PER_STEP:  # self._backward, self._reduce, ...: plain calls, resolved once
+        for name in per_step_hooks(pm):  # self._backward, ...: plain calls, resolved once
             setattr(self, name.replace("torchplug", ""), dispatch.resolve(pm, name, tracing))
 
     def bind(self, context: Any) -> None:
@@ -205,9 +192,9 @@ class Hooks:
         """``torchplug_reduce``: the reduced tensor."""
         return self.answer("torchplug_reduce", self._reduce(self._context, tensor, op))
 
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def gather(self, tensor: torch.Tensor, replicas: bool = False) -> torch.Tensor:
         """``torchplug_gather``: every rank's tensor, stacked."""
-        return self.answer("torchplug_gather", self._gather(self._context, tensor))
+        return self.answer("torchplug_gather", self._gather(self._context, tensor, replicas))
 
     def barrier(self) -> None:
         """``torchplug_barrier``, which must answer ``True``."""
@@ -294,3 +281,10 @@ def contract_of(pm: pluggy.PluginManager, hook: str) -> Any:
     """The `Contract` that `torchplug.contract.spec` attached to ``hook``'s specification."""
     caller = getattr(pm.hook, hook)
     return caller.spec.function.torchplug_contract
+
+
+def per_step_hooks(pm: pluggy.PluginManager) -> list[str]:
+    """The hooks whose contract says ``per_step`` (called every step: resolved once)."""
+    specs = [caller.spec for caller in vars(pm.hook).values() if caller.spec is not None]
+    declared = {s.name: getattr(s.function, "torchplug_contract", None) for s in specs}
+    return sorted(name for name, c in declared.items() if c is not None and c.per_step)

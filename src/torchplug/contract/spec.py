@@ -55,7 +55,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 """Marks a plugin function as a torchplug hook implementation: ``@hookimpl``, or with pluggy's
 options, e.g. ``@hookimpl(wrapper=True)``, ``@hookimpl(trylast=True)``."""
 
-API_VERSION = "1.4"
+API_VERSION = "1.5"
 """The version of the plugin API this specification implements, ``MAJOR.MINOR``. A minor
 version adds hooks or arguments (a plugin written for 1.0 runs on 1.1); a major version
 removes or changes them. A plugin declares the range it supports, e.g.
@@ -344,8 +344,9 @@ def torchplug_batch_sampler(engine: HookContext, loader: Any, seed: int) -> Any:
     """A batch sampler dealing ``loader``'s samples step by step, or ``None`` for fixed shares
     (a ``DistributedSampler``): for a backend whose ranks change per step (a quorum). The loader
     then fetches in the main process, asking for a batch's indices only when the loop needs it;
-    it calls ``set_epoch(epoch)`` as a pass starts, reads ``end_of_pass`` after each batch and
-    keeps ``state_dict()``/``load_state_dict()`` in its own.
+    it calls ``set_epoch(epoch)`` as a pass starts, reads ``end_of_pass`` (and ``batch_padding``,
+    the padding samples ending the batch, which ``gather_for_metrics`` drops: 0 if absent) after
+    each batch and keeps ``state_dict()``/``load_state_dict()`` in its own.
 
     Args:
         engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
@@ -532,12 +533,17 @@ def torchplug_reduce(engine: HookContext, tensor: torch.Tensor, op: str) -> torc
     answer_text="a tensor",
     called=("On every rank (a collective), by `engine.gather`."),
 )
-def torchplug_gather(engine: HookContext, tensor: torch.Tensor) -> torch.Tensor | None:
+def torchplug_gather(
+    engine: HookContext, tensor: torch.Tensor, replicas: bool
+) -> torch.Tensor | None:
     """Gather ``tensor`` from all ranks into a tensor of shape ``(world_size, *tensor.shape)``.
 
     Args:
         engine: The calling Engine's [`HookContext`][torchplug.plugin.HookContext].
         tensor: This rank's tensor (the same shape on every rank).
+        replicas: ``True`` from ``gather_for_metrics`` (API 1.5): a backend whose data-parallel
+            replicas reach past its ranks (ft-ddp's groups) gathers every rank of every replica
+            taking part, one row each, in data-parallel order. Other backends ignore it.
     """
 
 

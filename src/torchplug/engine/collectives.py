@@ -110,10 +110,10 @@ class Collectives:
         self.check(f"reduce({op})", tensor)
         return self.guarded("reduce", lambda: self._hooks.reduce(tensor, op))
 
-    def gather(self, tensor: torch.Tensor | float) -> torch.Tensor:
+    def gather(self, tensor: torch.Tensor | float, replicas: bool = False) -> torch.Tensor:
         tensor = self.as_tensor(tensor)
         self.check("gather", tensor)
-        return self.guarded("gather", lambda: self._hooks.gather(tensor))
+        return self.guarded("gather", lambda: self._hooks.gather(tensor, replicas))
 
     def gather_all(self, data: Any, concat: bool) -> Any:
         """`Engine.gather`: every tensor (or number) of ``data``, nested in tuples, lists and
@@ -199,10 +199,12 @@ class Collectives:
         return map_tensors(tensors_of(data, "gather_for_metrics"), one)
 
     def gather_uneven(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate ``tensor`` from every rank along dim 0; first dimensions may differ."""
+        """Concatenate ``tensor`` from every data-parallel replica along dim 0 (first dimensions
+        may differ): over the ranks, and past them where the backend's replicas reach further
+        (`torchplug_gather`'s ``replicas``)."""
         tensor = self.as_tensor(tensor)
         rt = self._runtime
-        if rt.world_size == 1:
+        if rt.world_size == 1 and (rt.data_parallel_size or 1) == 1:
             return tensor.detach().clone()
         if tensor.dim() > MAX_DIMS:
             raise ConfigurationError(
@@ -214,7 +216,7 @@ class Collectives:
         shape[1 : tensor.dim() + 1] = torch.tensor(tensor.shape, dtype=torch.int64)
         # ranks of one data-parallel replica hold one copy
         shape[-1] = rt.rank if rt.data_parallel_rank is None else rt.data_parallel_rank
-        shapes = self.gather(shape).cpu()
+        shapes = self.gather(shape, replicas=True).cpu()
         if not bool((shapes[:, 0] == shapes[0, 0]).all()) or not bool(
             (shapes[:, 2:-1] == shapes[0, 2:-1]).all()
         ):
@@ -227,9 +229,9 @@ class Collectives:
         longest = int(shapes[:, 1].max())
         padded = tensor.new_zeros((longest, *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor.detach()
-        stacked = self.gather(padded)
+        stacked = self.gather(padded, replicas=True)
         first_of_replica: dict[int, int] = {}
-        for r in range(rt.world_size):
+        for r in range(shapes.shape[0]):
             first_of_replica.setdefault(int(shapes[r, -1]), r)
         firsts = sorted(first_of_replica.items())
         return torch.cat([stacked[r, : int(shapes[r, 1])] for _, r in firsts])

@@ -260,6 +260,7 @@ class EngineDataLoader:
             self._consumed += 1
             if dealing:
                 self.end_of_pass = bool(self._dealer.end_of_pass)
+                self.batch_padding = int(getattr(self._dealer, "batch_padding", 0) or 0)
             else:
                 self.end_of_pass = (
                     self._consumed >= total if total is not None else following is _END

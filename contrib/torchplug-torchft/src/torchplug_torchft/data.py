@@ -59,6 +59,9 @@ class QuorumBatches:
         self.end_of_pass = False
         #: A position was loaded since the last pass started.
         self.loaded = False
+        #: Samples ending the batch dealt last that are padding (``gather_for_metrics`` drops
+        #: them, as it drops ``ddp``'s ``DistributedSampler`` padding).
+        self.batch_padding = 0
 
     def set_epoch(self, epoch: int) -> None:
         """A pass of ``epoch`` starts: from the queue's start, as ``ddp``'s passes do, unless a
@@ -94,6 +97,7 @@ class QuorumBatches:
             chunk += (order * (1 + short // max(self.size, 1)))[:short]
             self.pending += take
             self.end_of_pass = not self._left(start + take, ranks)
+            self.batch_padding = sum(1 for i in range(rank, take + short, ranks) if i >= take)
             yield chunk[rank::ranks]
 
     def __len__(self) -> int:

@@ -50,7 +50,7 @@ from torchplug.plugin import (
 )
 from torchplug_torchft.data import QuorumBatches
 
-TORCHPLUG_API = ">=1.4,<2"  # torchplug_batch_sampler
+TORCHPLUG_API = ">=1.5,<2"  # torchplug_batch_sampler (1.4), torchplug_gather(replicas)
 
 #: This replica group's index (0 to ``REPLICAS_ENV - 1``), set by the launcher.
 REPLICA_ENV = "TORCHPLUG_FT_REPLICA"
@@ -378,6 +378,29 @@ class FaultTolerantDDP(DistributedStrategy):
             flat.div_(engine.world_size)
         self.manager.allreduce(flat).wait()  # a lost peer: should_commit gives the step up
         _unflatten(flat, grads)
+
+    @hookimpl
+    def torchplug_gather(
+        self, engine: HookContext, tensor: torch.Tensor, replicas: bool
+    ) -> torch.Tensor:
+        """The group's ranks' ``tensor``; with ``replicas`` (``gather_for_metrics``, whose
+        evaluation batches were dealt over the quorum), every rank of every group in the
+        quorum: each group's rows in its own slot of a zero tensor, summed over the groups
+        (torchft's managed all-reduce), so each row arrives unchanged."""
+        from torch.distributed import ReduceOp
+
+        rows = super().torchplug_gather(engine, tensor)
+        if not replicas or self.replica_count < 2:
+            return rows
+        self._quorum()
+        place = self.manager.participating_rank()
+        slots = torch.zeros((self.manager.num_participants(), *rows.shape), dtype=torch.float64)
+        if rows.dtype != torch.bool and not rows.is_floating_point():
+            slots = slots.to(torch.int64)  # integers above 2**53 stay exact
+        slots[place] = rows
+        self.manager.allreduce(slots, reduce_op=ReduceOp.SUM).wait()
+        _raise_if_errored(self.manager, "gathering over the replica groups")
+        return slots.flatten(0, 1).to(rows.dtype)
 
     def _share_buffers(self, in_group: bool) -> None:
         """Every rank takes the buffers (BatchNorm's running statistics) of the first group's

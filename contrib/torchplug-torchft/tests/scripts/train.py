@@ -5,7 +5,8 @@ parameters of this replica to ``--out``.
 ``--die-at S --die-group G --die-rank R``: that rank kills itself with SIGKILL before its step S,
 once (a marker file in ``--out`` says it already died, so the restarted group carries on).
 ``--checkpoint-every K``: ``save_checkpoint`` every K steps and ``resume="latest"`` (what a
-``--max-restarts`` job resumes from).
+``--max-restarts`` job resumes from). ``--eval-size N``: after training, an evaluation pass over
+the first N samples, each batch's indices through ``gather_for_metrics``.
 """
 
 import argparse
@@ -29,6 +30,7 @@ parser.add_argument("--die-group", type=int, default=1)
 parser.add_argument("--die-rank", type=int, default=0)
 parser.add_argument("--checkpoint-every", type=int, default=0, help="save_checkpoint every K")
 parser.add_argument("--slow", type=float, default=0.0, help="seconds of sleep per step")
+parser.add_argument("--eval-size", type=int, default=0, help="then gather N samples' indices")
 args = parser.parse_args()
 out = Path(args.out)
 
@@ -82,6 +84,11 @@ with tp.Engine(**(saving if args.checkpoint_every else {})) as engine:
                     engine.save_checkpoint(state)
                 if step == args.steps:
                     break
+    if args.eval_size:  # an evaluation pass: what gather_for_metrics hands every rank
+        subset = torch.utils.data.Subset(data, range(args.eval_size))
+        evaluated = engine.setup_dataloader(DataLoader(subset, batch_size=4))
+        seen = [engine.gather_for_metrics(idx).tolist() for _, _, idx in evaluated]
+        (out / f"{me}_eval.json").write_text(json.dumps(seen))
     params = {k: v.tolist() for k, v in engine.full_state(model)["model"].items()}
     (out / f"{me}_final.json").write_text(json.dumps(params))
     engine.save(out / f"checkpoint_group{group}", {"model": model, "optimizer": optimizer})
