@@ -418,15 +418,21 @@ def test_allow_list_and_autoload_off_say_which_plugins_they_hide(
 
 
 @pytest.mark.slow
-def test_doctor_and_check_import_an_in_house_plugin_from_the_current_directory(tmp_path):
+def test_doctor_plugins_and_check_import_an_in_house_plugin_from_the_current_directory(tmp_path):
     (tmp_path / "my_backend.py").write_text((BF16COMM / "torchplug_bf16comm.py").read_text())
     run = torchplug("doctor", "--plugin", "my_backend", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ddp-bf16comm" in run.stdout
-    run = torchplug("doctor", "--plugin", "no_such_module", cwd=tmp_path)
-    assert run.returncode == 2
-    assert "Plugin module 'no_such_module' could not be loaded" in run.stderr
-    assert "Traceback" not in run.stderr
+    run = torchplug("plugins", "--plugin", "my_backend", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {line.split()[0]: line for line in run.stdout.splitlines() if line.strip()}
+    assert "in-house" in rows["ddp-bf16comm"] and rows["ddp-bf16comm"].endswith("usable")
+    assert "ddp-bf16comm" not in torchplug("plugins", cwd=tmp_path).stdout  # only when named
+    for command in ("doctor", "plugins"):
+        run = torchplug(command, "--plugin", "no_such_module", cwd=tmp_path)
+        assert run.returncode == 2, (command, run.stdout, run.stderr)
+        assert "Plugin module 'no_such_module' could not be loaded" in run.stderr
+        assert "Traceback" not in run.stderr
     run = torchplug(
         "check", "ddp-bf16comm", "--plugin", "my_backend", "--precision", "32",
         "--only", "parity", "--only", "resume", "--only", "nan_skip", cwd=tmp_path,

@@ -28,16 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser("plugins", help="list installed strategies and plugins")
     p.add_argument("-v", "--verbose", action="store_true", help="options, capabilities, hooks")
+    _plugin_flag(p)
     p = sub.add_parser(
         "doctor", help="versions, devices, cluster, resolved settings and their sources"
     )
-    p.add_argument(
-        "--plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import and register an in-house plugin module first (repeatable)",
-    )
+    _plugin_flag(p)
     p = sub.add_parser(
         "check", help="run the conformance kit on a strategy (torchplug check ddp -n 2)"
     )
@@ -48,13 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="32, bf16 or fp16 (default: every precision the strategy supports, in turn)",
     )
-    p.add_argument(
-        "--plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import and register an in-house plugin module first (repeatable)",
-    )
+    _plugin_flag(p)
     p.add_argument(
         "--only",
         action="append",
@@ -135,6 +124,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plugin_flag(p: argparse.ArgumentParser) -> None:
+    """``--plugin MODULE``, as ``launch`` takes it: an in-house plugin module, imported first."""
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import and register an in-house plugin module first (repeatable)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``torchplug`` command; return its exit code (2: bad input, nothing started)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from torchplug.cli.plugins import plugins
 
         try:
-            return plugins(verbose=args.verbose)
+            return plugins(verbose=args.verbose, modules=args.plugin)
         except BrokenPipeError:  # `torchplug plugins | head`: the reader has what it wanted
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -15,11 +17,24 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plugins(verbose: bool = False) -> int:
-    """Print the strategies and precisions with their provider and status."""
-    from torchplug.contract.manager import STRATEGY_HOOKS, get_registry
+def plugins(verbose: bool = False, modules: Sequence[str] = ()) -> int:
+    """Print the strategies and precisions with their provider and status; 2 when an in-house
+    plugin module of ``modules`` (``--plugin``) cannot be loaded.
+
+    Args:
+        verbose: Also each strategy's options, capabilities and hooks.
+        modules: In-house plugin modules to import and register first.
+    """
+    from torchplug.contract.errors import TorchplugError
+    from torchplug.contract.manager import STRATEGY_HOOKS, get_registry, import_plugin_module
 
     registry = get_registry()
+    for module in modules:
+        try:
+            import_plugin_module(registry, module, strict=True)
+        except TorchplugError as exc:
+            print(f"torchplug plugins: {exc}", file=sys.stderr)
+            return 2
     by_extensions = extension_answers(registry)
     rows = []
     for name, info in sorted(registry.strategies.items()):
