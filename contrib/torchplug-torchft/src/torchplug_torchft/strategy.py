@@ -394,9 +394,10 @@ class FaultTolerantDDP(DistributedStrategy):
             return rows
         self._quorum()
         place = self.manager.participating_rank()
-        slots = torch.zeros((self.manager.num_participants(), *rows.shape), dtype=torch.float64)
-        if rows.dtype != torch.bool and not rows.is_floating_point():
-            slots = slots.to(torch.int64)  # integers above 2**53 stay exact
+        # a sum gloo takes for every dtype; integers go as int64 (exact above 2**53)
+        floats = rows.is_floating_point() or rows.dtype == torch.bool
+        exact = torch.float64 if floats else torch.int64
+        slots = torch.zeros((self.manager.num_participants(), *rows.shape), dtype=exact)
         slots[place] = rows
         self.manager.allreduce(slots, reduce_op=ReduceOp.SUM).wait()
         _raise_if_errored(self.manager, "gathering over the replica groups")
