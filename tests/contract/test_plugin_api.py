@@ -814,3 +814,15 @@ def test_a_hook_function_given_as_a_plugin_runs_and_a_non_hook_function_is_refus
                 test_a_hook_function_given_as_a_plugin_runs_and_a_non_hook_function_is_refused
             ],
         )
+
+
+def test_a_file_path_given_as_plugin_module_is_refused_naming_the_module(tmp_path, monkeypatch):
+    """``--plugin my_backend.py`` (a file, not a module): one error that names the module to
+    pass instead."""
+    (tmp_path / "my_backend.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    for given in ("my_backend.py", "./my_backend.py"):
+        with pytest.raises(tpp.PluginError, match=r"not a file path: --plugin my_backend\)"):
+            manager.import_plugin_module(manager.get_registry(), given, strict=True)
+    with pytest.raises(tpp.PluginError, match=r"not a file path\) and"):
+        manager.import_plugin_module(manager.get_registry(), "no_such_module", strict=True)

@@ -190,11 +190,14 @@ def import_plugin_module(registry: Registry, module: str, strict: bool = True) -
             registry.add(plugin, name=module)
     except Exception as exc:
         if strict:
+            stem = module.rsplit("/", 1)[-1].removesuffix(".py")
             raise PluginError(
                 f"Plugin module '{module}' could not be loaded: {type(exc).__name__}: {exc}. "
                 f"Expected a module importable as `import {module}` from the current directory "
                 f"({os.getcwd()}) or an installed package; check the name (a module name, "
-                f"not a file path) and that it imports cleanly."
+                f"not a file path"
+                + (f": --plugin {stem}" if stem != module else "")
+                + ") and that it imports cleanly."
             ) from exc
         registry.errors[module] = f"{type(exc).__name__}: {exc}"
         warnings.warn(
