@@ -102,30 +102,54 @@ def interleaved_steps(
     rounds: int,
     warmup: int,
     sync: Callable[[], None],
-) -> dict[str, list[float]]:
-    """Milliseconds per step, one value per round, with the contestants' steps interleaved one
-    by one (the order rotating each step): every load burst longer than a few steps then hits
-    every contestant alike. On 2 ranks on 2 cores, blocks of 200 steps per contestant gave
-    round ratios spread over 0.92-1.27 between two identical raw loops, and these rounds
-    0.91-1.07 (interquartile +-2.5 % against +-10 %)."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Milliseconds per step, one value per round: the wall time, and the CPU time of the
+    calling (training) thread. The contestants' steps are interleaved one by one, the order
+    rotating each step and carrying on across rounds (so no contestant is always the first
+    after a round's barrier): every load burst longer than a few steps then hits every
+    contestant alike. On 2 ranks on 2 cores, blocks of 200 steps per contestant gave round
+    ratios spread over 0.92-1.27 between two identical raw loops, and these rounds 0.91-1.07
+    (interquartile +-2.5 % against +-10 %).
+
+    The thread's CPU time leaves out what the wall time spends waiting: for the other rank, for
+    a collective in flight, descheduled. A framework's own per-step work (Python on the training
+    thread) shows in both; its spread between identical loops is a tenth of the wall time's."""
     names = list(steps)
     for step in steps.values():
         for _ in range(warmup):
             step()
-    clock = time.perf_counter
-    results: dict[str, list[float]] = {name: [] for name in names}
+    clock, cpu_clock = time.perf_counter, time.thread_time
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    turn = 0
     for _ in range(rounds):
         spent = dict.fromkeys(names, 0.0)
+        used = dict.fromkeys(names, 0.0)
         sync()
-        for i in range(per_round):
-            for name in names[i % len(names) :] + names[: i % len(names)]:
-                start = clock()
+        for _ in range(per_round):
+            first = turn % len(names)
+            turn += 1
+            for name in names[first:] + names[:first]:
+                start, start_cpu = clock(), cpu_clock()
                 steps[name]()
                 spent[name] += clock() - start
+                used[name] += cpu_clock() - start_cpu
         sync()
         for name in names:
-            results[name].append(spent[name] / per_round * 1e3)
-    return results
+            wall[name].append(spent[name] / per_round * 1e3)
+            cpu[name].append(used[name] / per_round * 1e3)
+    return wall, cpu
+
+
+def added_cpu(
+    cpu: Sequence[float], base_cpu: Sequence[float], base_wall: Sequence[float]
+) -> list[float]:
+    """Per round, ``1 +`` the CPU time a contestant's step adds over the baseline's, as a
+    fraction of the baseline's wall step: the step time the contestant's own work costs, read
+    at the CPU clock's resolution instead of the wall clock's (a planted busy-wait of 1 % of
+    the step reads 1.01 here, 1.00-1.04 in the wall rows). Waiting the contestant adds (an
+    extra collective) does not show: the wall rows and by-hand controls show that."""
+    return [1 + (c - b) / w for c, b, w in zip(cpu, base_cpu, base_wall, strict=True)]
 
 
 def median(values: Sequence[float]) -> float:

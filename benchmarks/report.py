@@ -121,8 +121,9 @@ def markdown(records: list[dict[str, Any]], header: str) -> str:
                 f"{stats[0]:+.3g} {rec['unit']} [{stats[1]:+.3g}, {stats[2]:+.3g}] "
                 f"vs {rec['baseline']}"
             )
-        else:
-            versus = f"{stats[0]:.2f} [{stats[1]:.2f}–{stats[2]:.2f}] × {rec['baseline']}"
+        else:  # step targets are 1-2 %: their ratios get a third decimal
+            d = 3 if rec["section"] == "step" else 2
+            versus = f"{stats[0]:.{d}f} [{stats[1]:.{d}f}–{stats[2]:.{d}f}] × {rec['baseline']}"
         name = rec["name"]
         if rec.get("heavy_loaded"):
             name += f" (loaded {', '.join(rec['heavy_loaded'])}!)"

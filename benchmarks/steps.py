@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import torchplug as tp
 import torchplug.plugin as tpp
-from benchmarks.common import interleaved_steps, mlp, record, write_records
+from benchmarks.common import added_cpu, interleaved_steps, mlp, record, write_records
 
 F = torch.nn.functional
 
@@ -55,19 +55,53 @@ def raw_step(
     return step
 
 
+def step_records(
+    group: str,
+    wall: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+    base: str,
+    targets: dict[str, float],
+    bases: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """One group's records: each contestant's wall time per step against its baseline (``base``
+    unless ``bases`` names another), then the CPU work each adds over that baseline, as a
+    fraction of the baseline's wall step. ``targets`` (contestant: max ratio) apply to the
+    latter: the wall rows' controls show that on this VM they cannot resolve 1-2 % (see
+    docs/benchmarks.md, "Which rows carry the step targets")."""
+    bases = bases or {}
+    records = []
+    for name, values in wall.items():
+        of = bases.get(name, base)
+        records.append(record("step", group, name, "ms/step", values, wall[of], of))
+    for name, values in cpu.items():
+        of = bases.get(name, base)
+        target = {"max": targets[name]} if name in targets else None
+        label = f"{of}: 1 + added CPU / its wall step"
+        rec = record("step", f"{group}, CPU work", name, "ms CPU/step", values, None, label, target)
+        rec["ratios"] = added_cpu(values, cpu[of], wall[of])
+        records.append(rec)
+    return records
+
+
 def one_percent(step: Callable[[], None], warmup: int) -> float:
     """1 % of ``step``'s mean wall time in seconds, the slowest rank's (every rank then waits
-    alike), timed over a few steps after ``warmup`` untimed ones."""
+    alike), after ``warmup`` untimed steps: timed over about half a second of steps (a few
+    steps alone read up to twice the step here), the same count on every rank."""
     for _ in range(warmup):
         step()
-    timed = max(warmup, 3)
-    barrier()
-    start = time.perf_counter()
-    for _ in range(timed):
-        step()
-    seconds = torch.tensor((time.perf_counter() - start) / timed / 100, dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds)
+
+    def timed(count: int) -> float:
+        barrier()
+        start = time.perf_counter()
+        for _ in range(count):
+            step()
+        seconds = torch.tensor((time.perf_counter() - start) / count, dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return float(seconds)
+
+    count = torch.tensor(int(0.5 / timed(3)) + 1)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return timed(int(count)) / 100
 
 
 def busy(step: Callable[[], None], seconds: float) -> Callable[[], None]:
@@ -127,19 +161,16 @@ def _compare_frameworks(
         m = model()
         m, o = fabric.setup(m, torch.optim.AdamW(m.parameters()))
         contestants["Fabric"] = raw_step(m, o, x, y, fabric.backward)
-    results = interleaved_steps(
+    wall, cpu = interleaved_steps(
         contestants, steps, shape.get("rounds", args.rounds), shape["warmup"], barrier
     )
-    base = results["raw DDP"]
-    for name, values in results.items():
-        target = {"max": 1.01} if name == "torchplug ddp" else None
-        records.append(record("step", group, name, "ms/step", values, base, "raw DDP", target))
+    records += step_records(group, wall, cpu, "raw DDP", {"torchplug ddp": 1.01})
 
 
 def short_rounds(args: argparse.Namespace) -> int:
-    """Rounds for sections whose round takes about a second: twice the default. Their targets
-    are 1-2 %, about the round-to-round noise of 2 ranks on 2 cores, so the median needs more
-    rounds to settle; the ~10M-parameter rounds (seconds each) keep ``--rounds``."""
+    """Rounds for every step group: twice the default. Their targets are 1-2 %; the CPU-work
+    rows of the ~10M-parameter group still spread ~2 % round to round (its big matrix products
+    share the 2 cores' caches with the other rank), so its median needs these rounds too."""
     return args.rounds * 2
 
 
@@ -161,6 +192,7 @@ def step_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
             inputs=args.width,
             batch=64,
             steps=args.steps_medium,
+            rounds=short_rounds(args),
             warmup=2,  # a step here takes ~0.3 s: two reach the steady state
         ),
     }
@@ -212,8 +244,10 @@ def fsdp_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
     filled = tp.Engine("fsdp", reduce_scatter_unused_params=True)
     m2 = mlp(width, depth, width)
     m2, o2 = filled.setup(m2, torch.optim.AdamW(m2.parameters()))
-    steps = max(args.steps_medium, 3)
-    results = interleaved_steps(
+    # Three times the medium steps a round: FSDP2's step time has a long tail here (the 99th
+    # percentile twice the median, in CPU time too), which more steps a round average out.
+    steps = max(args.steps_medium * 3, 3)
+    wall, cpu = interleaved_steps(
         {
             "raw FSDP2": raw_step(raw, raw_opt, x, y),
             "raw FSDP2, again": raw_step(again, torch.optim.AdamW(again.parameters()), x, y),
@@ -235,10 +269,8 @@ def fsdp_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) -> No
     # such check), reduce_scatter_unused_params (no check) against raw FSDP2. Both read the
     # Engine's own cost; the by-hand row's ratio to raw FSDP2 is the check's.
     same_work = {"torchplug fsdp": "raw FSDP2 + the check's all-reduce, by hand"}
-    for name, values in results.items():
-        base = same_work.get(name, "raw FSDP2")
-        target = {"max": 1.01} if name.startswith("torchplug fsdp") else None
-        records.append(record("step", group, name, "ms/step", values, results[base], base, target))
+    targets = {name: 1.01 for name in wall if name.startswith("torchplug fsdp")}
+    records += step_records(group, wall, cpu, "raw FSDP2", targets, same_work)
     filled.close()
     engine.close()
 
@@ -248,33 +280,43 @@ def precision_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) 
     torch.manual_seed(dist.get_rank())
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        plain = DistributedDataParallel(mlp(256, 2, 64))
-        opt = torch.optim.AdamW(plain.parameters())
-        scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
 
-        def plain_step(
-            plain: Any = plain, opt: Any = opt, scaler: Any = scaler, dtype: Any = dtype
-        ) -> None:
-            with torch.autocast("cpu", dtype=dtype):
-                loss = F.cross_entropy(plain(x).float(), y)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            opt.zero_grad()
+        def autocast_step(dtype: torch.dtype = dtype) -> Callable[[], None]:
+            plain = DistributedDataParallel(mlp(256, 2, 64))
+            opt = torch.optim.AdamW(plain.parameters())
+            scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+
+            def step() -> None:
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = F.cross_entropy(plain(x).float(), y)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    opt.step()
+                opt.zero_grad()
+
+            return step
+
+        plain_step = autocast_step()
+        # A second copy plus a busy-wait of 1 % of its step: the sensitivity control.
+        wait = one_percent(plain_step, args.warmup)
+        planted = busy(autocast_step(), wait)
 
         engine = tp.Engine("ddp", precision=precision)
         m = mlp(256, 2, 64)
         m, o = engine.setup(m, torch.optim.AdamW(m.parameters()))
         engine_step = raw_step(m, o, x, y, engine.backward)
 
-        results = interleaved_steps(
+        base_name = f"raw DDP + autocast {precision}"
+        engine_name = f"torchplug ddp {precision}"
+        wall, cpu = interleaved_steps(
             {
-                f"raw DDP + autocast {precision}": plain_step,
-                f"torchplug ddp {precision}": engine_step,
+                base_name: plain_step,
+                f"{base_name} + {wait * 1e6:.0f} µs busy-wait (1 % planted)": planted,
+                engine_name: engine_step,
             },
             args.steps_tiny,
             short_rounds(args),
@@ -282,14 +324,7 @@ def precision_overhead(args: argparse.Namespace, records: list[dict[str, Any]]) 
             barrier,
         )
         group = f"tiny MLP, {precision}"
-        base_name = f"raw DDP + autocast {precision}"
-        for name, values in results.items():
-            target = {"max": 1.02} if name.startswith("torchplug") else None
-            records.append(
-                record(
-                    "step", group, name, "ms/step", values, results[base_name], base_name, target
-                )
-            )
+        records += step_records(group, wall, cpu, base_name, {engine_name: 1.02})
         engine.close()
 
 

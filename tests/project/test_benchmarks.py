@@ -7,6 +7,7 @@ table's shape is checked, never PASS/FAIL. Accelerate and Fabric join only where
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -50,12 +51,50 @@ def test_smoke_run_writes_the_table(tmp_path):
         assert expected in names, (expected, sorted(names))
     assert "| torchplug ddp |" in table or "| tiny MLP | torchplug ddp |" in table
     assert all(r["values"] for r in records)
-    # fsdp's Engine rows are judged against the raw loop doing the same work
-    judged = {r["name"]: r["baseline"] for r in records if r["name"].startswith("torchplug fsdp")}
-    assert judged["torchplug fsdp"] == "raw FSDP2 + the check's all-reduce, by hand", judged
-    assert judged["torchplug fsdp, reduce_scatter_unused_params"] == "raw FSDP2", judged
+    # fsdp's Engine rows are judged against the raw loop doing the same work, in wall time and
+    # in the CPU work added
+    fsdp = [r for r in records if r["name"].startswith("torchplug fsdp")]
+    judged = {(r["unit"], r["name"]): r["baseline"] for r in fsdp}
+    check = "raw FSDP2 + the check's all-reduce, by hand"
+    assert judged["ms/step", "torchplug fsdp"] == check, judged
+    assert judged["ms/step", "torchplug fsdp, reduce_scatter_unused_params"] == "raw FSDP2"
+    assert judged["ms CPU/step", "torchplug fsdp"].startswith(check + ": "), judged
+    # every step target sits on a CPU-work row, one per Engine row, none on the wall rows
+    steps = [r for r in records if r["section"] == "step"]
+    targeted = sorted((r["group"], r["name"]) for r in steps if r["target"])
+    assert all(r["unit"] == "ms CPU/step" for r in steps if r["target"]), targeted
+    engine_cpu_rows = sorted(
+        (r["group"], r["name"])
+        for r in steps
+        if r["name"].startswith("torchplug") and r["unit"] == "ms CPU/step"
+    )
+    assert targeted == engine_cpu_rows and len(targeted) == 6, targeted
+    for r in steps:  # each wall row has its CPU-work row, every round in both
+        group = r["group"].removesuffix(", CPU work")
+        twin = [
+            t
+            for t in steps
+            if t["name"] == r["name"]
+            and t["unit"] != r["unit"]
+            and t["group"].removesuffix(", CPU work") == group
+        ]
+        assert len(twin) == 1 and len(twin[0]["ratios"]) == len(r["ratios"]), r["name"]
     # the import probe found no heavy backend package loaded by `import torchplug`
     assert not any(r.get("heavy_loaded") for r in records)
+
+
+def test_the_cpu_rows_read_the_added_work_as_a_share_of_the_baselines_wall_step():
+    """A contestant 50 µs of CPU over a 1.0 ms-CPU, 4 ms-wall baseline reads 1.0125 that round;
+    one doing less reads below 1: the ratio the step targets are judged on."""
+    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
+    assert spec is not None and spec.loader is not None
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    added_cpu = common.added_cpu
+    ratios = added_cpu([1.05, 0.99], [1.0, 1.0], [4.0, 2.0])
+    assert ratios == pytest.approx([1.0125, 0.995])
+    with pytest.raises(ValueError):  # a round missing on one side is an error, not dropped
+        added_cpu([1.0], [1.0, 1.0], [4.0, 4.0])
 
 
 def test_the_gpu_run_starts_from_one_command_with_dry_run(tmp_path):
