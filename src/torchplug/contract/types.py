@@ -174,11 +174,11 @@ class StrategyInfo(Announced):
         resume_exact: Whether a resumed run repeats the uninterrupted one exactly (the kit's
             ``resume``, to 1e-6 whatever ``tolerance`` says); ``False`` only where communication
             keeps state checkpoints do not carry (PowerSGD's); or a function, as ``tolerance``.
-        refuses: What the strategy refuses by design with a ConfigurationError, by the conformance
-            kit's names: ``"compile"`` (Engine(compile=True)), ``"clipping"``, ``"accumulation"``,
-            ``"nan_skip"``, ``"no_sync"`` (engine.no_sync outside engine.accumulate), ``"backward"``
-            (``model(x)``, ``engine.backward``: the kit steps by ``forward_backward``), ``"reuse"``.
-            The kit passes a declared refusal as such and fails one that is not declared.
+        refuses: What the strategy refuses by design with a ConfigurationError, by the kit's
+            names: ``"compile"``, ``"clipping"``, ``"clip_norm_type"`` (a norm other than 2),
+            ``"accumulation"``, ``"nan_skip"``, ``"no_sync"`` (outside accumulate), ``"backward"``
+            (the kit then steps by ``forward_backward``), ``"reuse"``, ``"rank_dependent"`` (ranks
+            using different parameters). The kit passes a declared refusal, fails an undeclared one.
         deviations: Conformance-kit properties the strategy fails by design, each with the reason,
             e.g. ``{"clipping": "local SGD clips each rank's gradients"}``: the kit still runs them
             and reports each as ``DEVIATES`` with the reason and what it measured, not as a PASS or
