@@ -50,6 +50,23 @@ def test_installed_but_unusable_strategy_says_why_and_how_to_fix():
     assert "needs-pkg: package 'definitely_not_installed_pkg' not installed" in unusable
 
 
+def test_unusable_strategies_sharing_a_reason_are_named_together_with_it_once():
+    """deepspeed's five spellings missing one package: one line of names, one fix."""
+    for name in ("needs-pkg-a", "needs-pkg-b"):
+        tp.register(
+            provider(
+                name=name,
+                requires=("definitely_not_installed_pkg",),
+                install_hint="pip install torchplug[needs-pkg]",
+            )
+        )
+    with pytest.raises(tp.ConfigurationError) as info:
+        tp.Engine("needs-pkg-c")
+    message = str(info.value)
+    assert "needs-pkg-a, needs-pkg-b: package 'definitely_not_installed_pkg' not" in message
+    assert message.count("definitely_not_installed_pkg") == 1, message
+
+
 def test_unknown_option_suggests_the_closest():
     with pytest.raises(tp.ConfigurationError) as info:
         tp.Engine("ddp", find_unused_paramters=True)

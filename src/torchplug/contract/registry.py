@@ -284,7 +284,8 @@ class Registry(Record):
         """Why ``name`` selects no strategy: near names, what is installed, what failed or is
         hidden (it may provide it), what cannot run here, and how to find out more."""
         names = sorted({*self.strategies, *self.aliases})
-        unusable = {n: r for n, i in sorted(self.strategies.items()) if (r := i.unusable_reason())}
+        reasons = {n: r for n, i in sorted(self.strategies.items()) if (r := i.unusable_reason())}
+        unusable = {", ".join(n for n in reasons if reasons[n] == r): r for r in reasons.values()}
         listed = [
             ("Plugins that failed to load: ", self.errors, " ({})", "."),
             (
