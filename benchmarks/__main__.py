@@ -103,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     jsonl.unlink(missing_ok=True)
     others = {"accelerate": "accelerate", "fabric": "lightning_fabric"}
     have = {name for name, module in others.items() if installed(module)}
+    if set(others) - have and {"step", "import", "cli", "launch"} & set(sections):
+        print(
+            f"{', '.join(sorted(set(others) - have))} not installed: their rows are left out "
+            f"(pip install -c constraints.txt -r benchmarks/requirements.txt adds them)",
+            flush=True,
+        )
     started = time.perf_counter()
     failures: list[str] = []
     # Imports are timed as a user's install runs them: with bytecode caches (a sandbox or CI
