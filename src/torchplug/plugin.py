@@ -69,6 +69,7 @@ _EXPORTS = {
     "cpu_kernels_missing": "torchplug.util.capabilities",
     "gpu_check": "torchplug.util.capabilities",
     "found_inf": "torchplug.util.torchprivate",
+    "nothing_unscaled": "torchplug.util.torchprivate",
     "ddp_reduction_finished": "torchplug.util.torchprivate",
     "norm_base": "torchplug.util.torchprivate",
     # moving a model, its optimizer and batches
@@ -160,7 +161,12 @@ if TYPE_CHECKING:  # (the built-in plugins' own modules are left out: they impor
     from torchplug.util.capabilities import cpu_kernels_missing, cuda_lacks, gpu_check
     from torchplug.util.nested import cast_floating, map_tensors
     from torchplug.util.text import did_you_mean, positive_number, some_of
-    from torchplug.util.torchprivate import ddp_reduction_finished, found_inf, norm_base
+    from torchplug.util.torchprivate import (
+        ddp_reduction_finished,
+        found_inf,
+        norm_base,
+        nothing_unscaled,
+    )
 
 
 __getattr__, __dir__ = _lazy.exports("torchplug.plugin", _EXPORTS, globals())

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import copy
 
+import pytest
+import torch
+from torch import nn
+
+import torchplug as tp
 from support.reference import assert_close_dicts, train
 
 TOLERANCE = {None: 1e-6, "bf16": 3e-2, "fp16": 5e-3}
@@ -84,3 +89,58 @@ def test_fp16_inf_gradient_skips_step_and_halves_scale_ddp(ranks):
     dirty = ranks.run(train, "ddp", "fp16", steps=6, inf_at_step=3, precision_options=opts)
     for result, reference in zip(dirty, clean, strict=True):
         check_inf_step(result, reference, at=3)
+
+
+def frozen_phase(strategy: str) -> dict:
+    """fp16 with a phase where every parameter is frozen and ``optimizer.step()`` still runs
+    (no backward reaches the model): the Engine's steps, and plain AMP's loop, which must leave
+    those steps out (``GradScaler.step`` refuses an optimizer without gradients)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 4)
+    frozen_at = (0, 3, 4)  # a step before any backward, and two after
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    for step in range(6):
+        if step in frozen_at:
+            continue
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = plain(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(plain_opt)
+        scaler.update()
+        plain_opt.zero_grad()
+    with tp.Engine(strategy, precision="fp16", precision_options={"init_scale": 1024.0}) as engine:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        wrapped, opt = engine.setup(model, opt)
+        scales = []
+        for step in range(6):
+            for p in model.parameters():
+                p.requires_grad_(step not in frozen_at)
+            if step not in frozen_at:
+                engine.backward(wrapped(torch.as_tensor(x)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            amp = next(p for p in engine.plugins if getattr(p, "scaler", None))
+            scales.append(amp.scaler.get_scale())
+    return {
+        "equal": all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True)
+        ),
+        "scales": scales,
+        "plain_scale": scaler.get_scale(),
+    }
+
+
+def test_fp16_steps_with_no_gradient_update_nothing_as_in_fp32_single():
+    """They used to end in GradScaler's "No inf checks were recorded prior to update"."""
+    result = frozen_phase("single")
+    assert result["equal"], result
+    assert result["scales"][-1] == result["plain_scale"] and len(set(result["scales"])) == 1
+
+
+def test_fp16_steps_with_no_gradient_update_nothing_as_in_fp32_ddp(ranks):
+    for result in ranks.run(frozen_phase, "ddp"):
+        assert result["equal"], result
+        assert result["scales"][-1] == result["plain_scale"]

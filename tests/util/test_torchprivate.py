@@ -109,3 +109,21 @@ def test_ddp_reduction_finished_tells_a_half_reduced_backward_from_a_whole_one(w
         TypeError, match="expects a torch DistributedDataParallel.*got a _TwoLayers"
     ):
         torchprivate.ddp_reduction_finished(model.module)
+
+
+def test_nothing_unscaled_is_an_optimizer_without_gradients_and_forgets_it():
+    """No gradient: True, and the optimizer's unscale record is dropped, so that its next step
+    unscales afresh (the next round's gradients are not left scaled) and update() runs."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    scaler.scale(torch.ones(()))  # the scale is made at the first scaling
+    scaler.unscale_(optimizer)  # nothing to unscale: no backward reached the model
+    assert torchprivate.nothing_unscaled(scaler, optimizer) is True
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(optimizer)  # not "already called since the last update()"
+    assert torchprivate.nothing_unscaled(scaler, optimizer) is False
+    assert torch.equal(model.weight.grad, torch.ones(1, 2))  # unscaled: d(sum)/dw = x
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**4

@@ -26,6 +26,7 @@ from torchplug.plugin import (
     cuda_lacks,
     found_inf,
     hookimpl,
+    nothing_unscaled,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,6 +56,7 @@ class MixedPrecision:
         self.device_type = "cpu"
         self.scaler: torch.amp.GradScaler | None = None
         self._stepped: set[int] = set()
+        self._scaled = False  # an engine.backward has scaled a loss
 
     def context(self) -> contextlib.AbstractContextManager[None]:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
@@ -121,6 +123,7 @@ class ScaledMixedPrecision(MixedPrecision):
         if self.scaler is not None:
             self._update_scale()  # a step of some optimizers is still pending its update
             loss.register_hook(self.scaler.scale)
+            self._scaled = True
         return (yield)
 
     def _update_scale(self) -> None:
@@ -145,10 +148,17 @@ class ScaledMixedPrecision(MixedPrecision):
                 "scaling needs the backward outside the step. Compute the loss and call "
                 "engine.backward(loss) before optimizer.step(), or use precision='bf16'."
             )
+        if not self._scaled:
+            return (yield)  # no engine.backward yet: nothing was scaled, nothing to unscale
         try:  # noqa: SIM105 - a plain try: contextlib.suppress costs ~2 µs a step
             self.scaler.unscale_(optimizer)
         except RuntimeError:
             pass  # already unscaled for clipping this step
+        if nothing_unscaled(self.scaler, optimizer):
+            # No gradient (its parameters frozen, no backward reached them): the step updates
+            # nothing, as in fp32, and the loss scale stays (GradScaler.update refuses a round
+            # without one).
+            return (yield)
         skipped = found_inf(self.scaler, optimizer)
         with engine.skipping_updates(optimizer, skipped):
             stepped = yield
@@ -169,7 +179,7 @@ class ScaledMixedPrecision(MixedPrecision):
         max_norm: float,
         norm_type: float,
     ) -> Generator[None, Any, Any]:
-        if self.scaler is not None:
+        if self.scaler is not None and self._scaled:
             for opt in [optimizer] if optimizer is not None else engine.optimizers:
                 with contextlib.suppress(RuntimeError):  # already unscaled this step
                     self.scaler.unscale_(opt)

@@ -10,10 +10,10 @@ torch 2.13 has no public equivalent of any:
   small records through it (not through collectives, so a rank that failed or hangs is reported
   instead of deadlocking the others). A group made by another library (DeepSpeed, a user's own
   ``init_process_group``) has no other handle on it.
-- whether a ``GradScaler``'s ``unscale_(optimizer)`` found inf/NaN gradients: ``GradScaler.step``
-  decides it from ``_per_optimizer_states`` and calls ``optimizer.step()`` itself, whereas the
-  AMP plugin must let the backend's own step run (its syncs and flushes) and skip only the
-  update.
+- whether a ``GradScaler``'s ``unscale_(optimizer)`` found inf/NaN gradients, or no gradient at
+  all: ``GradScaler.step`` decides it from ``_per_optimizer_states`` and calls
+  ``optimizer.step()`` itself, whereas the AMP plugin must let the backend's own step run (its
+  syncs and flushes) and skip only the update.
 - the base classes of torch's normalisation layers (``_NormBase``: BatchNorm*, InstanceNorm*,
   SyncBatchNorm; ``_BatchNorm``: the batch-statistics ones), which no public class covers.
 - a tensor's version counter (``_version``, bumped by every in-place change): how an
@@ -57,6 +57,23 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
     """
     state = scaler._per_optimizer_states[id(optimizer)]  # noqa: SLF001
     return any(v.item() for v in state["found_inf_per_device"].values())
+
+
+def nothing_unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)``, called this step, found no gradient at all (every
+    parameter's ``.grad`` None: the step updates nothing). Then the optimizer's unscale record is
+    dropped, as ``scaler.update()`` would drop it, so that its next step unscales afresh:
+    ``update()`` itself refuses a round with no gradient ("No inf checks were recorded").
+
+    Args:
+        scaler: The GradScaler that unscaled this step.
+        optimizer: The optimizer it unscaled.
+    """
+    states = scaler._per_optimizer_states  # noqa: SLF001
+    if states[id(optimizer)]["found_inf_per_device"]:
+        return False
+    del states[id(optimizer)]
+    return True
 
 
 def ddp_reduction_finished(model: torch.nn.Module) -> bool:
