@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -144,3 +145,72 @@ def test_fp16_steps_with_no_gradient_update_nothing_as_in_fp32_ddp(ranks):
     for result in ranks.run(frozen_phase, "ddp"):
         assert result["equal"], result
         assert result["scales"][-1] == result["plain_scale"]
+
+
+def clip_and_skip(strategy: str) -> dict:
+    """fp16, clipping every step and stepping only when the norm is finite (a common guard), an
+    inf loss at step 2: the Engine against plain AMP's recipe (``unscale_``, clip, ``step`` when
+    finite, ``update()`` every iteration)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 4)
+
+    def loss_of(net: nn.Module, step: int) -> torch.Tensor:
+        return net(x).float().pow(2).mean() * (float("inf") if step == 2 else 1.0)
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    plain_norms, plain_scales = [], []
+    for step in range(5):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(plain, step)
+        scaler.scale(loss).backward()
+        scaler.unscale_(plain_opt)
+        norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        plain_norms.append(norm.item())
+        if torch.isfinite(norm):
+            scaler.step(plain_opt)
+        scaler.update()
+        plain_scales.append(scaler.get_scale())
+        plain_opt.zero_grad()
+    norms, scales = [], []
+    with tp.Engine(strategy, precision="fp16", precision_options={"init_scale": 1024.0}) as engine:
+        wrapped, opt = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+        amp = next(p for p in engine.plugins if getattr(p, "scaler", None))
+        for step in range(5):
+            engine.backward(loss_of(wrapped, step))
+            norm = engine.clip_grad_norm_(wrapped, 1.0)
+            norms.append(norm.item())
+            if torch.isfinite(norm):
+                opt.step()
+            opt.zero_grad()
+            scales.append(amp.scaler.get_scale())
+    return {
+        "equal": all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True)
+        ),
+        "norms": (norms, plain_norms),
+        "scales": (scales, plain_scales),
+    }
+
+
+def check_clip_and_skip(result: dict) -> None:
+    norms, plain_norms = result["norms"]
+    assert norms[:2] + norms[3:] == plain_norms[:2] + plain_norms[3:], result
+    assert not math.isfinite(norms[2]) and not math.isfinite(plain_norms[2])
+    assert result["equal"], result
+    # the skipped step's inf halved the scale at the next backward, as update() did
+    scales, plain_scales = result["scales"]
+    assert scales[3:] == plain_scales[3:] == [512.0, 512.0], result
+
+
+def test_fp16_clip_then_skip_the_step_matches_plain_amp_single():
+    """The norm after a skipped step was read from gradients left scaled (x1024), and the next
+    update was lost, before the round ended at the next backward."""
+    check_clip_and_skip(clip_and_skip("single"))
+
+
+def test_fp16_clip_then_skip_the_step_matches_plain_amp_ddp(ranks):
+    for result in ranks.run(clip_and_skip, "ddp"):
+        check_clip_and_skip(result)

@@ -57,6 +57,8 @@ class MixedPrecision:
         self.scaler: torch.amp.GradScaler | None = None
         self._stepped: set[int] = set()
         self._scaled = False  # an engine.backward has scaled a loss
+        #: Optimizers unscaled for clipping since the scaler's last update, by id.
+        self._unscaled: dict[int, torch.optim.Optimizer] = {}
 
     def context(self) -> contextlib.AbstractContextManager[None]:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
@@ -127,9 +129,20 @@ class ScaledMixedPrecision(MixedPrecision):
         return (yield)
 
     def _update_scale(self) -> None:
-        if self._stepped and self.scaler is not None:
+        """End the scaler's round, as plain AMP's ``scaler.update()`` after each iteration: once
+        every optimizer stepped, or at the next backward. An optimizer unscaled for clipping but
+        not stepped (a script that skips the step when the norm is not finite) counts too: its
+        inf lowers the scale, and the next round's gradients are unscaled afresh."""
+        if self.scaler is None or not (self._stepped or self._unscaled):
+            return
+        pending = bool(self._stepped)
+        for key, optimizer in self._unscaled.items():
+            if key not in self._stepped:
+                pending = not nothing_unscaled(self.scaler, optimizer) or pending
+        if pending:
             self.scaler.update()
-            self._stepped.clear()
+        self._stepped.clear()
+        self._unscaled.clear()
 
     @hookimpl(wrapper=True)
     def torchplug_optimizer_step(
@@ -183,6 +196,7 @@ class ScaledMixedPrecision(MixedPrecision):
             for opt in [optimizer] if optimizer is not None else engine.optimizers:
                 with contextlib.suppress(RuntimeError):  # already unscaled this step
                     self.scaler.unscale_(opt)
+                self._unscaled[id(opt)] = opt
         return (yield)
 
 
