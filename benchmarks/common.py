@@ -147,7 +147,7 @@ def added_cpu(
     """Per round, ``1 +`` the CPU time a contestant's step adds over the baseline's, as a
     fraction of the baseline's wall step: the step time the contestant's own work costs, read
     at the CPU clock's resolution instead of the wall clock's (a planted busy-wait of 1 % of
-    the step reads 1.01 here, 1.00-1.04 in the wall rows). Waiting the contestant adds (an
+    the step reads 1.01 here, 0.97-1.05 in the wall rows). Waiting the contestant adds (an
     extra collective) does not show: the wall rows and by-hand controls show that."""
     return [1 + (c - b) / w for c, b, w in zip(cpu, base_cpu, base_wall, strict=True)]
 
